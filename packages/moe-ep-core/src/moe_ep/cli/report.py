@@ -1,0 +1,89 @@
+"""`moe-ep info` and `moe-ep kernels`: what this machine has and which kernels can run."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+
+from rich.console import Console
+from rich.table import Table
+
+from moe_ep.registry import available_kernels
+
+__all__ = ["environment_report", "kernel_table", "print_info", "print_kernels"]
+
+
+def environment_report() -> dict[str, str]:
+    """Facts about this machine as label -> value (strings), for `info` and `demo`."""
+    import torch
+    import torch.distributed as dist
+
+    from moe_ep.device import describe_device_resolution
+
+    cuda = torch.cuda.is_available()
+    devices = (
+        ", ".join(
+            f"{i}: {torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+            for i in range(torch.cuda.device_count())
+        )
+        if cuda
+        else "none"
+    )
+    backends = [
+        name
+        for name, ok in (
+            ("gloo", dist.is_gloo_available()),
+            ("nccl", dist.is_nccl_available()),
+            ("mpi", dist.is_mpi_available()),
+        )
+        if ok
+    ]
+    installed = []
+    for dist_name in ("moe-ep-core", "moe-ep-backends-sm90", "moe-ep-backends-sm100"):
+        try:
+            installed.append(f"{dist_name} {importlib.metadata.version(dist_name)}")
+        except importlib.metadata.PackageNotFoundError:
+            installed.append(f"{dist_name} (not installed)")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch CUDA build": str(torch.version.cuda),
+        "CUDA available": str(cuda),
+        "devices": devices,
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)"),
+        "dist backends": ", ".join(backends) or "none",
+        "moe-ep packages": "; ".join(installed),
+        "resolved device": describe_device_resolution(),
+    }
+
+
+def print_info(console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="moe-ep environment", show_header=False)
+    for key, value in environment_report().items():
+        table.add_row(key, value)
+    console.print(table)
+
+
+def kernel_table() -> Table:
+    table = Table(title="moe-ep kernels")
+    for col in ("kernel", "available", "reason", "deprecated aliases", "from"):
+        table.add_column(col)
+    for info in available_kernels():
+        table.add_row(
+            info.name,
+            "yes" if info.available else "no",
+            info.reason,
+            ", ".join(info.deprecated_aliases),
+            info.source,
+        )
+    return table
+
+
+def print_kernels(*, as_json: bool, console: Console | None = None) -> None:
+    if as_json:
+        print(json.dumps([info.to_json() for info in available_kernels()], indent=2))
+        return
+    (console or Console()).print(kernel_table())
