@@ -64,7 +64,9 @@ def make_registry(*eps: importlib.metadata.EntryPoint) -> Registry:
 
 def test_alias_warns_and_resolves_listing_hides_it() -> None:
     reg = make_registry(ep("sm90_fp8_fp8_bf16_fake", f"{MODULE}:GoodKernel"))
-    with pytest.warns(DeprecationWarning, match="'old_fake' is deprecated; use 'sm90_fp8_fp8_bf16_fake'"):
+    with pytest.warns(
+        DeprecationWarning, match="'old_fake' is deprecated; use 'sm90_fp8_fp8_bf16_fake'"
+    ):
         assert reg.resolve("old_fake") == "sm90_fp8_fp8_bf16_fake"
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -23,14 +23,13 @@ def environment_report() -> dict[str, str]:
     from moe_ep.device import describe_device_resolution
 
     cuda = torch.cuda.is_available()
-    devices = (
-        ", ".join(
-            f"{i}: {torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+    devices = "none"
+    if cuda:
+        devices = ", ".join(
+            f"{i}: {torch.cuda.get_device_name(i)} (sm_{major}{minor})"
             for i in range(torch.cuda.device_count())
+            for major, minor in [torch.cuda.get_device_capability(i)]
         )
-        if cuda
-        else "none"
-    )
     backends = [
         name
         for name, ok in (
