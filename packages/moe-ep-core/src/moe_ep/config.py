@@ -1,0 +1,120 @@
+"""`BootstrapConfig`: how one EP rank joins the fleet."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+from moe_ep import env as _env
+from moe_ep.errors import MoeEpUsageError
+
+__all__ = ["BootstrapConfig"]
+
+
+def _require_int(field: str, value: object, *, minimum: int) -> int:
+    # bool is an int subclass; True as a rank or device is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise MoeEpUsageError(
+            f"BootstrapConfig.{field} must be an int >= {minimum}, "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    if int(value) < minimum:
+        raise MoeEpUsageError(f"BootstrapConfig.{field} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """How this process joins the expert-parallel fleet (validated on construction).
+
+    Args:
+        world_size: number of EP ranks, >= 1.
+        rank: this process's EP rank, `0 <= rank < world_size`.
+        stream: CUDA stream handle kernels launch on (0 = the current/default stream).
+        auto_bootstrap: initialise torch.distributed when no group exists; False makes
+            `moe_ep.runtime.acquire` require a host-initialised group or `process_group`.
+        process_group: the host's EP `torch.distributed.ProcessGroup` (reused, never
+            destroyed by moe-ep); None = the default group.
+        device: keyword-only. CUDA ordinal to bind; None = `LOCAL_RANK`, else `rank`
+            (see `moe_ep.device.resolve_local_device`). Hosts such as vLLM pass
+            `torch.cuda.current_device()`.
+        init_method: keyword-only. Explicit rendezvous URL (e.g. "tcp://10.0.0.1:29500")
+            used when moe-ep initialises torch.distributed; None = env:// when
+            MASTER_ADDR/MASTER_PORT are set.
+        timeout_s: keyword-only. Seconds any bootstrap, barrier or teardown wait may take;
+            None = MOE_EP_TIMEOUT_S, else 120.
+
+    Fields after `process_group` are keyword-only, and every field added later will be too,
+    so positional construction `BootstrapConfig(world_size, rank, stream, auto_bootstrap,
+    process_group)` never changes meaning.
+
+    Raises:
+        MoeEpUsageError (a ValueError): a field of the wrong type or out of range; the
+            message names the field and the value.
+    """
+
+    world_size: int
+    rank: int
+    stream: int = 0
+    auto_bootstrap: bool = True
+    process_group: Any = None
+    _: KW_ONLY
+    device: int | None = None
+    init_method: str | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "world_size", _require_int("world_size", self.world_size, minimum=1))
+        rank = _require_int("rank", self.rank, minimum=0)
+        if rank >= self.world_size:
+            raise MoeEpUsageError(
+                f"BootstrapConfig.rank must satisfy 0 <= rank < world_size={self.world_size}, "
+                f"got rank={rank}"
+            )
+        set_(self, "rank", rank)
+        set_(self, "stream", _require_int("stream", self.stream, minimum=0))
+        if not isinstance(self.auto_bootstrap, bool):
+            raise MoeEpUsageError(
+                f"BootstrapConfig.auto_bootstrap must be a bool, got {self.auto_bootstrap!r} "
+                f"({type(self.auto_bootstrap).__name__})"
+            )
+        if self.process_group is not None and isinstance(
+            self.process_group, str | bytes | numbers.Number | Mapping
+        ):
+            raise MoeEpUsageError(
+                "BootstrapConfig.process_group must be a torch.distributed.ProcessGroup or "
+                f"None, got {self.process_group!r} ({type(self.process_group).__name__})"
+            )
+        if self.device is not None:
+            set_(self, "device", _require_int("device", self.device, minimum=0))
+        if self.init_method is not None and (
+            not isinstance(self.init_method, str) or "://" not in self.init_method
+        ):
+            raise MoeEpUsageError(
+                "BootstrapConfig.init_method must be None or a URL such as "
+                f"'tcp://127.0.0.1:29500', got {self.init_method!r}"
+            )
+        if self.timeout_s is not None:
+            t = self.timeout_s
+            if (
+                isinstance(t, bool)
+                or not isinstance(t, numbers.Real)
+                or not math.isfinite(float(t))
+                or float(t) <= 0
+            ):
+                raise MoeEpUsageError(
+                    f"BootstrapConfig.timeout_s must be a finite number of seconds > 0 or "
+                    f"None, got {t!r}"
+                )
+            set_(self, "timeout_s", float(t))
+
+    def effective_timeout_s(self, env: Mapping[str, str] | None = None) -> float:
+        """`timeout_s`, else MOE_EP_TIMEOUT_S from `env` (default `os.environ`), else 120."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        from_env = _env.timeout_s(env)
+        return _env.DEFAULT_TIMEOUT_S if from_env is None else from_env

@@ -1,0 +1,182 @@
+"""Every environment variable moe-ep reads, parsed in one place.
+
+Rules: explicit arguments always win over the environment (callers only consult these
+readers when the matching argument was not given); an unset or empty variable means "not
+set"; a malformed value raises `MoeEpUsageError` naming the variable, the rule and the value.
+The table in docs/runtime.md mirrors `ENV_VARS`.
+
+This module imports nothing heavy (no torch), so `moe-ep info` and config validation can use
+it anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from moe_ep.errors import MoeEpUsageError
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "ENV_VARS",
+    "EnvVar",
+    "cuda_visible_devices",
+    "local_rank",
+    "master_addr_port",
+    "read_env",
+    "single_gpu_gloo",
+    "timeout_s",
+    "torchrun_rank",
+    "torchrun_world_size",
+]
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Bound on every collective wait when neither `timeout_s=` nor MOE_EP_TIMEOUT_S is given."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable moe-ep reads: its name, accepted values and meaning."""
+
+    name: str
+    values: str
+    meaning: str
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(
+        "LOCAL_RANK",
+        "integer >= 0",
+        "CUDA device ordinal of this rank when `BootstrapConfig.device` is not given "
+        "(set by torchrun). Hosts that pass `device=` never need it.",
+    ),
+    EnvVar(
+        "MEGA_SINGLE_GPU_GLOO",
+        "0 or 1 (default 0)",
+        "1: several ranks share one GPU; the resolved ordinal is folded `% device_count` "
+        "and the process group uses gloo instead of NCCL.",
+    ),
+    EnvVar(
+        "MOE_EP_TIMEOUT_S",
+        f"number > 0 (default {DEFAULT_TIMEOUT_S:g})",
+        "Seconds every bootstrap / barrier / teardown wait may take when "
+        "`BootstrapConfig.timeout_s` is not given.",
+    ),
+    EnvVar(
+        "MASTER_ADDR, MASTER_PORT",
+        "host name; port 1..65535",
+        "torchrun rendezvous: when both are set and no `init_method=` is given, moe-ep "
+        "initialises torch.distributed with env://.",
+    ),
+    EnvVar(
+        "RANK, WORLD_SIZE",
+        "integers (0 <= RANK < WORLD_SIZE)",
+        "torchrun's global rank and world size; when set they must agree with "
+        "`BootstrapConfig.rank` / `world_size` if moe-ep initialises torch.distributed.",
+    ),
+    EnvVar(
+        "CUDA_VISIBLE_DEVICES",
+        "(read only for messages)",
+        "Named in the error when a resolved ordinal is outside the visible devices.",
+    ),
+)
+
+
+def read_env(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    """`env`, or `os.environ` when it is None."""
+    return os.environ if env is None else env
+
+
+def _raw(env: Mapping[str, str] | None, name: str) -> str | None:
+    value = read_env(env).get(name)
+    if value is None or value.strip() == "":
+        return None
+    return value.strip()
+
+
+def _int(env: Mapping[str, str] | None, name: str, *, minimum: int) -> int | None:
+    raw = _raw(env, name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise MoeEpUsageError(
+            f"environment variable {name} must be an integer >= {minimum}, got {raw!r} "
+            f"(example: {name}=0)"
+        ) from None
+    if value < minimum:
+        raise MoeEpUsageError(
+            f"environment variable {name} must be an integer >= {minimum}, got {raw!r}"
+        )
+    return value
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int | None:
+    """LOCAL_RANK as an int >= 0, None when unset."""
+    return _int(env, "LOCAL_RANK", minimum=0)
+
+
+def torchrun_rank(env: Mapping[str, str] | None = None) -> int | None:
+    """RANK as an int >= 0, None when unset."""
+    return _int(env, "RANK", minimum=0)
+
+
+def torchrun_world_size(env: Mapping[str, str] | None = None) -> int | None:
+    """WORLD_SIZE as an int >= 1, None when unset."""
+    return _int(env, "WORLD_SIZE", minimum=1)
+
+
+def single_gpu_gloo(env: Mapping[str, str] | None = None) -> bool:
+    """MEGA_SINGLE_GPU_GLOO: True for "1", False for "0" or unset; anything else is an error."""
+    raw = _raw(env, "MEGA_SINGLE_GPU_GLOO")
+    if raw is None or raw == "0":
+        return False
+    if raw == "1":
+        return True
+    raise MoeEpUsageError(f"environment variable MEGA_SINGLE_GPU_GLOO must be 0 or 1, got {raw!r}")
+
+
+def timeout_s(env: Mapping[str, str] | None = None) -> float | None:
+    """MOE_EP_TIMEOUT_S as a finite float > 0, None when unset."""
+    raw = _raw(env, "MOE_EP_TIMEOUT_S")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise MoeEpUsageError(
+            f"environment variable MOE_EP_TIMEOUT_S must be a number of seconds > 0, "
+            f"got {raw!r} (example: MOE_EP_TIMEOUT_S=30)"
+        )
+    return value
+
+
+def master_addr_port(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """(MASTER_ADDR, MASTER_PORT) when both are set, None when neither is.
+
+    One without the other, or a port outside 1..65535, is an error.
+    """
+    addr = _raw(env, "MASTER_ADDR")
+    port = _int(env, "MASTER_PORT", minimum=1)
+    if addr is None and port is None:
+        return None
+    if addr is None or port is None:
+        missing = "MASTER_ADDR" if addr is None else "MASTER_PORT"
+        raise MoeEpUsageError(
+            f"environment variables MASTER_ADDR and MASTER_PORT must be set together; "
+            f"{missing} is unset (MASTER_ADDR={addr!r}, MASTER_PORT={port!r})"
+        )
+    if port > 65535:
+        raise MoeEpUsageError(f"environment variable MASTER_PORT must be in 1..65535, got {port}")
+    return addr, port
+
+
+def cuda_visible_devices(env: Mapping[str, str] | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES as written, or "(unset)"; only used in messages."""
+    value = read_env(env).get("CUDA_VISIBLE_DEVICES")
+    return "(unset)" if value is None else repr(value)
