@@ -1,0 +1,92 @@
+"""Quantization formats (device-agnostic torch): fp8, mxfp8, nvfp4, mxfp4, scale layouts.
+
+Blocks run along the last dim (K); every function accepts any leading shape and works on CPU
+and CUDA tensors alike. Dequantizers return float32. Non-finite input is rejected with
+`MoeEpUsageError` (see docs/quant.md for the exact rounding, exponent and NaN rules).
+"""
+
+from __future__ import annotations
+
+from moe_ep.quant._codes import (
+    E2M1_VALUES,
+    FP8_MAX,
+    e2m1_codes_to_float32,
+    e8m0_to_float32,
+    pack_e2m1,
+    round_to_e2m1_codes,
+    unpack_e2m1,
+)
+from moe_ep.quant.fp8 import (
+    dequantize_fp8_blockwise,
+    dequantize_fp8_per_row,
+    dequantize_fp8_per_tensor,
+    float32_pow2_to_e8m0,
+    quantize_fp8_blockwise,
+    quantize_fp8_per_row,
+    quantize_fp8_per_tensor,
+)
+from moe_ep.quant.layout import (
+    GATE_UP_BLOCKS,
+    deinterleave_gate_up,
+    interleave_gate_up,
+    is_k_major,
+    k_major_view,
+    make_k_major,
+    swizzle_128x4,
+    swizzled_128x4_numel,
+    unswizzle_128x4,
+)
+from moe_ep.quant.mx import (
+    MX_BLOCK,
+    MX_RULES,
+    dequantize_mxfp4,
+    dequantize_mxfp8,
+    mx_block_exponents,
+    quantize_mxfp4,
+    quantize_mxfp8,
+)
+from moe_ep.quant.nvfp4 import (
+    NVFP4_BLOCK,
+    dequantize_nvfp4,
+    nvfp4_alpha,
+    nvfp4_global_scale,
+    quantize_nvfp4,
+)
+
+__all__ = [
+    "E2M1_VALUES",
+    "FP8_MAX",
+    "GATE_UP_BLOCKS",
+    "MX_BLOCK",
+    "MX_RULES",
+    "NVFP4_BLOCK",
+    "deinterleave_gate_up",
+    "dequantize_fp8_blockwise",
+    "dequantize_fp8_per_row",
+    "dequantize_fp8_per_tensor",
+    "dequantize_mxfp4",
+    "dequantize_mxfp8",
+    "dequantize_nvfp4",
+    "e2m1_codes_to_float32",
+    "e8m0_to_float32",
+    "float32_pow2_to_e8m0",
+    "interleave_gate_up",
+    "is_k_major",
+    "k_major_view",
+    "make_k_major",
+    "mx_block_exponents",
+    "nvfp4_alpha",
+    "nvfp4_global_scale",
+    "pack_e2m1",
+    "quantize_fp8_blockwise",
+    "quantize_fp8_per_row",
+    "quantize_fp8_per_tensor",
+    "quantize_mxfp4",
+    "quantize_mxfp8",
+    "quantize_nvfp4",
+    "round_to_e2m1_codes",
+    "swizzle_128x4",
+    "swizzled_128x4_numel",
+    "unpack_e2m1",
+    "unswizzle_128x4",
+]

@@ -1,0 +1,162 @@
+"""Element and scale code helpers shared by every format: fp8 limits, E8M0, e2m1.
+
+The e2m1 code (4 bits): sign in bit 3, then 2 exponent bits and 1 mantissa bit; magnitudes by
+code 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6. torch has no cast to or from e2m1
+(`float4_e2m1fn_x2` is storage only), so rounding and packing are done here by hand.
+
+E8M0 (one byte, no sign, no mantissa): byte b encodes 2**(b - 127); 255 is NaN. torch calls
+this dtype `float8_e8m0fnu`; here scale planes are uint8 unless asked otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_ep.errors import MoeEpUsageError
+
+# Largest finite value of each fp8 element dtype.
+FP8_MAX: dict[torch.dtype, float] = {
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+# Exponent of the largest power of two at or below the format max (the OCP "emax_elem").
+FP8_EMAX: dict[torch.dtype, int] = {
+    torch.float8_e4m3fn: 8,
+    torch.float8_e5m2: 15,
+}
+E2M1_MAX = 6.0
+E2M1_EMAX = 2
+
+E8M0_BIAS = 127
+E8M0_NAN = 255
+
+# Magnitudes of e2m1 codes 0..7.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+_ONE_SCALE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+
+
+def fp8_dtype_info(dtype: torch.dtype, *, arg: str = "dtype") -> tuple[float, int]:
+    """(finite max, emax) of an fp8 element dtype; `MoeEpUsageError` for anything else."""
+    if dtype not in FP8_MAX:
+        raise MoeEpUsageError(
+            f"{arg} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
+        )
+    return FP8_MAX[dtype], FP8_EMAX[dtype]
+
+
+def block_amax(xv: torch.Tensor) -> torch.Tensor:
+    """amax of |xv| over the last dim, kept as size 1; zeros when xv is empty."""
+    if xv.numel() == 0:
+        return xv.new_zeros((*xv.shape[:-1], 1))
+    return xv.abs().amax(-1, keepdim=True)
+
+
+def exact_ceil_log2_ratio(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """ceil(log2(amax / fmax)) computed exactly (no rounded division), int32.
+
+    With amax = m * 2**E and fmax = f * 2**F (m, f in [0.5, 1)), the quotient's exponent is
+    E - F plus one when m > f. Only defined for amax > 0; callers mask the zero blocks.
+    """
+    m, e = torch.frexp(amax.float())
+    f_m, f_e = _frexp_py(fmax)
+    return (e - f_e + (m > f_m).to(torch.int32)).to(torch.int32)
+
+
+def floor_log2(amax: torch.Tensor) -> torch.Tensor:
+    """floor(log2(amax)) for amax > 0, exact (fp32 subnormals included), int32."""
+    _, e = torch.frexp(amax.float())
+    return (e - 1).to(torch.int32)
+
+
+def _frexp_py(v: float) -> tuple[float, int]:
+    import math
+
+    m, e = math.frexp(v)
+    return m, e
+
+
+def e8m0_exponent_to_bytes(exp: torch.Tensor, zero_block: torch.Tensor) -> torch.Tensor:
+    """Clamp an unbiased exponent to E8M0's finite range and bias it; zero blocks -> byte 0."""
+    biased = (exp + E8M0_BIAS).clamp(0, 254)
+    return torch.where(zero_block, torch.zeros_like(biased), biased).to(torch.uint8)
+
+
+def e8m0_to_float32(scales: torch.Tensor, *, arg: str = "scales") -> torch.Tensor:
+    """Decode E8M0 bytes (uint8 or float8_e8m0fnu) to exact float32 powers of two.
+
+    Byte 0 is 2**-127 (an fp32 subnormal), byte 255 is NaN.
+    """
+    if scales.dtype not in _ONE_SCALE_DTYPES:
+        raise MoeEpUsageError(
+            f"{arg} must be uint8 or torch.float8_e8m0fnu E8M0 bytes, got {scales.dtype}"
+        )
+    b = scales.view(torch.uint8).to(torch.int32)
+    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
+    bits = torch.where(b == E8M0_NAN, torch.full_like(b, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def pow2_from_exponent(exp: torch.Tensor) -> torch.Tensor:
+    """Exact float32 2**exp for int exponents in [-127, 127] (bit construction, no exp2)."""
+    biased = exp.to(torch.int32) + E8M0_BIAS
+    bits = torch.where(biased <= 0, torch.full_like(biased, 0x00400000), biased << 23)
+    return bits.view(torch.float32)
+
+
+def as_scale_dtype(bytes_: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Return E8M0 bytes as uint8 or reinterpreted as float8_e8m0fnu."""
+    if scale_dtype not in _ONE_SCALE_DTYPES:
+        raise MoeEpUsageError(
+            f"scale_dtype must be torch.uint8 or torch.float8_e8m0fnu, got {scale_dtype}"
+        )
+    return bytes_ if scale_dtype == torch.uint8 else bytes_.view(torch.float8_e8m0fnu)
+
+
+# e2m1 rounding thresholds on magnitudes: code = number of thresholds strictly below |v|.
+# The ties at 0.75, 1.75 and 3.5 go up to the even code, so their thresholds sit one fp32 ulp
+# below the midpoint; the ties at 0.25, 1.25, 2.5 and 5 go down (the lower code is even).
+def _e2m1_thresholds() -> list[float]:
+    import struct
+
+    def below(v: float) -> float:
+        bits = struct.unpack("<I", struct.pack("<f", v))[0]
+        return float(struct.unpack("<f", struct.pack("<I", bits - 1))[0])
+
+    return [0.25, below(0.75), 1.25, below(1.75), 2.5, below(3.5), 5.0]
+
+
+E2M1_THRESHOLDS = tuple(_e2m1_thresholds())
+
+
+def round_to_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to e2m1 codes (uint8, 0..15): RNE on magnitudes, saturate at 6.
+
+    The sign bit follows `signbit(v)`, so -0.0 and negatives that round to zero give code 8.
+    """
+    mag = v.abs()
+    bounds = torch.tensor(E2M1_THRESHOLDS, dtype=torch.float32, device=v.device)
+    code = torch.bucketize(mag, bounds, right=False, out_int32=True)
+    code = code.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+    return code
+
+
+def e2m1_codes_to_float32(codes: torch.Tensor) -> torch.Tensor:
+    """Decode e2m1 codes (uint8 0..15, one per element) to float32."""
+    table = torch.tensor(
+        [*E2M1_VALUES, *(-x for x in E2M1_VALUES)], dtype=torch.float32, device=codes.device
+    )
+    return table[codes.to(torch.int64)]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes [..., K] (K even) two per byte, even element in the low nibble -> [..., K/2]."""
+    pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_e2m1`: [..., K/2] uint8 -> codes [..., K] uint8."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).view(*packed.shape[:-1], packed.shape[-1] * 2)

@@ -1,0 +1,165 @@
+"""nvfp4: e2m1 elements (two per byte), one e4m3 scale per 16 elements, plus a global scale.
+
+With `norm_const` (the per-tensor fp32 "global scale", usually 448 * 6 / amax(tensor), see
+`nvfp4_global_scale`) and a block's amax16:
+
+    scale   = e4m3(min(amax16 / 6 * norm_const, 448))          (fp32 ops, RNE cast)
+    payload = RNE_e2m1((v * norm_const) / float(scale))        (IEEE division, clamp +-6)
+
+A block whose scale rounds to 0 stores payload 0 (signed). Dequantization is
+`e2m1 * float(scale) / norm_const`. In a GEMM the global scales are not folded into the
+blocks: both operands are dequantized without them and the product is multiplied by the
+per-expert alpha `nvfp4_alpha(norm_const_a, norm_const_b) = 1 / (norm_const_a * norm_const_b)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_ep.errors import MoeEpUsageError
+from moe_ep.quant._codes import (
+    E2M1_MAX,
+    block_amax,
+    e2m1_codes_to_float32,
+    pack_e2m1,
+    round_to_e2m1_codes,
+    unpack_e2m1,
+)
+from moe_ep.quant._validate import (
+    check_block_divides,
+    check_contiguous,
+    check_dtype,
+    check_finite_amax,
+    check_high_precision,
+    check_shape,
+)
+
+__all__ = [
+    "NVFP4_BLOCK",
+    "dequantize_nvfp4",
+    "nvfp4_alpha",
+    "nvfp4_global_scale",
+    "quantize_nvfp4",
+]
+
+NVFP4_BLOCK = 16
+_E4M3_MAX = 448.0
+
+
+def nvfp4_global_scale(
+    x: torch.Tensor, *, dim: int | tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """norm_const = 448 * 6 / amax(x) as float32 (1.0 where amax is 0).
+
+    Args:
+        x: float32 / bf16 / fp16 tensor, e.g. all experts' w13 `[E, 2I, H]`.
+        dim: None for one scalar over the tensor; dims to reduce (kept, size 1) otherwise,
+            e.g. `dim=(-2, -1)` gives one norm_const per expert `[E, 1, 1]`.
+    """
+    check_high_precision(x, min_dim=0)
+    xf = x.float().abs()
+    if dim is None:
+        amax = xf.amax() if xf.numel() else xf.new_zeros(())
+    else:
+        amax = xf.amax(dim=dim, keepdim=True)
+    check_finite_amax(amax)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    return torch.where(amax > 0, (_E4M3_MAX * E2M1_MAX) / safe, torch.ones_like(amax))
+
+
+def nvfp4_alpha(
+    norm_const_a: float | torch.Tensor, norm_const_b: float | torch.Tensor
+) -> float | torch.Tensor:
+    """The GEMM epilogue factor 1 / (norm_const_a * norm_const_b) (per expert if tensors)."""
+    return 1.0 / (norm_const_a * norm_const_b)
+
+
+def _norm_const(norm_const: float | torch.Tensor, x: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(norm_const, torch.Tensor):
+        check_dtype(norm_const, (torch.float32,), arg="norm_const")
+        if norm_const.dim() > 0:
+            if norm_const.shape[-1] != 1 or norm_const.dim() > x.dim():
+                raise MoeEpUsageError(
+                    "norm_const must be a float, a 0-dim tensor or a float32 tensor with a "
+                    f"size-1 last dim broadcasting to x {tuple(x.shape)} (e.g. [E, 1, 1]), "
+                    f"got shape {tuple(norm_const.shape)}"
+                )
+            try:
+                torch.broadcast_shapes(norm_const.shape, x.shape)
+            except RuntimeError as err:
+                raise MoeEpUsageError(
+                    f"norm_const shape {tuple(norm_const.shape)} does not broadcast to x "
+                    f"{tuple(x.shape)}"
+                ) from err
+            return norm_const.unsqueeze(-1)  # against the [..., K/16, 16] block view
+        return norm_const
+    if (
+        isinstance(norm_const, bool)
+        or not isinstance(norm_const, int | float)
+        or not (0 < float(norm_const) < float("inf"))
+    ):
+        raise MoeEpUsageError(f"norm_const must be a positive finite float, got {norm_const!r}")
+    return float(norm_const)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    *,
+    norm_const: float | torch.Tensor = 1.0,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """nvfp4 quantization (see the module doc for the exact rules).
+
+    Args:
+        x: `[..., K]` float32 / bf16 / fp16, finite, K % 16 == 0.
+        norm_const: the global scale (float, 0-dim, or float32 `[..., 1]` broadcasting to x,
+            e.g. per expert `[E, 1, 1]`); 1.0 means none.
+        check_finite: reject NaN / inf (a host sync on CUDA).
+
+    Returns:
+        `(packed [..., K/2] uint8, scales [..., K/16] float8_e4m3fn)`; element 2i is in the
+        low nibble of byte i.
+    """
+    check_high_precision(x)
+    nb = check_block_divides(x, NVFP4_BLOCK, fmt="nvfp4")
+    nc = _norm_const(norm_const, x)
+    xv = x.float().view(*x.shape[:-1], nb, NVFP4_BLOCK)
+    amax = block_amax(xv)
+    if check_finite:
+        check_finite_amax(amax)
+    scale = (amax / E2M1_MAX * nc).clamp_(max=_E4M3_MAX).to(torch.float8_e4m3fn)
+    sf = scale.float()
+    # A zero scale would divide to inf / NaN; dividing by inf stores a (signed) zero instead.
+    sf = torch.where(sf == 0, torch.full_like(sf, float("inf")), sf)
+    scaled = xv * nc if not (isinstance(nc, float) and nc == 1.0) else xv
+    codes = round_to_e2m1_codes(scaled / sf)
+    return pack_e2m1(codes.view(x.shape)), scale.view(*x.shape[:-1], nb)
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    norm_const: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """`packed [..., K/2] uint8`, `scales [..., K/16] e4m3` -> `[..., K]` float32.
+
+    Returns e2m1 * float(scale) / norm_const (pass norm_const=1.0 and apply `nvfp4_alpha`
+    after a GEMM instead, as the kernels do).
+    """
+    check_dtype(packed, (torch.uint8,), arg="packed")
+    check_dtype(scales, (torch.float8_e4m3fn,), arg="scales")
+    check_contiguous(packed, arg="packed")
+    k = packed.shape[-1] * 2
+    if k % NVFP4_BLOCK:
+        raise MoeEpUsageError(
+            f"packed.shape[-1] * 2 (K) must be divisible by {NVFP4_BLOCK}, got K={k}"
+        )
+    nb = k // NVFP4_BLOCK
+    lead = tuple(packed.shape[:-1])
+    check_shape(scales, (*lead, nb), arg="scales", why="one e4m3 scale per 16 elements")
+    vals = e2m1_codes_to_float32(unpack_e2m1(packed)).view(*lead, nb, NVFP4_BLOCK)
+    out = (vals * scales.float().unsqueeze(-1)).view(*lead, k)
+    if isinstance(norm_const, torch.Tensor) or norm_const != 1.0:
+        out = out / norm_const
+    return out
