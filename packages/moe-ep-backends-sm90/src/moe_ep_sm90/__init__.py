@@ -1,0 +1,57 @@
+"""moe-ep Hopper (sm90) backends: taxonomy wrappers around the vendored sm90 drops.
+
+Kernels (registered through the `moe_ep.backends` entry points):
+- `sm90_fp8_fp8_bf16_pull_cutedsl` (alias `sm90_pull_fp8`): CuTe DSL, peers pull tokens.
+- `sm90_fp8_fp8_bf16_push_cuda` (alias `sm90_push_fp8`): CUDA, senders push tokens.
+
+Importing this package is light: configs only. Kernel classes, cutlass, NVSHMEM and the drops
+load on first use. The deprecated config-class aliases (`Sm90PullFp8MegaMoeConfig`,
+`Sm90PushFp8MegaMoeConfig`) resolve to the canonical classes with a `DeprecationWarning`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+from moe_ep_sm90.configs import (
+    Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
+    Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
+)
+
+# Deprecated aliases are importable but left out of __all__ (a star import must not warn).
+__all__ = [
+    "Sm90Fp8Fp8Bf16PullCutedslKernel",
+    "Sm90Fp8Fp8Bf16PushCudaKernel",
+    "Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig",
+    "Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig",
+]
+
+_DEPRECATED_CONFIGS: dict[str, type] = {
+    "Sm90PullFp8MegaMoeConfig": Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
+    "Sm90PushFp8MegaMoeConfig": Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
+}
+_LAZY = {
+    "Sm90Fp8Fp8Bf16PullCutedslKernel": "moe_ep_sm90.pull_cutedsl",
+    "Sm90Fp8Fp8Bf16PushCudaKernel": "moe_ep_sm90.push_cuda",
+}
+
+
+def __getattr__(name: str) -> Any:
+    canonical = _DEPRECATED_CONFIGS.get(name)
+    if canonical is not None:
+        warnings.warn(
+            f"moe_ep_sm90.{name} is deprecated; use moe_ep_sm90.{canonical.__name__}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return canonical
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moe_ep_sm90' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

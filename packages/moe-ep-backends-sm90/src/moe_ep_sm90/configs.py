@@ -1,0 +1,244 @@
+"""Config dataclasses of the sm90 kernels (taxonomy names of DESIGN section 4).
+
+Each config is frozen and keyword-only; `__post_init__` checks every knob on its own and
+`check_problem()` checks the knobs against a layer's geometry. Both raise `MoeEpUsageError`
+naming the field, the rule and the value, before anything is allocated or launched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moe_ep.backends.base import KernelConfig
+from moe_ep.errors import MoeEpUsageError
+
+__all__ = [
+    "Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig",
+    "Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig",
+    "check_clamp",
+    "check_common_problem",
+]
+
+# fp8 blockwise recipe (DeepSeek-V3): activations 1x128, weights 128x128 blocks.
+FP8_BLOCK = 128
+# The pull kernel folds FC1 columns as [pair, {gate, up}, 8] (its Fp8GateUpInterleave).
+PULL_GATE_UP_INTERLEAVE = 8
+# H100 / H200 SM count; the default for max active clusters of a 1x1 cluster.
+HOPPER_SM_COUNT = 132
+
+_PULL_NATIVE_TILE_M = (64,)
+_PULL_NATIVE_TILE_N = (128, 256)
+_PULL_SWAP_TILE_M = (128, 256)
+_PULL_SWAP_TILE_N = (8, 16, 32, 64, 128)
+_PULL_CLUSTERS_MN = ((1, 1), (2, 1), (1, 2), (2, 2))
+_ACCUM_MODES = ("1xacc", "2xacc")
+_LOAD_BALANCE = ("static", "atomic_counter")
+# The push drop's combine keeps per-token route lists in registers (its kMaxTopK).
+_PUSH_MAX_TOP_K = 8
+
+
+def check_clamp(value: float | None, *, field: str) -> None:
+    """`value` must be None or a finite number > 0 (the SwiGLU gate/up clamp limit)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise MoeEpUsageError(f"{field} must be a float or None, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise MoeEpUsageError(f"{field} must be finite and > 0 (e.g. 7.0), got {value!r}")
+
+
+def _check_int(value: object, *, field: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MoeEpUsageError(f"{field} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise MoeEpUsageError(f"{field} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_choice(value: object, choices: tuple[object, ...], *, field: str) -> None:
+    if value not in choices:
+        raise MoeEpUsageError(f"{field} must be one of {choices}, got {value!r}")
+
+
+def check_common_problem(
+    *,
+    kernel: str,
+    hidden_size: int,
+    intermediate_size: int,
+    top_k: int,
+    num_experts: int,
+    world_size: int,
+    max_tokens_per_rank: int,
+) -> None:
+    """Geometry rules shared by every fp8-blockwise kernel of this package."""
+    for field, value in (
+        ("hidden_size", hidden_size),
+        ("intermediate_size", intermediate_size),
+        ("top_k", top_k),
+        ("num_experts", num_experts),
+        ("world_size", world_size),
+        ("max_tokens_per_rank", max_tokens_per_rank),
+    ):
+        _check_int(value, field=field)
+    for field, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if value % FP8_BLOCK != 0:
+            raise MoeEpUsageError(
+                f"{kernel}: {field} must be a multiple of {FP8_BLOCK} (the fp8 blockwise "
+                f"scale block), got {value}"
+            )
+    if num_experts % world_size != 0:
+        raise MoeEpUsageError(
+            f"{kernel}: num_experts ({num_experts}) must be divisible by world_size ({world_size})"
+        )
+    if top_k > num_experts:
+        raise MoeEpUsageError(f"{kernel}: top_k ({top_k}) must be <= num_experts ({num_experts})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(KernelConfig):
+    """Hopper pull-style CuTe DSL mega-MoE, fp8 e4m3 blockwise (1x128 act, 128x128 weights).
+
+    Knobs mirror the drop's compile-time geometry. Defaults are the drop driver's manual
+    defaults (native layout, tile (64, 128, 128), cluster (1, 1, 1)).
+    """
+
+    kernel_name: ClassVar[str] = "sm90_fp8_fp8_bf16_pull_cutedsl"
+
+    accum_mode: str = "1xacc"
+    """fp8 WGMMA accumulation: "1xacc" or "2xacc" (promotes partial sums twice as often)."""
+    gate_up_clamp: float | None = None
+    """SwiGLU clamp: gate <= c, -c <= up <= c; None = no clamp."""
+    swap_ab: bool = False
+    """Swap-AB geometry (tokens on the MMA N side); better for few tokens per expert."""
+    mma_tiler_mnk: tuple[int, int, int] = (64, 128, 128)
+    cluster_shape_mnk: tuple[int, int, int] = (1, 1, 1)
+    load_balance_mode: str = "static"
+    max_active_clusters: int | None = None
+    """None = the H100/H200 SM count (132) for a 1x1x1 cluster."""
+    top_k: int | None = None
+    """Routes per token, compiled into the kernel; set it so `warmup()` can compile ahead,
+    else the first forward compiles."""
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None:
+            _check_int(self.top_k, field="top_k")
+        _check_choice(self.accum_mode, _ACCUM_MODES, field="accum_mode")
+        check_clamp(self.gate_up_clamp, field="gate_up_clamp")
+        if not isinstance(self.swap_ab, bool):
+            raise MoeEpUsageError(f"swap_ab must be a bool, got {self.swap_ab!r}")
+        _check_choice(self.load_balance_mode, _LOAD_BALANCE, field="load_balance_mode")
+        for field, value in (
+            ("mma_tiler_mnk", self.mma_tiler_mnk),
+            ("cluster_shape_mnk", self.cluster_shape_mnk),
+        ):
+            if not (isinstance(value, tuple) and len(value) == 3):
+                raise MoeEpUsageError(f"{field} must be a tuple of 3 ints, got {value!r}")
+            for v in value:
+                _check_int(v, field=field)
+        m, n, k = self.mma_tiler_mnk
+        ms, ns = (
+            (_PULL_SWAP_TILE_M, _PULL_SWAP_TILE_N)
+            if self.swap_ab
+            else (_PULL_NATIVE_TILE_M, _PULL_NATIVE_TILE_N)
+        )
+        if m not in ms or n not in ns:
+            layout = "swap-AB" if self.swap_ab else "native"
+            raise MoeEpUsageError(
+                f"mma_tiler_mnk for the {layout} layout needs M in {ms} and N in {ns}, "
+                f"got {self.mma_tiler_mnk}"
+            )
+        if k % FP8_BLOCK != 0:
+            raise MoeEpUsageError(
+                f"mma_tiler_mnk K must be a multiple of {FP8_BLOCK}, got {self.mma_tiler_mnk}"
+            )
+        cm, cn, ck = self.cluster_shape_mnk
+        if ck != 1 or (cm, cn) not in _PULL_CLUSTERS_MN:
+            raise MoeEpUsageError(
+                f"cluster_shape_mnk must be (m, n, 1) with (m, n) in {_PULL_CLUSTERS_MN}, "
+                f"got {self.cluster_shape_mnk}"
+            )
+        if self.max_active_clusters is not None:
+            _check_int(self.max_active_clusters, field="max_active_clusters")
+
+    @property
+    def resolved_max_active_clusters(self) -> int:
+        """`max_active_clusters`, else the H100/H200 SM count divided by the cluster size."""
+        if self.max_active_clusters is not None:
+            return self.max_active_clusters
+        cm, cn, ck = self.cluster_shape_mnk
+        return HOPPER_SM_COUNT // (cm * cn * ck)
+
+    @property
+    def token_padding_block(self) -> int:
+        """Rows per expert segment in the dispatch pool: the physical token tile."""
+        return self.mma_tiler_mnk[1] if self.swap_ab else self.mma_tiler_mnk[0]
+
+    def check_problem(
+        self,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        top_k: int,
+        num_experts: int,
+        world_size: int,
+        max_tokens_per_rank: int,
+    ) -> None:
+        """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
+        check_common_problem(
+            kernel=self.kernel_name,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            top_k=top_k,
+            num_experts=num_experts,
+            world_size=world_size,
+            max_tokens_per_rank=max_tokens_per_rank,
+        )
+        if self.top_k is not None and top_k != self.top_k:
+            raise MoeEpUsageError(
+                f"{self.kernel_name}: top_k of the inputs ({top_k}) differs from the config's "
+                f"top_k ({self.top_k})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(KernelConfig):
+    """Hopper push-style CUDA mega-MoE (fp8 e4m3 blockwise GEMMs, push all-to-all)."""
+
+    kernel_name: ClassVar[str] = "sm90_fp8_fp8_bf16_push_cuda"
+
+    gate_up_clamp: float | None = None
+    """SwiGLU clamp: gate <= c, -c <= up <= c; None = no clamp."""
+    use_ue8m0_scales: bool = False
+    """Round fp8 scales up to powers of two (the DeepGEMM UE8M0 variant of the recipe)."""
+
+    def __post_init__(self) -> None:
+        check_clamp(self.gate_up_clamp, field="gate_up_clamp")
+        if not isinstance(self.use_ue8m0_scales, bool):
+            raise MoeEpUsageError(f"use_ue8m0_scales must be a bool, got {self.use_ue8m0_scales!r}")
+
+    def check_problem(
+        self,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        top_k: int,
+        num_experts: int,
+        world_size: int,
+        max_tokens_per_rank: int,
+    ) -> None:
+        """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
+        check_common_problem(
+            kernel=self.kernel_name,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            top_k=top_k,
+            num_experts=num_experts,
+            world_size=world_size,
+            max_tokens_per_rank=max_tokens_per_rank,
+        )
+        if top_k > _PUSH_MAX_TOP_K:
+            raise MoeEpUsageError(
+                f"{self.kernel_name}: top_k must be <= {_PUSH_MAX_TOP_K}, got {top_k}"
+            )

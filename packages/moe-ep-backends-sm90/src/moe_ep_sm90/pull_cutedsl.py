@@ -1,0 +1,315 @@
+"""`sm90_fp8_fp8_bf16_pull_cutedsl`: the Hopper pull-style CuTe DSL mega-MoE kernel.
+
+Warning:
+    The launch path (`warmup`, `compute_staged`, the symmetric workspaces) has NEVER RUN ON
+    A GPU. What is verified on CPU: config validation, weight and input layouts
+    (`fp8_layout`), and that the kernel compiles for `sm_90a` with exactly the arguments this
+    module builds (`pull_args`, `compile_check`). See docs/backends.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from moe_ep.backends.base import MegaKernel, RuntimeRequirements
+from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.registry import register_mega_kernel
+from moe_ep_sm90._hardware import check_availability
+from moe_ep_sm90._pool import WorkspacePool
+from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
+from moe_ep_sm90.drops import PULL_DROP, load_pull_api
+from moe_ep_sm90.fp8_layout import StagedInputs, prepare_pull_weights, stage_pull_inputs
+from moe_ep_sm90.pull_args import (
+    ArgSpec,
+    PullGeometry,
+    call_args,
+    kernel_class,
+    kernel_ctor_kwargs,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+    from moe_ep.runtime import Runtime
+
+__all__ = ["Sm90Fp8Fp8Bf16PullCutedslKernel"]
+
+_PACKAGES = (
+    ("cutlass", "nvidia-cutlass-dsl"),
+    ("cuda.bindings", "cuda-bindings"),
+    ("nvshmem", "nvshmem4py-cu13"),
+)
+
+
+@dataclass
+class _Compiled:
+    """One compiled kernel with its workspaces and symmetric staging buffers."""
+
+    compiled: Any
+    local_workspace: torch.Tensor
+    shared_workspace: torch.Tensor
+    staging: dict[str, torch.Tensor]
+    """Symmetric-heap tensors peers read: activation, activation_sf, topk_idx, topk_weights,
+    and the output; plus the four unit dequant scales (local)."""
+    peer_map: Any
+    launch_args: dict[str, Any]
+
+
+def _free(entry: _Compiled) -> None:
+    import nvshmem.core
+
+    for name in ("activation", "activation_sf", "topk_idx", "topk_weights", "output_activation"):
+        nvshmem.core.free_tensor(entry.staging[name])
+    nvshmem.core.free_tensor(entry.shared_workspace)
+
+
+_POOL: WorkspacePool[_Compiled] = WorkspacePool(free=_free)
+
+
+@register_mega_kernel("sm90_fp8_fp8_bf16_pull_cutedsl", deprecated_aliases=("sm90_pull_fp8",))
+class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
+    """Fused dispatch (peers pull tokens over NVLink) + FC1 + SwiGLU + FC2 + combine, fp8.
+
+    Weights are quantized once in `__init__` (`fp8_layout.prepare_pull_weights`, blockwise
+    128x128, FC1 gate/up interleaved by 8, K-major views). Inputs are quantized per call
+    (1x128) into symmetric staging buffers of `max_tokens_per_rank` rows; padded rows carry
+    id -1. Layers with the same config and geometry share one compiled kernel and its
+    workspaces (`WorkspacePool`).
+    """
+
+    config_cls: ClassVar[type[Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig]] = (
+        Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
+    )
+    requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        return check_availability(
+            capability=(9, 0), arch_label="Hopper, sm_90a", packages=_PACKAGES, drop=PULL_DROP
+        )
+
+    def __init__(
+        self,
+        *,
+        config: Any,
+        fleet: FleetParams,
+        runtime: Runtime,
+        weights: MoEWeightPack,
+    ) -> None:
+        if not isinstance(config, Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig):
+            raise MoeEpUsageError(
+                f"config must be a {Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig.__name__}, "
+                f"got {type(config).__name__}"
+            )
+        super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
+        self.cfg = config
+        w13, w2 = weights.w13, weights.w2
+        # top_k is part of the compiled kernel; from the config, else from the first inputs.
+        top_k = config.top_k or 0
+        self.geometry = PullGeometry(
+            world_size=runtime.world_size,
+            rank=runtime.rank,
+            max_tokens_per_rank=fleet.max_tokens_per_rank,
+            top_k=top_k,
+            num_experts=fleet.num_experts,
+            hidden_size=fleet.hidden_size,
+            intermediate_size=w2.shape[-1],
+        )
+        self._pool_key: tuple[Any, ...] | None = None
+        self.prepared = prepare_pull_weights(w13.to(runtime.device), w2.to(runtime.device))
+        self._destroyed = False
+
+    # -- staging ------------------------------------------------------------------------
+    def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
+        """Quantize this rank's inputs (`stage_pull_inputs`) into the symmetric buffers."""
+        g = self._ensure_geometry(tensors.topk_ids.shape[1])
+        staged = stage_pull_inputs(
+            tensors.hidden_states,
+            tensors.topk_ids,
+            tensors.topk_weights,
+            max_tokens=g.max_tokens_per_rank,
+        )
+        entry = self._entry()
+        buf = entry.staging
+        buf["activation"].copy_(staged.activation)
+        if staged.activation_scales is not None:
+            buf["activation_sf"].copy_(staged.activation_scales)
+        buf["topk_idx"].copy_(staged.topk_ids)
+        buf["topk_weights"].copy_(staged.topk_weights)
+        return _Staged(staged, output)
+
+    def compute_staged(self, *, staged: Any) -> torch.Tensor:
+        """Launch the compiled kernel on the staged buffers; copies the live rows out."""
+        entry = self._entry()
+        n = staged.inputs.num_tokens
+        self._launch(entry)
+        staged.output[:n].copy_(entry.staging["output_activation"][:n])
+        return staged.output
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Collective: compile (first layer of this geometry) and allocate the workspaces.
+
+        Needs `config.top_k`; without it the compile happens at the first forward.
+        """
+        if self.geometry.top_k:
+            self._ensure_geometry(self.geometry.top_k)
+            self._entry()
+        self.runtime.barrier()
+
+    def destroy(self) -> None:
+        """Collective, idempotent: drop this layer's reference to the pooled workspaces.
+
+        The last layer of a geometry frees the symmetric buffers (an NVSHMEM collective), so
+        every rank must call it; `__del__` is not relied on because garbage collection order
+        differs between ranks.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._pool_key is not None:
+            self.runtime.barrier()
+            _POOL.release(self._pool_key)
+            self._pool_key = None
+
+    # -- internals ----------------------------------------------------------------------
+    def _ensure_geometry(self, top_k: int) -> PullGeometry:
+        g = self.geometry
+        if g.top_k == 0:
+            g = PullGeometry(**{**g.__dict__, "top_k": top_k})
+            self.geometry = g
+        elif top_k != g.top_k:
+            raise MoeEpUsageError(
+                f"topk_ids has k={top_k} columns but this kernel was built for top_k={g.top_k}"
+            )
+        self.cfg.check_problem(
+            hidden_size=g.hidden_size,
+            intermediate_size=g.intermediate_size,
+            top_k=g.top_k,
+            num_experts=g.num_experts,
+            world_size=g.world_size,
+            max_tokens_per_rank=g.max_tokens_per_rank,
+        )
+        return g
+
+    def _entry(self) -> _Compiled:
+        if self._destroyed:
+            raise MoeEpUsageError("this kernel was destroyed; build a new layer")
+        ok, why = self.availability()
+        if not ok:
+            raise MoeEpUnavailableError(f"{self.kernel_name} cannot run here: {why}")
+        g = self.geometry
+        if g.top_k == 0:
+            raise MoeEpUsageError(
+                "top_k is unknown: set the config's top_k to compile in warmup(), or stage "
+                "inputs first"
+            )
+        key = (self.cfg, g, str(self.runtime.device))
+        entry = _POOL.acquire(key, lambda: self._compile(g))
+        if self._pool_key is None:
+            self._pool_key = key
+        else:
+            _POOL.release(key)  # keep exactly one reference per layer
+        return entry
+
+    def _compile(self, g: PullGeometry) -> _Compiled:
+        import cuda.bindings.driver as cuda
+        import cutlass
+        import cutlass.cute as cute
+        import cutlass.torch as cutlass_torch
+        import nvshmem.core
+        import torch
+        from cutlass.cute.typing import AddressSpace
+
+        api = load_pull_api()
+        clusters = self.cfg.resolved_max_active_clusters
+        kernel = kernel_class(self.cfg, api)(
+            **kernel_ctor_kwargs(
+                self.cfg, g, api=api, ab_dtype=cutlass.Float8E4M3FN, max_active_clusters=clusters
+            )
+        )
+        local_bytes, shared_bytes = kernel.get_workspace_sizes()
+        dev = self.runtime.device
+        local_ws = torch.zeros((local_bytes,), dtype=torch.uint8, device=dev)
+        shared_ws = nvshmem.core.tensor((shared_bytes,), dtype=torch.uint8)
+        shared_ws.zero_()
+        staging: dict[str, torch.Tensor] = {}
+        for spec in _staging_specs(g):
+            t = nvshmem.core.tensor(spec.shape, dtype=getattr(torch, spec.dtype))
+            t.zero_()
+            staging[spec.name] = t
+        staging["topk_idx"].fill_(-1)
+        weights_by_name = {
+            "fc1_weight": self.prepared.w13,
+            "fc1_weight_sf": self.prepared.w13_scales,
+            "fc2_weight": self.prepared.w2,
+            "fc2_weight_sf": self.prepared.w2_scales,
+        }
+        for name, numel in (
+            ("fc1_activation_dequant_scale", 1),
+            ("fc2_activation_dequant_scale", 1),
+            ("fc1_weight_dequant_scale", g.experts_per_rank),
+            ("fc2_weight_dequant_scale", g.experts_per_rank),
+        ):
+            staging[name] = torch.ones((numel,), dtype=torch.float32, device=dev)
+        base = int(shared_ws.data_ptr())
+        offsets = tuple(_peer_offset(shared_ws, peer, base) for peer in range(g.world_size))
+        peer_map = api.sym_buffer_host(
+            base_addr=base, offsets=offsets, rank_idx=g.rank, num_max_ranks=g.world_size
+        )
+
+        def tensor(spec: ArgSpec) -> Any:
+            t = weights_by_name.get(spec.name)
+            if t is None:
+                t = staging[spec.name]
+            ct = cutlass_torch.from_dlpack(t, assumed_align=spec.align)
+            return ct.mark_layout_dynamic(leading_dim=spec.leading_dim)
+
+        def pointer(name: str) -> Any:
+            t = local_ws if name == "local_workspace" else shared_ws
+            return cute.runtime.make_ptr(
+                cutlass.Uint8, t.data_ptr(), AddressSpace.gmem, assumed_align=16
+            )
+
+        args = call_args(
+            g,
+            tensor=tensor,
+            pointer=pointer,
+            peer_map=peer_map,
+            stream=cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
+            max_active_clusters=clusters,
+        )
+        compiled = cute.compile(kernel, **args)
+        launch_args = {k: v for k, v in args.items() if k != "max_active_clusters"}
+        return _Compiled(compiled, local_ws, shared_ws, staging, peer_map, launch_args)
+
+    def _launch(self, entry: _Compiled) -> None:
+        entry.compiled(**entry.launch_args)
+
+
+@dataclass
+class _Staged:
+    inputs: StagedInputs
+    output: torch.Tensor
+
+
+def _staging_specs(g: PullGeometry) -> tuple[ArgSpec, ...]:
+    from moe_ep_sm90.pull_args import tensor_specs
+
+    names = ("activation", "activation_sf", "topk_idx", "topk_weights", "output_activation")
+    return tuple(s for s in tensor_specs(g) if s.name in names)
+
+
+def _peer_offset(sym: torch.Tensor, peer: int, base: int) -> int:
+    """Byte offset from this rank's symmetric base to `peer`'s mapping of the same buffer."""
+    import nvshmem.core
+    import torch
+    from nvshmem.core.interop.torch import tensor_get_buffer
+
+    if peer == int(nvshmem.core.my_pe()):
+        return 0
+    buf, _, _ = tensor_get_buffer(sym)
+    peer_buf = nvshmem.core.get_peer_buffer(buf, peer)
+    return int(torch.utils.dlpack.from_dlpack(peer_buf).data_ptr()) - base
