@@ -1,0 +1,1 @@
+"""Logic of `tools/vendor.py`: metadata, lock, sources, patches and the commands."""

@@ -1,0 +1,706 @@
+"""The tool's commands as functions returning JSON-ready dicts; the CLI only formats them.
+
+Every command that changes a drop builds the new state completely aside (a staging directory
+inside the drop) and swaps it in with renames, so a failure leaves the drop as it was.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import difflib
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from vendorlib.drops import Drop, drop_names, load_drop
+from vendorlib.errors import MismatchError, UsageError
+from vendorlib.globs import select
+from vendorlib.lockfile import (
+    FileEntry,
+    Lock,
+    Tree,
+    diff_entries,
+    entries_of,
+    entry_of,
+    load_lock,
+    scan_dir,
+    tree_digest,
+    write_lock,
+)
+from vendorlib.meta import (
+    META_NAME,
+    NOT_RECORDED,
+    DropMeta,
+    License,
+    Origin,
+    Pending,
+    Pin,
+    write_meta,
+)
+from vendorlib.patching import apply_patch, make_patch, reverse_patch
+from vendorlib.progress import Progress
+from vendorlib.sources import fetch_tree, head_revision, pin_at
+from vendorlib.templates import (
+    GITIGNORE,
+    HATCH_BUILD,
+    render_body,
+    render_pyproject,
+    render_shim,
+)
+
+__all__ = [
+    "add",
+    "diff",
+    "licenses",
+    "lint",
+    "outdated",
+    "pull_file",
+    "status",
+    "sync",
+    "verify",
+]
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
+
+
+def _today() -> str:
+    return _dt.datetime.now(_dt.UTC).date().isoformat()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _problem(check: str, path: str, detail: str) -> dict[str, str]:
+    return {"check": check, "path": path, "detail": detail}
+
+
+def _filtered(tree: Tree, meta: DropMeta) -> Tree:
+    return {p: v for p, v in tree.items() if select(p, meta.include, meta.exclude)}
+
+
+def _pin_entries(lock: Lock, meta: DropMeta) -> dict[str, FileEntry]:
+    """The lock's entries as the pin itself has them (pending files at their `from` bytes)."""
+    out = dict(lock.files)
+    for p in meta.pending:
+        if p.path in out:
+            out[p.path] = replace(out[p.path], sha256=p.from_sha256)
+    return out
+
+
+# --------------------------------------------------------------------------- writing trees
+
+
+def _write_file(path: Path, mode: int, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.write(data)
+    os.chmod(path, mode)
+
+
+def _swap_in(drop_dir: Path, tree: Tree, progress: Progress) -> None:
+    """Write `tree` to a staging dir inside the drop, then rename it over `src/` atomically."""
+    tmp = drop_dir / f".vendor-tmp-{uuid.uuid4().hex[:12]}"
+    staging = tmp / "src"
+    src = drop_dir / "src"
+    try:
+        with progress.task(f"write {len(tree)} files", len(tree)) as advance:
+            for rel in sorted(tree):
+                mode, data = tree[rel]
+                _write_file(staging / rel, mode, data)
+                advance(1)
+        if src.exists():
+            os.replace(src, tmp / "old")
+        try:
+            os.replace(staging, src)
+        except OSError:
+            if (tmp / "old").exists():
+                os.replace(tmp / "old", src)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _check_tree(drop: Drop, lock: Lock) -> list[dict[str, str]]:
+    actual, odd = scan_dir(drop.src)
+    d = diff_entries(lock.files, actual)
+    out = [_problem("missing", p, "in the lock, not in src/") for p in d["missing"]]
+    out += [_problem("extra", p, "in src/, not in the lock") for p in d["extra"]]
+    out += [
+        _problem("modified", p, f"sha256 {actual[p].sha256}, lock {lock.files[p].sha256}")
+        for p in d["modified"]
+    ]
+    out += [
+        _problem("mode", p, f"mode {actual[p].mode}, lock {lock.files[p].mode}") for p in d["mode"]
+    ]
+    out += [_problem("not-regular", p, "symlink or special file in src/") for p in odd]
+    return out
+
+
+def _check_pending(drop: Drop) -> list[dict[str, str]]:
+    out: list[dict[str, str]] = []
+    for p in drop.meta.pending:
+        patch_path = drop.dir / p.patch
+        if not patch_path.is_file():
+            out.append(_problem("pending", p.path, f"patch file {p.patch} is missing"))
+            continue
+        current = drop.src / p.path
+        if not current.is_file():
+            continue  # reported as missing by the tree check
+        data = current.read_bytes()
+        if _sha256(data) != p.to_sha256:
+            out.append(_problem("pending", p.path, f"bytes are not the entry's to_sha256 {p.to_sha256}"))
+            continue
+        try:
+            base = apply_patch(data, reverse_patch(patch_path.read_text(encoding="utf-8")), p.path)
+        except MismatchError as exc:
+            out.append(_problem("pending", p.path, f"patch no longer reproduces: {exc}"))
+            continue
+        if _sha256(base) != p.from_sha256:
+            out.append(
+                _problem(
+                    "pending",
+                    p.path,
+                    f"patch no longer reproduces: reversed it gives sha256 {_sha256(base)}, "
+                    f"entry says from_sha256 {p.from_sha256}",
+                )
+            )
+    return out
+
+
+def verify(root: Path, name: str) -> dict[str, Any]:
+    """Offline check of one drop: lock vs src/ bytes and modes, pin, pending, license files."""
+    drop = load_drop(root, name)
+    problems: list[dict[str, str]] = []
+    materialized = drop.src.is_dir()
+    try:
+        lock: Lock | None = load_lock(drop.lock_path)
+    except UsageError as exc:
+        lock = None
+        problems.append(_problem("lock", drop.lock_path.name, str(exc)))
+    if lock is not None:
+        if lock.drop != name:
+            problems.append(_problem("lock", drop.lock_path.name, f"lock is for drop {lock.drop!r}"))
+        if lock.pin != drop.meta.source.identity():
+            problems.append(
+                _problem(
+                    "pin",
+                    META_NAME,
+                    f"VENDOR.md pins {drop.meta.source.identity()} but the lock was made from "
+                    f"{lock.pin}; run `uv run tools/vendor.py sync {name} --to <rev>`",
+                )
+            )
+        if tree_digest(lock.files) != lock.tree_sha256:
+            problems.append(_problem("lock", drop.lock_path.name, "tree_sha256 does not match its files"))
+        want_pending = {p.path: p.to_sha256 for p in drop.meta.pending}
+        if lock.pending != want_pending:
+            problems.append(
+                _problem("pending", drop.lock_path.name, f"lock pending {lock.pending} != VENDOR.md {want_pending}")
+            )
+        for lic in drop.meta.license.files:
+            if lic not in lock.files:
+                problems.append(_problem("license", lic, "license file listed in VENDOR.md is not in the drop"))
+        if materialized:
+            problems += _check_tree(drop, lock)
+    if not materialized:
+        problems.append(
+            _problem("materialized", "src/", f"not materialized; run `uv run tools/vendor.py sync {name}`")
+        )
+    else:
+        problems += _check_pending(drop)
+    return {
+        "name": name,
+        "ok": not problems,
+        "materialized": materialized,
+        "files": len(lock.files) if lock else 0,
+        "tree_sha256": lock.tree_sha256 if lock else None,
+        "problems": problems,
+    }
+
+
+# --------------------------------------------------------------------------- sync
+
+
+def _apply_pending(
+    tree: Tree, pending: tuple[Pending, ...], drop_dir: Path, absorb: bool, new_rev: str
+) -> tuple[Tree, list[Pending], list[Pending]]:
+    """Re-apply pending patches on `tree`; with `absorb`, drop entries the tree already has."""
+    tree = dict(tree)
+    kept: list[Pending] = []
+    absorbed: list[Pending] = []
+    for p in pending:
+        if p.path not in tree:
+            raise MismatchError(f"pending {p.path}: the pinned source has no such file")
+        mode, data = tree[p.path]
+        sha = _sha256(data)
+        if absorb and sha == p.to_sha256:
+            absorbed.append(p)
+            continue
+        if sha != p.from_sha256:
+            raise MismatchError(
+                f"pending {p.path}: the pin's bytes have sha256 {sha}, not the entry's from_sha256 "
+                f"{p.from_sha256} (nor its to_sha256); the patch no longer applies. Take the file "
+                "again with `pull-file` after syncing, or remove the entry"
+            )
+        patch_path = drop_dir / p.patch
+        if not patch_path.is_file():
+            raise MismatchError(f"pending {p.path}: patch file {p.patch} is missing")
+        new = apply_patch(data, patch_path.read_text(encoding="utf-8"), p.path)
+        if _sha256(new) != p.to_sha256:
+            raise MismatchError(
+                f"pending {p.path}: patch no longer reproduces: it gives sha256 {_sha256(new)}, "
+                f"entry says to_sha256 {p.to_sha256}"
+            )
+        tree[p.path] = (mode, new)
+        kept.append(replace(p, from_rev=new_rev) if absorb else p)
+    return tree, kept, absorbed
+
+
+def sync(
+    root: Path,
+    name: str,
+    progress: Progress,
+    to: str | None = None,
+    force: bool = False,
+    sha256: str | None = None,
+) -> dict[str, Any]:
+    """Materialize `src/` from the pin (or re-pin with `to`); atomic; refuses local edits."""
+    drop = load_drop(root, name)
+    meta = drop.meta
+    lock = load_lock(drop.lock_path) if drop.lock_path.is_file() else None
+    if sha256 is not None and to is None:
+        raise UsageError("--sha256 only goes with --to (it pins the new artifact)")
+
+    if drop.src.exists() and not force:
+        dirty = _check_tree(drop, lock) if lock else [_problem("lock", "", "no lock to compare")]
+        if dirty:
+            shown = ", ".join(f"{d['check']} {d['path']}" for d in dirty[:5])
+            raise MismatchError(
+                f"{name}: src/ has local changes ({len(dirty)}: {shown}); "
+                "fix them upstream or pass --force to discard them"
+            )
+        if to is None and lock is not None and lock.pin == meta.source.identity():
+            return {"name": name, "action": "up-to-date", "pin": meta.source.identity(), "files": len(lock.files)}
+
+    pin = pin_at(meta.source, root, to, progress, sha256) if to is not None else meta.source
+    tree = _filtered(fetch_tree(pin, root, progress), meta)
+    tree, kept, absorbed = _apply_pending(tree, meta.pending, drop.dir, to is not None, pin.revision)
+    entries = entries_of(tree)
+
+    if to is None and lock is not None:
+        d = diff_entries(lock.files, entries)
+        if any(d.values()):
+            raise MismatchError(
+                f"{name}: the pinned source's bytes differ from {drop.lock_path.name} ({d}); "
+                "the pin no longer reproduces the lock"
+            )
+
+    _swap_in(drop.dir, tree, progress)
+    pending_map = {p.path: p.to_sha256 for p in kept}
+    if to is not None or lock is None:
+        write_lock(drop.lock_path, name, pin.identity(), pending_map, entries)
+    if to is not None:
+        new_meta = replace(meta, source=pin, sync_date=_today(), pending=tuple(kept))
+        write_meta(drop.dir, new_meta)
+        for p in absorbed:
+            (drop.dir / p.patch).unlink(missing_ok=True)
+    return {
+        "name": name,
+        "action": "repinned" if to is not None else "materialized",
+        "pin": pin.identity(),
+        "files": len(entries),
+        "tree_sha256": tree_digest(entries),
+        "absorbed": [p.path for p in absorbed],
+        "pending": sorted(pending_map),
+    }
+
+
+# --------------------------------------------------------------------------- add
+
+
+def add(
+    root: Path,
+    name: str,
+    pin: Pin,
+    progress: Progress,
+    *,
+    description: str,
+    spdx: str,
+    package: str | None = None,
+    distribution: str | None = None,
+    consumers: tuple[str, ...] = (),
+    include: tuple[str, ...] = ("**",),
+    exclude: tuple[str, ...] = (),
+    license_files: tuple[str, ...] = (),
+    license_note: str = "",
+    origin_repo: str | None = None,
+    origin_commit: str | None = None,
+) -> dict[str, Any]:
+    """First import: fetch, then write src/, lock, VENDOR.md, pyproject, build hook and shim."""
+    if not _NAME.match(name):
+        raise UsageError(f"drop name {name!r} must be lower_snake_case, e.g. 'sm90_push_cuda'")
+    drop_dir = root / "vendor" / name
+    if drop_dir.exists() and any(drop_dir.iterdir()):
+        raise UsageError(f"{drop_dir} already exists; use `sync --to` to move an existing drop")
+    package = package or f"moe_ep_drop_{name}"
+    distribution = distribution or "moe-ep-drop-" + name.replace("_", "-")
+    if not license_files and not license_note:
+        license_note = "The upstream tree has no license file; see the SPDX headers (`licenses`)."
+    meta = DropMeta(
+        name=name,
+        description=description,
+        origin=Origin(
+            repo=origin_repo or (pin.fields["url"] if pin.kind == "git" else NOT_RECORDED),
+            commit=origin_commit or (pin.fields["commit"] if pin.kind == "git" else NOT_RECORDED),
+        ),
+        source=pin,
+        license=License(spdx=spdx, files=license_files, note=license_note),
+        include=include,
+        exclude=exclude,
+        sync_date=_today(),
+        update=f"uv run tools/vendor.py outdated {name}; uv run tools/vendor.py sync {name} --to <rev>",
+        consumers=consumers,
+        body=render_body(name),
+    )
+    tree = _filtered(fetch_tree(pin, root, progress), meta)  # before creating anything
+    missing_lic = [f for f in license_files if f not in tree]
+    if missing_lic:
+        raise UsageError(f"license files {missing_lic} are not in the fetched tree")
+    python_tree = any(p.count("/") == 1 and p.endswith("/__init__.py") for p in tree)
+    drop_dir.mkdir(parents=True, exist_ok=True)
+    (drop_dir / ".gitignore").write_text(GITIGNORE, encoding="utf-8")
+    (drop_dir / "hatch_build.py").write_text(HATCH_BUILD, encoding="utf-8")
+    (drop_dir / "pyproject.toml").write_text(
+        render_pyproject(distribution, package, description, spdx), encoding="utf-8"
+    )
+    shim = drop_dir / "shim" / package
+    shim.mkdir(parents=True, exist_ok=True)
+    (shim / "__init__.py").write_text(render_shim(name, package, description, python_tree), encoding="utf-8")
+    _swap_in(drop_dir, tree, progress)
+    entries = entries_of(tree)
+    write_lock(drop_dir / "vendor.lock.json", name, pin.identity(), {}, entries)
+    write_meta(drop_dir, meta)
+    return {
+        "name": name,
+        "action": "added",
+        "dir": str(drop_dir),
+        "distribution": distribution,
+        "package": package,
+        "pin": pin.identity(),
+        "files": len(entries),
+        "tree_sha256": tree_digest(entries),
+    }
+
+
+# --------------------------------------------------------------------------- diff / outdated
+
+
+def _diff_text(left: Tree, right: Tree, subdir: str, lname: str, rname: str) -> tuple[str, dict[str, list[str]]]:
+    prefix = f"{subdir}/" if subdir else ""
+    summary: dict[str, list[str]] = {"added": [], "removed": [], "modified": [], "mode": []}
+    chunks: list[str] = []
+    for path in sorted(set(left) | set(right)):
+        lm, ld = left.get(path, (0, b""))
+        rm, rd = right.get(path, (0, b""))
+        if path not in left:
+            summary["added"].append(path)
+        elif path not in right:
+            summary["removed"].append(path)
+        elif ld != rd:
+            summary["modified"].append(path)
+        elif lm != rm:
+            summary["mode"].append(path)
+            chunks.append(f"mode {prefix}{path}: {oct(lm)} -> {oct(rm)}\n")
+            continue
+        else:
+            continue
+        a = f"a/{prefix}{path}" if path in left else "/dev/null"
+        b = f"b/{prefix}{path}" if path in right else "/dev/null"
+        try:
+            la = ld.decode("utf-8").splitlines(keepends=True)
+            lb = rd.decode("utf-8").splitlines(keepends=True)
+        except UnicodeDecodeError:
+            chunks.append(f"Binary files {a} and {b} differ\n")
+            continue
+        body = "".join(
+            line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+            for line in difflib.unified_diff(la, lb, a, b, n=3)
+        )
+        chunks.append(body)
+    header = f"# diff {lname} -> {rname}\n" if chunks else ""
+    return header + "".join(chunks), summary
+
+
+def _src_tree(drop: Drop) -> Tree:
+    if not drop.src.is_dir():
+        raise UsageError(f"{drop.name}: src/ is not materialized; run `uv run tools/vendor.py sync {drop.name}`")
+    tree: Tree = {}
+    entries, _ = scan_dir(drop.src)
+    for rel in entries:
+        path = drop.src / rel
+        tree[rel] = (path.stat().st_mode & 0o777, path.read_bytes())
+    return tree
+
+
+def diff(
+    root: Path, name: str, progress: Progress, against: str | None = None, head: bool = False
+) -> dict[str, Any]:
+    """Unified diff from a revision (the pin, `against`, or upstream head) to the drop's src/."""
+    drop = load_drop(root, name)
+    pin = drop.meta.source
+    if head and against:
+        raise UsageError("--against and --head exclude each other")
+    rev = head_revision(pin, root) if head else against
+    left_pin = pin_at(pin, root, rev, progress) if rev is not None else pin
+    left = _filtered(fetch_tree(left_pin, root, progress), drop.meta)
+    right = _src_tree(drop)
+    text, summary = _diff_text(left, right, pin.subdir, f"{left_pin.kind}:{left_pin.revision}", "src/")
+    return {
+        "name": name,
+        "from": left_pin.identity(),
+        "to": "src/",
+        "subdir": pin.subdir,
+        "identical": not any(summary.values()),
+        "summary": summary,
+        "diff": text,
+    }
+
+
+def outdated(root: Path, name: str, progress: Progress) -> dict[str, Any]:
+    """Is upstream ahead of the pin, and for which of the drop's files."""
+    drop = load_drop(root, name)
+    pin = drop.meta.source
+    lock = load_lock(drop.lock_path)
+    head = head_revision(pin, root)
+    result: dict[str, Any] = {"name": name, "pinned": pin.revision, "head": head}
+    if pin.kind != "path" and head == pin.revision:
+        return result | {"ahead": False, "files": {"added": [], "removed": [], "modified": []}}
+    head_pin = pin_at(pin, root, head, progress)
+    new = entries_of(_filtered(fetch_tree(head_pin, root, progress), drop.meta))
+    d = diff_entries(_pin_entries(lock, drop.meta), new)
+    files = {"added": d["extra"], "removed": d["missing"], "modified": d["modified"] + d["mode"]}
+    result["head"] = head_pin.revision
+    return result | {"ahead": any(files.values()), "files": files}
+
+
+# --------------------------------------------------------------------------- pull-file
+
+
+def _patch_name(path: str) -> str:
+    return "patches/" + path.replace("/", "__") + ".patch"
+
+
+def pull_file(
+    root: Path, name: str, path: str, rev: str, reason: str, progress: Progress
+) -> dict[str, Any]:
+    """Take one file from upstream revision `rev` and record it as a `[[pending]]` entry."""
+    drop = load_drop(root, name)
+    if not reason.strip():
+        raise UsageError("--reason must say why the file is taken ahead of the pin")
+    lock = load_lock(drop.lock_path)
+    problems = _check_tree(drop, lock) if drop.src.is_dir() else [_problem("materialized", "src/", "")]
+    if problems:
+        raise MismatchError(f"{name}: src/ must be materialized and verified before pull-file ({problems[:3]})")
+    if path not in lock.files:
+        raise UsageError(f"{name}: {path!r} is not a file of the drop (only files the pin has can be pulled)")
+    new_pin = pin_at(drop.meta.source, root, rev, progress)
+    tree = fetch_tree(new_pin, root, progress)
+    if path not in tree:
+        raise UsageError(f"{path!r} does not exist at {new_pin.kind}:{new_pin.revision}")
+    current = (drop.src / path).read_bytes()
+    new = tree[path][1]
+    old_entry = next((p for p in drop.meta.pending if p.path == path), None)
+    base = current
+    if old_entry is not None:
+        base = apply_patch(current, reverse_patch((drop.dir / old_entry.patch).read_text(encoding="utf-8")), path)
+    if new == current:
+        return {"name": name, "action": "unchanged", "path": path, "to_rev": new_pin.revision}
+    others = tuple(p for p in drop.meta.pending if p.path != path)
+    if new == base:
+        # Upstream went back to the pinned bytes: the entry is no longer needed.
+        pending: tuple[Pending, ...] = others
+        entry = None
+    else:
+        entry = Pending(
+            path=path,
+            from_rev=drop.meta.source.revision,
+            to_rev=new_pin.revision,
+            from_sha256=_sha256(base),
+            to_sha256=_sha256(new),
+            patch=_patch_name(path),
+            reason=reason,
+            date=_today(),
+        )
+        pending = (*others, entry)
+        (drop.dir / "patches").mkdir(exist_ok=True)
+        (drop.dir / entry.patch).write_text(make_patch(base, new, path), encoding="utf-8")
+    target = drop.src / path
+    mode = target.stat().st_mode & 0o777
+    tmp = target.with_name(target.name + ".vendor-tmp")
+    _write_file(tmp, mode, new)
+    os.replace(tmp, target)
+    files = dict(lock.files)
+    files[path] = entry_of(path, mode, new)
+    write_lock(drop.lock_path, name, lock.pin, {p.path: p.to_sha256 for p in pending}, files)
+    write_meta(drop.dir, replace(drop.meta, pending=pending))
+    if entry is None and old_entry is not None:
+        (drop.dir / old_entry.patch).unlink(missing_ok=True)
+    return {
+        "name": name,
+        "action": "pending-added" if entry else "pending-removed",
+        "path": path,
+        "from_rev": drop.meta.source.revision,
+        "to_rev": new_pin.revision,
+        "patch": entry.patch if entry else None,
+    }
+
+
+# --------------------------------------------------------------------------- status / lint / licenses
+
+
+def status(root: Path) -> list[dict[str, Any]]:
+    """One row per drop: pin, sync date and age, pending count, materialized, verified."""
+    rows: list[dict[str, Any]] = []
+    today = _dt.date.fromisoformat(_today())
+    for name in drop_names(root):
+        try:
+            drop = load_drop(root, name)
+        except UsageError as exc:
+            rows.append({"name": name, "materialized": False, "verified": False, "pending": 0, "error": str(exc)})
+            continue
+        v = verify(root, name)
+        try:
+            age: int | None = (today - _dt.date.fromisoformat(drop.meta.sync_date)).days
+        except ValueError:
+            age = None
+        rows.append(
+            {
+                "name": name,
+                "kind": drop.meta.source.kind,
+                "pin": drop.meta.source.revision,
+                "sync_date": drop.meta.sync_date,
+                "age_days": age,
+                "pending": len(drop.meta.pending),
+                "materialized": v["materialized"],
+                "verified": v["ok"],
+                "problems": len(v["problems"]),
+            }
+        )
+    return rows
+
+
+def _tracked(root: Path, rel: str) -> list[str]:
+    try:
+        proc = subprocess.run(
+            ["git", "ls-files", "--", rel], cwd=root, capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return proc.stdout.split() if proc.returncode == 0 else []
+
+
+def lint(root: Path, name: str) -> dict[str, Any]:
+    """Static checks of a drop's metadata and member layout (offline)."""
+    problems: list[dict[str, str]] = []
+    d = root / "vendor" / name
+    try:
+        drop = load_drop(root, name)
+    except UsageError as exc:
+        return {"name": name, "ok": False, "problems": [_problem("front-matter", META_NAME, str(exc))]}
+    m = drop.meta
+    if m.name != name:
+        problems.append(_problem("front-matter", META_NAME, f"name {m.name!r} is not the directory name {name!r}"))
+    for key, value in (("description", m.description), ("sync.date", m.sync_date), ("sync.update", m.update)):
+        if not value.strip():
+            problems.append(_problem("front-matter", META_NAME, f"{key} is empty"))
+    if not m.consumers:
+        problems.append(_problem("front-matter", META_NAME, "consumers is empty: name the kernels using it"))
+    if not m.origin.repo.strip() or not m.origin.commit.strip():
+        problems.append(_problem("front-matter", META_NAME, f"origin repo/commit empty (say {NOT_RECORDED!r})"))
+    if "\n+++" in m.body:
+        problems.append(_problem("front-matter", META_NAME, "prose holds a second `+++` line"))
+    pyproject = d / "pyproject.toml"
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+        dist = project["project"]["name"]
+        packages = project["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    except (OSError, tomllib.TOMLDecodeError, KeyError) as exc:
+        problems.append(_problem("member", "pyproject.toml", f"unreadable or incomplete: {exc!r}"))
+    else:
+        if not dist.startswith("moe-ep-drop-"):
+            problems.append(_problem("member", "pyproject.toml", f"distribution {dist!r} must start with 'moe-ep-drop-'"))
+        for pkg in packages:
+            if not pkg.startswith("shim/") or not (d / pkg / "__init__.py").is_file():
+                problems.append(_problem("member", "pyproject.toml", f"package {pkg!r} is not a shim/ package"))
+    if "/src/" not in (d / ".gitignore").read_text(encoding="utf-8") if (d / ".gitignore").is_file() else True:
+        problems.append(_problem("member", ".gitignore", "must ignore /src/"))
+    referenced = {p.patch for p in m.pending}
+    for p in m.pending:
+        if not (d / p.patch).is_file():
+            problems.append(_problem("pending", p.patch, f"patch of pending {p.path} is missing"))
+    if (d / "patches").is_dir():
+        for f in sorted((d / "patches").iterdir()):
+            if f"patches/{f.name}" not in referenced:
+                problems.append(_problem("pending", f"patches/{f.name}", "no [[pending]] entry uses this patch"))
+    tracked = _tracked(root, f"vendor/{name}/src")
+    if tracked:
+        problems.append(_problem("committed", tracked[0], f"{len(tracked)} upstream files are tracked by git"))
+    return {"name": name, "ok": not problems, "problems": problems}
+
+
+_SPDX = re.compile(r"SPDX-License-Identifier:\s*(.+)")
+_SPDX_TOKEN = re.compile(r"[A-Za-z0-9.+-]+")
+
+
+def _spdx_ids(expression: str) -> set[str]:
+    return {t for t in _SPDX_TOKEN.findall(expression) if t not in {"AND", "OR", "WITH"}}
+
+
+def licenses(root: Path, name: str) -> dict[str, Any]:
+    """Declared license vs what the files say: license files present, SPDX headers found."""
+    drop = load_drop(root, name)
+    lic = drop.meta.license
+    declared = _spdx_ids(lic.spdx)
+    problems: list[dict[str, str]] = []
+    files = [{"path": f, "present": (drop.src / f).is_file()} for f in lic.files]
+    for f in files:
+        if not f["present"]:
+            problems.append(_problem("license", str(f["path"]), "listed license file is missing from src/"))
+    headers: dict[str, int] = {}
+    without: list[str] = []
+    if drop.src.is_dir():
+        entries, _ = scan_dir(drop.src)
+        for rel in entries:
+            head = (drop.src / rel).read_bytes()[:8192].decode("utf-8", errors="replace")
+            found = [m.group(1).strip().rstrip("*/").rstrip("-->").strip() for m in _SPDX.finditer(head)]
+            if not found:
+                without.append(rel)
+            for expr in found:
+                headers[expr] = headers.get(expr, 0) + 1
+                undeclared = _spdx_ids(expr) - declared
+                if undeclared:
+                    problems.append(
+                        _problem("license", rel, f"header says {expr!r}, not covered by declared {lic.spdx!r}")
+                    )
+    else:
+        problems.append(_problem("materialized", "src/", f"not materialized; run `uv run tools/vendor.py sync {name}`"))
+    return {
+        "name": name,
+        "spdx": lic.spdx,
+        "license_files": files,
+        "note": lic.note,
+        "headers": dict(sorted(headers.items())),
+        "without_header": without,
+        "ok": not problems,
+        "problems": problems,
+    }
