@@ -1,0 +1,105 @@
+"""Why a kernel of this package can or cannot run here: GPU arch, packages, drops.
+
+Nothing here imports cutlass, nvshmem or a drop's kernel sources; package presence is
+checked with `importlib.util.find_spec` and the drop through its package `__init__`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+
+__all__ = ["DropRef", "check_availability", "cuda_capability_reason", "missing_packages"]
+
+
+def cuda_capability_reason(required: tuple[int, int], label: str) -> str:
+    """ "" if the current CUDA device has exactly compute capability `required`, else why not.
+
+    The kernels are built for arch-specific targets (`sm_90a`, `sm_100a`), which run only on
+    that exact capability.
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a core dependency
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device visible (torch.cuda.is_available() is False)"
+    device = torch.cuda.current_device()
+    cap = tuple(torch.cuda.get_device_capability(device))
+    if cap != required:
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"cuda:{device} ({name}) has compute capability {cap[0]}.{cap[1]}; this kernel "
+            f"needs {required[0]}.{required[1]} ({label})"
+        )
+    return ""
+
+
+def missing_packages(modules: tuple[tuple[str, str], ...]) -> list[str]:
+    """For each `(import_name, pip_name)` that cannot be found, a "pip_name missing" phrase."""
+    out = []
+    for import_name, pip_name in modules:
+        try:
+            found = importlib.util.find_spec(import_name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(f"python package {pip_name!r} (import {import_name}) is not installed")
+    return out
+
+
+@dataclass(frozen=True)
+class DropRef:
+    """A vendored drop, used only through its package `__init__`."""
+
+    import_name: str
+    dist: str
+
+    def module(self) -> ModuleType:
+        """The drop package; `ImportError` if it is not installed."""
+        return importlib.import_module(self.import_name)
+
+    def reason(self) -> str:
+        """ "" if the drop is installed and its sources are materialized, else why not."""
+        try:
+            mod = self.module()
+        except ImportError as exc:
+            return (
+                f"drop package {self.dist} (import {self.import_name}) is not installed "
+                f"({exc}); run `uv sync`"
+            )
+        probe = getattr(mod, "availability", None)
+        if callable(probe):
+            try:
+                ok, why = probe()
+            except Exception as exc:  # the drop's own probe failing is a reason, not a crash
+                return f"drop {self.dist}: availability() raised {type(exc).__name__}: {exc}"
+            return "" if ok else f"drop {self.dist}: {why}"
+        materialized = getattr(mod, "is_materialized", None)
+        if callable(materialized) and not materialized():
+            return (
+                f"drop {self.dist} is not materialized (its src/ is empty); run "
+                f"`uv run tools/vendor.py sync`"
+            )
+        return ""
+
+
+def check_availability(
+    *,
+    capability: tuple[int, int],
+    arch_label: str,
+    packages: tuple[tuple[str, str], ...] = (),
+    drop: DropRef | None = None,
+) -> tuple[bool, str]:
+    """(True, "") or (False, every reason joined by "; ") for one kernel on this machine."""
+    reasons = missing_packages(packages)
+    if drop is not None:
+        why = drop.reason()
+        if why:
+            reasons.append(why)
+    why = cuda_capability_reason(capability, arch_label)
+    if why:
+        reasons.append(why)
+    return (not reasons, "; ".join(reasons))

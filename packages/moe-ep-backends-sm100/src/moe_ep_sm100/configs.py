@@ -1,0 +1,161 @@
+"""Config dataclasses of the sm100 kernels (taxonomy names of DESIGN section 4).
+
+Each config is frozen and keyword-only; `__post_init__` checks every knob on its own and
+`check_problem()` checks the knobs against a layer's geometry. Both raise `MoeEpUsageError`
+naming the field, the rule and the value, before anything is allocated or launched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moe_ep.backends.base import KernelConfig
+from moe_ep.errors import MoeEpUsageError
+
+__all__ = [
+    "Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig",
+    "Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig",
+    "Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig",
+]
+
+# B200 SM count; the default for max active clusters of a 1-CTA cluster.
+BLACKWELL_SM_COUNT = 148
+
+
+def _check_clamp(value: float | None, *, field: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise MoeEpUsageError(f"{field} must be a float or None, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise MoeEpUsageError(f"{field} must be finite and > 0 (e.g. 7.0), got {value!r}")
+
+
+def _check_int(value: object, *, field: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MoeEpUsageError(f"{field} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise MoeEpUsageError(f"{field} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_problem(
+    *,
+    kernel: str,
+    multiple: int,
+    hidden_size: int,
+    intermediate_size: int,
+    top_k: int,
+    num_experts: int,
+    world_size: int,
+    max_tokens_per_rank: int,
+) -> None:
+    for field, value in (
+        ("hidden_size", hidden_size),
+        ("intermediate_size", intermediate_size),
+        ("top_k", top_k),
+        ("num_experts", num_experts),
+        ("world_size", world_size),
+        ("max_tokens_per_rank", max_tokens_per_rank),
+    ):
+        _check_int(value, field=field)
+    for field, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if value % multiple:
+            raise MoeEpUsageError(
+                f"{kernel}: {field} must be a multiple of {multiple}, got {value}"
+            )
+    if num_experts % world_size:
+        raise MoeEpUsageError(
+            f"{kernel}: num_experts ({num_experts}) must be divisible by world_size ({world_size})"
+        )
+    if top_k > num_experts:
+        raise MoeEpUsageError(f"{kernel}: top_k ({top_k}) must be <= num_experts ({num_experts})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Sm100Config(KernelConfig):
+    """Knobs shared by the sm100 kernels."""
+
+    shape_multiple: ClassVar[int] = 64
+
+    gate_up_clamp: float | None = None
+    """SwiGLU clamp: gate <= c, -c <= up <= c; None = no clamp."""
+    top_k: int | None = None
+    """Routes per token, compiled into the kernel; set it so `warmup()` can compile ahead."""
+
+    def __post_init__(self) -> None:
+        _check_clamp(self.gate_up_clamp, field="gate_up_clamp")
+        if self.top_k is not None:
+            _check_int(self.top_k, field="top_k")
+
+    def check_problem(
+        self,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        top_k: int,
+        num_experts: int,
+        world_size: int,
+        max_tokens_per_rank: int,
+    ) -> None:
+        """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
+        _check_problem(
+            kernel=self.kernel_name,
+            multiple=self.shape_multiple,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            top_k=top_k,
+            num_experts=num_experts,
+            world_size=world_size,
+            max_tokens_per_rank=max_tokens_per_rank,
+        )
+        if self.top_k is not None and top_k != self.top_k:
+            raise MoeEpUsageError(
+                f"{self.kernel_name}: top_k of the inputs ({top_k}) differs from the config's "
+                f"top_k ({self.top_k})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig(_Sm100Config):
+    """Blackwell CuTe DSL mega-MoE, nvfp4 activations and weights (e2m1, 16-element e4m3
+    block scales, per-tensor fp32 global scale applied as per-expert alpha).
+
+    Hidden and intermediate sizes must be multiples of 64 (the drop's own rule).
+    """
+
+    kernel_name: ClassVar[str] = "sm100_nvfp4_nvfp4_bf16_cutedsl"
+
+    input_norm_const: float = 1.0
+    """Global scale the activations are divided by before nvfp4 quantization; must be the
+    same on every rank (peers' tokens are dequantized with the local copy)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        v = self.input_norm_const
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise MoeEpUsageError(f"input_norm_const must be finite and > 0, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig(_Sm100Config):
+    """Blackwell CuTe DSL mega-MoE (2-CTA), mxfp8 e4m3 with 32-element E8M0 block scales.
+
+    Hidden and intermediate sizes must be multiples of 64 (the drop's own rule).
+    """
+
+    kernel_name: ClassVar[str] = "sm100_mxfp8_mxfp8_bf16_cutedsl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig(_Sm100Config):
+    """DeepGEMM's Blackwell mega-MoE: fp8 activations (1x32 UE8M0), fp4 weights.
+
+    Sizes must be multiples of 128: a conservative rule, not checked against `deep_gemm`
+    (not installed where this was written).
+    """
+
+    kernel_name: ClassVar[str] = "sm100_fp8_fp4_bf16_deepgemm"
+    shape_multiple: ClassVar[int] = 128

@@ -1,0 +1,46 @@
+"""`sm100_nvfp4_nvfp4_bf16_cutedsl`: the Blackwell CuTe DSL nvfp4 mega-MoE kernel.
+
+Warning:
+    Registration, config validation and availability only; no launch path, never run on a
+    GPU (see docs/backends.md).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from moe_ep.backends.base import RuntimeRequirements
+from moe_ep.registry import register_mega_kernel
+from moe_ep_sm100._hardware import check_availability
+from moe_ep_sm100._unlaunched import LAUNCH_NOT_WRITTEN, UnlaunchedKernel
+from moe_ep_sm100.configs import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
+from moe_ep_sm100.drops import CUTEDSL_DROP
+
+__all__ = ["CUTEDSL_PACKAGES", "Sm100Nvfp4Nvfp4Bf16CutedslKernel"]
+
+CUTEDSL_PACKAGES = (
+    ("cutlass", "nvidia-cutlass-dsl"),
+    ("cuda.bindings", "cuda-bindings"),
+    ("nvshmem", "nvshmem4py-cu13"),
+    ("triton", "triton"),
+)
+
+
+@register_mega_kernel("sm100_nvfp4_nvfp4_bf16_cutedsl", deprecated_aliases=("nvfp4_cutedsl",))
+class Sm100Nvfp4Nvfp4Bf16CutedslKernel(UnlaunchedKernel):
+    """Fused dispatch + nvfp4 FC1 + SwiGLU + FC2 + combine (swap-AB), NVSHMEM peers."""
+
+    config_cls: ClassVar[type[Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig]] = (
+        Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
+    )
+    requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        _, why = check_availability(
+            capability=(10, 0),
+            arch_label="Blackwell B200/GB200, sm_100a",
+            packages=CUTEDSL_PACKAGES,
+            drop=CUTEDSL_DROP,
+        )
+        return False, "; ".join([*([why] if why else []), LAUNCH_NOT_WRITTEN])
