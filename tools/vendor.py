@@ -52,12 +52,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vendorlib import ops  # noqa: E402
-from vendorlib.drops import default_root, drop_names, select_drops  # noqa: E402
-from vendorlib.errors import EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, UsageError, VendorError  # noqa: E402
-from vendorlib.meta import Pin  # noqa: E402
-from vendorlib.progress import make_progress  # noqa: E402
-from vendorlib.sources import complete_pin  # noqa: E402
+from vendorlib import ops
+from vendorlib.drops import default_root, drop_names, select_drops
+from vendorlib.errors import EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, UsageError, VendorError
+from vendorlib.meta import Pin
+from vendorlib.progress import make_progress
+from vendorlib.sources import complete_pin
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,11 +66,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--quiet", action="store_true", help="no progress bars")
     common.add_argument("--root", type=Path, default=None, help="repository root")
-    p = _Parser(prog="vendor.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(
+        prog="vendor.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     a = sub.add_parser("add", parents=[common], help="first import of a drop")
@@ -105,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("names", nargs="*", metavar="NAME")
         s.add_argument("--all", action="store_true", help="every drop under vendor/")
         if cmd == "sync":
-            s.add_argument("--to", metavar="REV", help="re-pin: git commit/ref, PyPI version, or dir")
+            s.add_argument(
+                "--to", metavar="REV", help="re-pin: git commit/ref, PyPI version, or dir"
+            )
             s.add_argument("--sha256", help="with --to on a PyPI source: the new artifact's sha256")
             s.add_argument("--force", action="store_true", help="discard local edits in src/")
         if cmd == "verify":
@@ -160,7 +164,9 @@ def _pin_from_args(args: argparse.Namespace) -> Pin:
         return Pin("path", {"path": args.path, "subdir": args.subdir})
     dist, sep, version = args.pypi.partition("==")
     if not sep or not dist or not version:
-        raise UsageError(f"--pypi must be DIST==VERSION, e.g. flashinfer-python==0.7.2.post1; got {args.pypi!r}")
+        raise UsageError(
+            f"--pypi must be DIST==VERSION, e.g. flashinfer-python==0.7.2.post1; got {args.pypi!r}"
+        )
     fields = {"distribution": dist, "version": version, "subdir": args.subdir}
     fields |= {k: v for k, v in (("artifact", args.artifact), ("sha256", args.sha256)) if v}
     return Pin("pypi", fields)
@@ -196,7 +202,10 @@ def _run(args: argparse.Namespace) -> int:
         names = select_drops(root, args.names, args.all)
         if args.to and len(names) != 1:
             raise UsageError("--to re-pins one drop; name exactly one")
-        results = [ops.sync(root, n, progress, to=args.to, force=args.force, sha256=args.sha256) for n in names]
+        results = [
+            ops.sync(root, n, progress, to=args.to, force=args.force, sha256=args.sha256)
+            for n in names
+        ]
 
         def human_sync() -> None:
             for r in results:
@@ -224,9 +233,11 @@ def _run(args: argparse.Namespace) -> int:
         def lic(n: str) -> dict[str, Any]:
             r = ops.licenses(root, n)
             if not args.json:
-                print(f"{n}: declared {r['spdx']}; headers {r['headers']}; "
-                      f"{len(r['without_header'])} files without an SPDX header; "
-                      f"license files {r['license_files'] or 'none'}")
+                print(
+                    f"{n}: declared {r['spdx']}; headers {r['headers']}; "
+                    f"{len(r['without_header'])} files without an SPDX header; "
+                    f"license files {r['license_files'] or 'none'}"
+                )
             return r
 
         return _each(args, root, lic)
@@ -269,12 +280,26 @@ def _run(args: argparse.Namespace) -> int:
             from rich.table import Table
 
             t = Table(title="vendored drops")
-            for col in ("name", "kind", "pin", "synced", "age", "pending", "materialized", "verified"):
+            for col in (
+                "name",
+                "kind",
+                "pin",
+                "synced",
+                "age",
+                "pending",
+                "materialized",
+                "verified",
+            ):
                 t.add_column(col)
             for r in rows:
                 t.add_row(
-                    r["name"], r.get("kind", "?"), str(r.get("pin", "?"))[:16], r.get("sync_date", ""),
-                    f"{r.get('age_days')}d", str(r["pending"]), "yes" if r["materialized"] else "no",
+                    r["name"],
+                    r.get("kind", "?"),
+                    str(r.get("pin", "?"))[:16],
+                    r.get("sync_date", ""),
+                    f"{r.get('age_days')}d",
+                    str(r["pending"]),
+                    "yes" if r["materialized"] else "no",
                     "yes" if r["verified"] else "NO",
                 )
             Console().print(t)
@@ -284,7 +309,13 @@ def _run(args: argparse.Namespace) -> int:
 
     if cmd == "pull-file":
         r = ops.pull_file(root, args.name, args.path, args.rev, args.reason, progress)
-        _emit(args, r, lambda: print(f"{r['name']}: {r['action']} {r['path']} ({r['from_rev']} -> {r['to_rev']})"))
+        _emit(
+            args,
+            r,
+            lambda: print(
+                f"{r['name']}: {r['action']} {r['path']} ({r['from_rev']} -> {r['to_rev']})"
+            ),
+        )
         return EXIT_OK
     raise UsageError(f"unknown command {cmd!r}")
 

@@ -46,7 +46,9 @@ def load_drop(root: Path, name: str) -> Drop:
     """Load one drop; an unknown name raises `UsageError` listing the known ones."""
     d = root / "vendor" / name
     if not (d / META_NAME).is_file():
-        raise UsageError(f"no drop named {name!r} under {root / 'vendor'} (drops: {drop_names(root)})")
+        raise UsageError(
+            f"no drop named {name!r} under {root / 'vendor'} (drops: {drop_names(root)})"
+        )
     return Drop(name=name, dir=d, meta=load_meta(d))
 
 

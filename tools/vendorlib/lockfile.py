@@ -165,7 +165,13 @@ def write_lock(
         "total_bytes": sum(e.size for e in entries.values()),
         "tree_sha256": tree_digest(entries),
         "files": [
-            {"path": e.path, "mode": e.mode, "size": e.size, "sha256": e.sha256, "git_blob": e.git_blob}
+            {
+                "path": e.path,
+                "mode": e.mode,
+                "size": e.size,
+                "sha256": e.sha256,
+                "git_blob": e.git_blob,
+            }
             for e in (entries[p] for p in sorted(entries))
         ],
     }
@@ -179,12 +185,16 @@ def load_lock(path: Path) -> Lock:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UsageError(f"{path}: missing; run `uv run tools/vendor.py sync` to create it") from None
+        raise UsageError(
+            f"{path}: missing; run `uv run tools/vendor.py sync` to create it"
+        ) from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path}: not valid JSON ({exc})") from None
     try:
         if doc["schema"] != LOCK_SCHEMA:
-            raise UsageError(f"{path}: schema {doc['schema']!r} unsupported (expected {LOCK_SCHEMA})")
+            raise UsageError(
+                f"{path}: schema {doc['schema']!r} unsupported (expected {LOCK_SCHEMA})"
+            )
         files = {
             f["path"]: FileEntry(f["path"], f["mode"], int(f["size"]), f["sha256"], f["git_blob"])
             for f in doc["files"]

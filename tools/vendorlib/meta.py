@@ -135,7 +135,9 @@ def _need(table: dict[str, Any], key: str, where: str, kind: type = str) -> Any:
     return value
 
 
-def _str_list(table: dict[str, Any], key: str, where: str, default: tuple[str, ...]) -> tuple[str, ...]:
+def _str_list(
+    table: dict[str, Any], key: str, where: str, default: tuple[str, ...]
+) -> tuple[str, ...]:
     value = table.get(key, list(default))
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise UsageError(f"{where}: key {key!r} must be a list of strings, got {value!r}")
@@ -155,7 +157,9 @@ def parse_meta(text: str, where: str = META_NAME) -> DropMeta:
         doc = tomllib.loads("\n".join(lines[1:end]))
     except tomllib.TOMLDecodeError as exc:
         # tomllib counts lines from the block start; the file has one `+++` line before it.
-        raise UsageError(f"{where}: front matter is not valid TOML ({exc}; add 1 to the line)") from None
+        raise UsageError(
+            f"{where}: front matter is not valid TOML ({exc}; add 1 to the line)"
+        ) from None
     body = "\n".join(lines[end + 1 :])
 
     schema = _need(doc, "schema", where, int)
@@ -191,7 +195,9 @@ def parse_meta(text: str, where: str = META_NAME) -> DropMeta:
             f"{where} [source]: commit must be a full 40-hex sha1, got {fields['commit']!r}"
         )
     if kind == "pypi" and not _SHA256.match(fields["sha256"]):
-        raise UsageError(f"{where} [source]: sha256 must be 64 lower-case hex, got {fields['sha256']!r}")
+        raise UsageError(
+            f"{where} [source]: sha256 must be 64 lower-case hex, got {fields['sha256']!r}"
+        )
     source = Pin(kind, fields)
 
     f = doc.get("files", {})
@@ -260,6 +266,12 @@ def _q(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
+def _ordered(pin: Pin) -> dict[str, str]:
+    required, optional = _PIN_KEYS[pin.kind]
+    order = [k for k in (*required[:-1], *optional, required[-1]) if k in pin.fields]
+    return {k: pin.fields[k] for k in order}
+
+
 def _table(name: str, items: dict[str, Any], array: bool = False) -> str:
     head = f"[[{name}]]" if array else f"[{name}]"
     return head + "\n" + "".join(f"{k} = {_q(v)}\n" for k, v in items.items())
@@ -282,7 +294,7 @@ def render_meta(meta: DropMeta) -> str:
             {"repo": meta.origin.repo, "commit": meta.origin.commit, **meta.origin.extra}
             | ({"notes": meta.origin.notes} if meta.origin.notes else {}),
         ),
-        _table("source", {"kind": meta.source.kind, **meta.source.fields}),
+        _table("source", {"kind": meta.source.kind, **_ordered(meta.source)}),
         _table("files", {"include": list(meta.include), "exclude": list(meta.exclude)}),
         _table(
             "license",

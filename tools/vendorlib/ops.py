@@ -159,7 +159,9 @@ def _check_pending(drop: Drop) -> list[dict[str, str]]:
             continue  # reported as missing by the tree check
         data = current.read_bytes()
         if _sha256(data) != p.to_sha256:
-            out.append(_problem("pending", p.path, f"bytes are not the entry's to_sha256 {p.to_sha256}"))
+            out.append(
+                _problem("pending", p.path, f"bytes are not the entry's to_sha256 {p.to_sha256}")
+            )
             continue
         try:
             base = apply_patch(data, reverse_patch(patch_path.read_text(encoding="utf-8")), p.path)
@@ -190,7 +192,9 @@ def verify(root: Path, name: str) -> dict[str, Any]:
         problems.append(_problem("lock", drop.lock_path.name, str(exc)))
     if lock is not None:
         if lock.drop != name:
-            problems.append(_problem("lock", drop.lock_path.name, f"lock is for drop {lock.drop!r}"))
+            problems.append(
+                _problem("lock", drop.lock_path.name, f"lock is for drop {lock.drop!r}")
+            )
         if lock.pin != drop.meta.source.identity():
             problems.append(
                 _problem(
@@ -201,20 +205,32 @@ def verify(root: Path, name: str) -> dict[str, Any]:
                 )
             )
         if tree_digest(lock.files) != lock.tree_sha256:
-            problems.append(_problem("lock", drop.lock_path.name, "tree_sha256 does not match its files"))
+            problems.append(
+                _problem("lock", drop.lock_path.name, "tree_sha256 does not match its files")
+            )
         want_pending = {p.path: p.to_sha256 for p in drop.meta.pending}
         if lock.pending != want_pending:
             problems.append(
-                _problem("pending", drop.lock_path.name, f"lock pending {lock.pending} != VENDOR.md {want_pending}")
+                _problem(
+                    "pending",
+                    drop.lock_path.name,
+                    f"lock pending {lock.pending} != VENDOR.md {want_pending}",
+                )
             )
         for lic in drop.meta.license.files:
             if lic not in lock.files:
-                problems.append(_problem("license", lic, "license file listed in VENDOR.md is not in the drop"))
+                problems.append(
+                    _problem("license", lic, "license file listed in VENDOR.md is not in the drop")
+                )
         if materialized:
             problems += _check_tree(drop, lock)
     if not materialized:
         problems.append(
-            _problem("materialized", "src/", f"not materialized; run `uv run tools/vendor.py sync {name}`")
+            _problem(
+                "materialized",
+                "src/",
+                f"not materialized; run `uv run tools/vendor.py sync {name}`",
+            )
         )
     else:
         problems += _check_pending(drop)
@@ -290,11 +306,18 @@ def sync(
                 "fix them upstream or pass --force to discard them"
             )
         if to is None and lock is not None and lock.pin == meta.source.identity():
-            return {"name": name, "action": "up-to-date", "pin": meta.source.identity(), "files": len(lock.files)}
+            return {
+                "name": name,
+                "action": "up-to-date",
+                "pin": meta.source.identity(),
+                "files": len(lock.files),
+            }
 
     pin = pin_at(meta.source, root, to, progress, sha256) if to is not None else meta.source
     tree = _filtered(fetch_tree(pin, root, progress), meta)
-    tree, kept, absorbed = _apply_pending(tree, meta.pending, drop.dir, to is not None, pin.revision)
+    tree, kept, absorbed = _apply_pending(
+        tree, meta.pending, drop.dir, to is not None, pin.revision
+    )
     entries = entries_of(tree)
 
     if to is None and lock is not None:
@@ -368,7 +391,9 @@ def add(
         include=include,
         exclude=exclude,
         sync_date=_today(),
-        update=f"uv run tools/vendor.py outdated {name}; uv run tools/vendor.py sync {name} --to <rev>",
+        update=(
+            f"uv run tools/vendor.py outdated {name}; uv run tools/vendor.py sync {name} --to <rev>"
+        ),
         consumers=consumers,
         body=render_body(name),
     )
@@ -385,7 +410,9 @@ def add(
     )
     shim = drop_dir / "shim" / package
     shim.mkdir(parents=True, exist_ok=True)
-    (shim / "__init__.py").write_text(render_shim(name, package, description, python_tree), encoding="utf-8")
+    (shim / "__init__.py").write_text(
+        render_shim(name, package, description, python_tree), encoding="utf-8"
+    )
     _swap_in(drop_dir, tree, progress)
     entries = entries_of(tree)
     write_lock(drop_dir / "vendor.lock.json", name, pin.identity(), {}, entries)
@@ -405,7 +432,9 @@ def add(
 # --------------------------------------------------------------------------- diff / outdated
 
 
-def _diff_text(left: Tree, right: Tree, subdir: str, lname: str, rname: str) -> tuple[str, dict[str, list[str]]]:
+def _diff_text(
+    left: Tree, right: Tree, subdir: str, lname: str, rname: str
+) -> tuple[str, dict[str, list[str]]]:
     prefix = f"{subdir}/" if subdir else ""
     summary: dict[str, list[str]] = {"added": [], "removed": [], "modified": [], "mode": []}
     chunks: list[str] = []
@@ -443,7 +472,9 @@ def _diff_text(left: Tree, right: Tree, subdir: str, lname: str, rname: str) -> 
 
 def _src_tree(drop: Drop) -> Tree:
     if not drop.src.is_dir():
-        raise UsageError(f"{drop.name}: src/ is not materialized; run `uv run tools/vendor.py sync {drop.name}`")
+        raise UsageError(
+            f"{drop.name}: src/ is not materialized; run `uv run tools/vendor.py sync {drop.name}`"
+        )
     tree: Tree = {}
     entries, _ = scan_dir(drop.src)
     for rel in entries:
@@ -464,7 +495,9 @@ def diff(
     left_pin = pin_at(pin, root, rev, progress) if rev is not None else pin
     left = _filtered(fetch_tree(left_pin, root, progress), drop.meta)
     right = _src_tree(drop)
-    text, summary = _diff_text(left, right, pin.subdir, f"{left_pin.kind}:{left_pin.revision}", "src/")
+    text, summary = _diff_text(
+        left, right, pin.subdir, f"{left_pin.kind}:{left_pin.revision}", "src/"
+    )
     return {
         "name": name,
         "from": left_pin.identity(),
@@ -508,11 +541,17 @@ def pull_file(
     if not reason.strip():
         raise UsageError("--reason must say why the file is taken ahead of the pin")
     lock = load_lock(drop.lock_path)
-    problems = _check_tree(drop, lock) if drop.src.is_dir() else [_problem("materialized", "src/", "")]
+    problems = (
+        _check_tree(drop, lock) if drop.src.is_dir() else [_problem("materialized", "src/", "")]
+    )
     if problems:
-        raise MismatchError(f"{name}: src/ must be materialized and verified before pull-file ({problems[:3]})")
+        raise MismatchError(
+            f"{name}: src/ must be materialized and verified before pull-file ({problems[:3]})"
+        )
     if path not in lock.files:
-        raise UsageError(f"{name}: {path!r} is not a file of the drop (only files the pin has can be pulled)")
+        raise UsageError(
+            f"{name}: {path!r} is not a file of the drop (only files the pin has can be pulled)"
+        )
     new_pin = pin_at(drop.meta.source, root, rev, progress)
     tree = fetch_tree(new_pin, root, progress)
     if path not in tree:
@@ -522,7 +561,9 @@ def pull_file(
     old_entry = next((p for p in drop.meta.pending if p.path == path), None)
     base = current
     if old_entry is not None:
-        base = apply_patch(current, reverse_patch((drop.dir / old_entry.patch).read_text(encoding="utf-8")), path)
+        base = apply_patch(
+            current, reverse_patch((drop.dir / old_entry.patch).read_text(encoding="utf-8")), path
+        )
     if new == current:
         return {"name": name, "action": "unchanged", "path": path, "to_rev": new_pin.revision}
     others = tuple(p for p in drop.meta.pending if p.path != path)
@@ -565,7 +606,7 @@ def pull_file(
     }
 
 
-# --------------------------------------------------------------------------- status / lint / licenses
+# --------------------------------------------------------------------------- status, lint
 
 
 def status(root: Path) -> list[dict[str, Any]]:
@@ -576,7 +617,15 @@ def status(root: Path) -> list[dict[str, Any]]:
         try:
             drop = load_drop(root, name)
         except UsageError as exc:
-            rows.append({"name": name, "materialized": False, "verified": False, "pending": 0, "error": str(exc)})
+            rows.append(
+                {
+                    "name": name,
+                    "materialized": False,
+                    "verified": False,
+                    "pending": 0,
+                    "error": str(exc),
+                }
+            )
             continue
         v = verify(root, name)
         try:
@@ -616,17 +665,33 @@ def lint(root: Path, name: str) -> dict[str, Any]:
     try:
         drop = load_drop(root, name)
     except UsageError as exc:
-        return {"name": name, "ok": False, "problems": [_problem("front-matter", META_NAME, str(exc))]}
+        return {
+            "name": name,
+            "ok": False,
+            "problems": [_problem("front-matter", META_NAME, str(exc))],
+        }
     m = drop.meta
     if m.name != name:
-        problems.append(_problem("front-matter", META_NAME, f"name {m.name!r} is not the directory name {name!r}"))
-    for key, value in (("description", m.description), ("sync.date", m.sync_date), ("sync.update", m.update)):
+        problems.append(
+            _problem(
+                "front-matter", META_NAME, f"name {m.name!r} is not the directory name {name!r}"
+            )
+        )
+    for key, value in (
+        ("description", m.description),
+        ("sync.date", m.sync_date),
+        ("sync.update", m.update),
+    ):
         if not value.strip():
             problems.append(_problem("front-matter", META_NAME, f"{key} is empty"))
     if not m.consumers:
-        problems.append(_problem("front-matter", META_NAME, "consumers is empty: name the kernels using it"))
+        problems.append(
+            _problem("front-matter", META_NAME, "consumers is empty: name the kernels using it")
+        )
     if not m.origin.repo.strip() or not m.origin.commit.strip():
-        problems.append(_problem("front-matter", META_NAME, f"origin repo/commit empty (say {NOT_RECORDED!r})"))
+        problems.append(
+            _problem("front-matter", META_NAME, f"origin repo/commit empty (say {NOT_RECORDED!r})")
+        )
     if "\n+++" in m.body:
         problems.append(_problem("front-matter", META_NAME, "prose holds a second `+++` line"))
     pyproject = d / "pyproject.toml"
@@ -638,11 +703,23 @@ def lint(root: Path, name: str) -> dict[str, Any]:
         problems.append(_problem("member", "pyproject.toml", f"unreadable or incomplete: {exc!r}"))
     else:
         if not dist.startswith("moe-ep-drop-"):
-            problems.append(_problem("member", "pyproject.toml", f"distribution {dist!r} must start with 'moe-ep-drop-'"))
+            problems.append(
+                _problem(
+                    "member",
+                    "pyproject.toml",
+                    f"distribution {dist!r} must start with 'moe-ep-drop-'",
+                )
+            )
         for pkg in packages:
             if not pkg.startswith("shim/") or not (d / pkg / "__init__.py").is_file():
-                problems.append(_problem("member", "pyproject.toml", f"package {pkg!r} is not a shim/ package"))
-    if "/src/" not in (d / ".gitignore").read_text(encoding="utf-8") if (d / ".gitignore").is_file() else True:
+                problems.append(
+                    _problem("member", "pyproject.toml", f"package {pkg!r} is not a shim/ package")
+                )
+    if (
+        "/src/" not in (d / ".gitignore").read_text(encoding="utf-8")
+        if (d / ".gitignore").is_file()
+        else True
+    ):
         problems.append(_problem("member", ".gitignore", "must ignore /src/"))
     referenced = {p.patch for p in m.pending}
     for p in m.pending:
@@ -651,10 +728,14 @@ def lint(root: Path, name: str) -> dict[str, Any]:
     if (d / "patches").is_dir():
         for f in sorted((d / "patches").iterdir()):
             if f"patches/{f.name}" not in referenced:
-                problems.append(_problem("pending", f"patches/{f.name}", "no [[pending]] entry uses this patch"))
+                problems.append(
+                    _problem("pending", f"patches/{f.name}", "no [[pending]] entry uses this patch")
+                )
     tracked = _tracked(root, f"vendor/{name}/src")
     if tracked:
-        problems.append(_problem("committed", tracked[0], f"{len(tracked)} upstream files are tracked by git"))
+        problems.append(
+            _problem("committed", tracked[0], f"{len(tracked)} upstream files are tracked by git")
+        )
     return {"name": name, "ok": not problems, "problems": problems}
 
 
@@ -675,14 +756,19 @@ def licenses(root: Path, name: str) -> dict[str, Any]:
     files = [{"path": f, "present": (drop.src / f).is_file()} for f in lic.files]
     for f in files:
         if not f["present"]:
-            problems.append(_problem("license", str(f["path"]), "listed license file is missing from src/"))
+            problems.append(
+                _problem("license", str(f["path"]), "listed license file is missing from src/")
+            )
     headers: dict[str, int] = {}
     without: list[str] = []
     if drop.src.is_dir():
         entries, _ = scan_dir(drop.src)
         for rel in entries:
             head = (drop.src / rel).read_bytes()[:8192].decode("utf-8", errors="replace")
-            found = [m.group(1).strip().rstrip("*/").rstrip("-->").strip() for m in _SPDX.finditer(head)]
+            found = [
+                m.group(1).strip().removesuffix("*/").removesuffix("-->").strip()
+                for m in _SPDX.finditer(head)
+            ]
             if not found:
                 without.append(rel)
             for expr in found:
@@ -690,10 +776,20 @@ def licenses(root: Path, name: str) -> dict[str, Any]:
                 undeclared = _spdx_ids(expr) - declared
                 if undeclared:
                     problems.append(
-                        _problem("license", rel, f"header says {expr!r}, not covered by declared {lic.spdx!r}")
+                        _problem(
+                            "license",
+                            rel,
+                            f"header says {expr!r}, not covered by declared {lic.spdx!r}",
+                        )
                     )
     else:
-        problems.append(_problem("materialized", "src/", f"not materialized; run `uv run tools/vendor.py sync {name}`"))
+        problems.append(
+            _problem(
+                "materialized",
+                "src/",
+                f"not materialized; run `uv run tools/vendor.py sync {name}`",
+            )
+        )
     return {
         "name": name,
         "spdx": lic.spdx,

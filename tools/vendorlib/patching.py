@@ -21,7 +21,9 @@ def _lines(data: bytes, what: str) -> list[str]:
     try:
         return data.decode("utf-8").splitlines(keepends=True)
     except UnicodeDecodeError:
-        raise MismatchError(f"{what} is not UTF-8 text; pending patches cover text files only") from None
+        raise MismatchError(
+            f"{what} is not UTF-8 text; pending patches cover text files only"
+        ) from None
 
 
 def make_patch(old: bytes, new: bytes, path: str) -> str:
@@ -90,7 +92,8 @@ def apply_patch(old: bytes, patch: str, path: str) -> bytes:
                 if pos >= len(src) or src[pos] != text:
                     got = src[pos] if pos < len(src) else "<end of file>"
                     raise MismatchError(
-                        f"{path}: patch does not apply at line {pos + 1}: expected {text!r}, found {got!r}"
+                        f"{path}: patch does not apply at line {pos + 1}: "
+                        f"expected {text!r}, found {got!r}"
                     )
                 if tag == " ":
                     result.append(text)

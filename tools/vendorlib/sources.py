@@ -71,7 +71,8 @@ def _git(args: list[str], cwd: Path | None = None, input_: bytes | None = None) 
         raise SourceError("git is not installed; the git source needs it") from None
     if proc.returncode != 0:
         raise SourceError(
-            f"`{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.decode(errors='replace').strip()}"
+            f"`{' '.join(cmd)}` exited {proc.returncode}: "
+            f"{proc.stderr.decode(errors='replace').strip()}"
         )
     return proc.stdout
 
@@ -132,7 +133,11 @@ def _git_tree(pin: Pin, root: Path, progress: Progress) -> Tree:
         raise SourceError(f"subdir {subdir!r} is missing or empty in {url} at {commit}")
     tree: Tree = {}
     with progress.task(f"extract {len(items)} files", len(items)) as advance:
-        out = _git(["cat-file", "--batch"], cwd=mirror, input_="".join(f"{s}\n" for _, _, s in items).encode())
+        out = _git(
+            ["cat-file", "--batch"],
+            cwd=mirror,
+            input_="".join(f"{s}\n" for _, _, s in items).encode(),
+        )
         buf = io.BytesIO(out)
         for rel, mode, _sha in items:
             header = buf.readline().split()
@@ -195,7 +200,9 @@ class _Anchors(HTMLParser):
 
 
 def _index_url(pin: Pin) -> str:
-    return (os.environ.get("MOE_EP_VENDOR_INDEX_URL") or pin.fields.get("index") or DEFAULT_INDEX).rstrip("/")
+    return (
+        os.environ.get("MOE_EP_VENDOR_INDEX_URL") or pin.fields.get("index") or DEFAULT_INDEX
+    ).rstrip("/")
 
 
 def _normalize(name: str) -> str:
@@ -230,7 +237,13 @@ def _project_files(pin: Pin) -> list[_IndexFile]:
     files: list[_IndexFile] = []
     if "json" in ctype:
         for f in json.loads(body)["files"]:
-            files.append(_IndexFile(f["filename"], urllib.parse.urljoin(base, f["url"]), f["hashes"].get("sha256", "")))
+            files.append(
+                _IndexFile(
+                    f["filename"],
+                    urllib.parse.urljoin(base, f["url"]),
+                    f["hashes"].get("sha256", ""),
+                )
+            )
         return files
     parser = _Anchors()
     parser.feed(body.decode("utf-8", errors="replace"))
@@ -265,7 +278,12 @@ def _artifact_for(pin: Pin, version: str) -> _IndexFile:
         if f.filename == want:
             return f
     kind = ".whl" if old.endswith(".whl") else ".tar.gz"
-    same_kind = [f for f in files if _version_of(f.filename, pin.fields["distribution"]) == version and f.filename.endswith(kind)]
+    same_kind = [
+        f
+        for f in files
+        if _version_of(f.filename, pin.fields["distribution"]) == version
+        and f.filename.endswith(kind)
+    ]
     if len(same_kind) == 1:
         return same_kind[0]
     raise SourceError(
@@ -318,7 +336,11 @@ def _extract(artifact: Path, subdir: str, progress: Progress) -> Tree:
     name = artifact.name
     if name.endswith((".whl", ".zip")):
         with zipfile.ZipFile(artifact) as zf:
-            infos = [i for i in zf.infolist() if not i.is_dir() and _under(i.filename, subdir) is not None]
+            infos = [
+                i
+                for i in zf.infolist()
+                if not i.is_dir() and _under(i.filename, subdir) is not None
+            ]
             with progress.task(f"extract {len(infos)} files", len(infos)) as advance:
                 for info in infos:
                     rel = _under(info.filename, subdir) or info.filename
@@ -327,15 +349,18 @@ def _extract(artifact: Path, subdir: str, progress: Progress) -> Tree:
                     advance(1)
     elif name.endswith((".tar.gz", ".tgz")):
         with tarfile.open(artifact, "r:gz") as tf:
-            members = []
+            members: list[tuple[str, tarfile.TarInfo]] = []
             for m in tf.getmembers():
                 # sdists wrap everything in one `<name>-<version>/` directory: strip it.
                 inner = m.name.split("/", 1)[1] if "/" in m.name else ""
-                rel = _under(inner, subdir)
-                if rel is None or m.isdir():
+                under = _under(inner, subdir)
+                if under is None or m.isdir():
                     continue
+                rel = under
                 if not m.isfile():
-                    raise SourceError(f"{name}: {m.name} is not a regular file; drops hold regular files only")
+                    raise SourceError(
+                        f"{name}: {m.name} is not a regular file; drops hold regular files only"
+                    )
                 members.append((rel, m))
             with progress.task(f"extract {len(members)} files", len(members)) as advance:
                 for rel, m in members:
@@ -380,14 +405,19 @@ def _path_tree(pin: Pin, root: Path, progress: Progress) -> Tree:
     base = _path_root(pin, root)
     top = base / pin.subdir if pin.subdir else base
     if not top.is_dir():
-        raise SourceError(f"{top}: not a directory (source path {pin.fields['path']!r}, subdir {pin.subdir!r})")
+        raise SourceError(
+            f"{top}: not a directory (source path {pin.fields['path']!r}, subdir {pin.subdir!r})"
+        )
     files = sorted(p for p in top.rglob("*") if not p.is_dir())
     tree: Tree = {}
     with progress.task(f"copy {len(files)} files", len(files)) as advance:
         for p in files:
             if p.is_symlink() or not p.is_file():
                 raise SourceError(f"{p}: not a regular file; drops hold regular files only")
-            tree[p.relative_to(top).as_posix()] = (0o755 if p.stat().st_mode & 0o111 else 0o644, p.read_bytes())
+            tree[p.relative_to(top).as_posix()] = (
+                0o755 if p.stat().st_mode & 0o111 else 0o644,
+                p.read_bytes(),
+            )
             advance(1)
     if not tree:
         raise SourceError(f"{top}: empty")
@@ -430,7 +460,9 @@ def pin_at(pin: Pin, root: Path, rev: str, progress: Progress, sha256: str | Non
             entry = _artifact_for(pin, rev)
             if not (sha256 or entry.sha256):
                 raise SourceError(f"{entry.filename}: the index gives no sha256; pass --sha256")
-            new = pin.with_fields(version=rev, artifact=entry.filename, sha256=sha256 or entry.sha256)
+            new = pin.with_fields(
+                version=rev, artifact=entry.filename, sha256=sha256 or entry.sha256
+            )
         return new.with_fields(sha256=sha256) if sha256 else new
     return pin.with_fields(path=rev)
 
@@ -442,11 +474,17 @@ def complete_pin(pin: Pin, root: Path, progress: Progress) -> Pin:
     `sha256` it takes the index's digest, which the download then checks.
     """
     if pin.kind == "git":
-        return pin.with_fields(commit=_git_resolve(pin, root, pin.fields.get("commit", "HEAD"), progress))
+        return pin.with_fields(
+            commit=_git_resolve(pin, root, pin.fields.get("commit", "HEAD"), progress)
+        )
     if pin.kind != "pypi":
         return pin
     version = pin.fields["version"]
-    files = [f for f in _project_files(pin) if _version_of(f.filename, pin.fields["distribution"]) == version]
+    files = [
+        f
+        for f in _project_files(pin)
+        if _version_of(f.filename, pin.fields["distribution"]) == version
+    ]
     artifact = pin.fields.get("artifact")
     if artifact:
         chosen = [f for f in files if f.filename == artifact]

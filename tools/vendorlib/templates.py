@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 __all__ = ["GITIGNORE", "HATCH_BUILD", "render_body", "render_pyproject", "render_shim"]
 
 GITIGNORE = """\
@@ -51,14 +53,17 @@ class UpstreamTreeHook(BuildHookInterface):  # type: ignore[misc]
 '''
 
 _SHIM = '''\
-"""Shim of the vendored drop `@@NAME@@`: the only code that touches its upstream `src/`.
+"""Shim of a vendored drop: the only code that touches the drop's upstream `src/`.
 
+Drop: `@@NAME@@`.
 @@DESCRIPTION@@
 
-`src/` is byte-verbatim upstream, materialized by `uv run tools/vendor.py sync @@NAME@@` and
-never committed. An editable (workspace) install reads `vendor/@@NAME@@/src/`; a built wheel
-ships the same tree as `@@PKG@@/_upstream/`. Importing this package never touches `src/`:
-callers ask `availability()` first, or catch `DropUnavailableError`.
+`src/` is byte-verbatim upstream, materialized by
+`uv run tools/vendor.py sync @@NAME@@` and never committed.
+An editable (workspace) install reads `vendor/@@NAME@@/src/`;
+a built wheel ships the same tree as `@@PKG@@/_upstream/`.
+Importing this package never touches `src/`: callers ask `availability()` first, or catch
+`DropUnavailableError`.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ __all__ = [
     "activate",
     "active_src",
     "availability",
-    "import_upstream",
+    "import_src_module",
     "is_materialized",
     "source_files",
     "src_dir",
@@ -200,7 +205,7 @@ def activate() -> Path:
     return root
 
 
-def import_upstream(module: str) -> ModuleType:
+def import_src_module(module: str) -> ModuleType:
     """Activate the drop and import `module` from it (e.g. `"common.moe_utils"`).
 
     Raises:
@@ -222,7 +227,7 @@ def render_shim(name: str, package: str, description: str, python_tree: bool) ->
     return (
         _SHIM.replace("@@NAME@@", name)
         .replace("@@PKG@@", package)
-        .replace("@@DESCRIPTION@@", description)
+        .replace("@@DESCRIPTION@@", textwrap.fill(description.rstrip(".") + ".", width=96))
         .replace("@@PYTHON_TREE@@", "True" if python_tree else "False")
     )
 

@@ -1,11 +1,15 @@
-"""Shim of the vendored drop `sm100_cutedsl_megamoe`: the only code that touches its upstream `src/`.
+"""Shim of a vendored drop: the only code that touches the drop's upstream `src/`.
 
-sm100 CuTe DSL mega-MoE kernels, nvfp4 (Sm100MegaMoEKernel) and mxfp8 (Sm100MegaMoEMxfp8Kernel)
+Drop: `sm100_cutedsl_megamoe`.
+sm100 (Blackwell) CuTe DSL fused dispatch + FC1 + SwiGLU + FC2 + combine mega-MoE kernels: nvfp4
+(Sm100MegaMoEKernel) and mxfp8 (Sm100MegaMoEMxfp8Kernel).
 
-`src/` is byte-verbatim upstream, materialized by `uv run tools/vendor.py sync sm100_cutedsl_megamoe` and
-never committed. An editable (workspace) install reads `vendor/sm100_cutedsl_megamoe/src/`; a built wheel
-ships the same tree as `moe_ep_drop_sm100_cutedsl/_upstream/`. Importing this package never touches `src/`:
-callers ask `availability()` first, or catch `DropUnavailableError`.
+`src/` is byte-verbatim upstream, materialized by
+`uv run tools/vendor.py sync sm100_cutedsl_megamoe` and never committed.
+An editable (workspace) install reads `vendor/sm100_cutedsl_megamoe/src/`;
+a built wheel ships the same tree as `moe_ep_drop_sm100_cutedsl/_upstream/`.
+Importing this package never touches `src/`: callers ask `availability()` first, or catch
+`DropUnavailableError`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ __all__ = [
     "activate",
     "active_src",
     "availability",
-    "import_upstream",
+    "import_src_module",
     "is_materialized",
     "source_files",
     "src_dir",
@@ -147,7 +151,7 @@ def activate() -> Path:
     return root
 
 
-def import_upstream(module: str) -> ModuleType:
+def import_src_module(module: str) -> ModuleType:
     """Activate the drop and import `module` from it (e.g. `"common.moe_utils"`).
 
     Raises:

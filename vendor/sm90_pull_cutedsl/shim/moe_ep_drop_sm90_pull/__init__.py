@@ -1,11 +1,15 @@
-"""Shim of the vendored drop `sm90_pull_cutedsl`: the only code that touches its upstream `src/`.
+"""Shim of a vendored drop: the only code that touches the drop's upstream `src/`.
 
-sm90 pull-style CuTe DSL fp8 mega-MoE kernel (Sm90MegaMoEFp8Kernel / Sm90MegaMoESwapABFp8Kernel)
+Drop: `sm90_pull_cutedsl`.
+sm90 (Hopper) pull-style CuTe DSL fp8 mega-MoE kernel (Sm90MegaMoEFp8Kernel,
+Sm90MegaMoESwapABFp8Kernel; blockwise or per-tensor fp8).
 
-`src/` is byte-verbatim upstream, materialized by `uv run tools/vendor.py sync sm90_pull_cutedsl` and
-never committed. An editable (workspace) install reads `vendor/sm90_pull_cutedsl/src/`; a built wheel
-ships the same tree as `moe_ep_drop_sm90_pull/_upstream/`. Importing this package never touches `src/`:
-callers ask `availability()` first, or catch `DropUnavailableError`.
+`src/` is byte-verbatim upstream, materialized by
+`uv run tools/vendor.py sync sm90_pull_cutedsl` and never committed.
+An editable (workspace) install reads `vendor/sm90_pull_cutedsl/src/`;
+a built wheel ships the same tree as `moe_ep_drop_sm90_pull/_upstream/`.
+Importing this package never touches `src/`: callers ask `availability()` first, or catch
+`DropUnavailableError`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ __all__ = [
     "activate",
     "active_src",
     "availability",
-    "import_upstream",
+    "import_src_module",
     "is_materialized",
     "source_files",
     "src_dir",
@@ -147,7 +151,7 @@ def activate() -> Path:
     return root
 
 
-def import_upstream(module: str) -> ModuleType:
+def import_src_module(module: str) -> ModuleType:
     """Activate the drop and import `module` from it (e.g. `"common.moe_utils"`).
 
     Raises:
