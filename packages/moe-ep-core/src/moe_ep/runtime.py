@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -72,10 +73,8 @@ def active_refcount() -> int:
 # ---------------------------------------------------------------- bounded store barrier
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistNetworkError):
-        return False
-    return isinstance(exc, dist.DistStoreError) or "timeout" in str(exc).lower()
+def _missing(store: Any, prefix: str, world_size: int) -> list[int]:
+    return [r for r in range(world_size) if not store.check([f"{prefix}/arrived/{r}"])]
 
 
 def _store_barrier(
@@ -91,45 +90,71 @@ def _store_barrier(
 ) -> None:
     """All `world_size` ranks meet under `prefix` in `store`, or raise within `timeout_s`.
 
-    Raises MoeEpTimeoutError naming the ranks that did not arrive, or MoeEpPeerError when
-    the store itself (hosted by a peer) went away. With `host_waits_for_exit`, the store's
-    host also waits until every other rank has left, so it can close the store safely.
+    Group rank 0 decides a timeout: it writes which ranks are missing under `abort` and waits
+    briefly for the ranks that did arrive to read it, so every survivor reports the same
+    missing ranks (instead of racing the store's shutdown). Others give up on their own
+    only a grace period later (rank 0 itself is then the one missing).
+
+    Raises:
+        MoeEpTimeoutError: names the ranks that did not arrive, world size and timeout.
+        MoeEpPeerError: the store (hosted by a peer) went away; names that peer.
     """
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    grace = min(2.0, 0.25 * timeout_s + 0.1)
+    decider = rank == 0
+
+    def fail(detail: str) -> MoeEpTimeoutError:
+        return MoeEpTimeoutError(
+            f"{what}: {detail}; world size {world_size}, timeout {timeout_s:g} s, "
+            f"seen from rank {rank}"
+        )
+
     try:
         store.set(f"{prefix}/arrived/{rank}", b"1")
         if store.add(f"{prefix}/count", 1) == world_size:
             store.set(f"{prefix}/done", b"1")
-        store.wait([f"{prefix}/done"], datetime.timedelta(seconds=timeout_s))
+        pause = 0.0005
+        while not store.check([f"{prefix}/done"]):
+            if store.check([f"{prefix}/abort"]):
+                detail = store.get(f"{prefix}/abort").decode()
+                store.add(f"{prefix}/abort_ack", 1)
+                raise fail(detail)
+            waited = time.monotonic() - start
+            if decider and waited > timeout_s:
+                missing = _missing(store, prefix, world_size)
+                if not missing:
+                    continue  # the last rank arrived just now
+                detail = (
+                    f"rank(s) {missing} did not arrive ({world_size - len(missing)}/"
+                    f"{world_size} did)"
+                )
+                store.set(f"{prefix}/abort", detail.encode())
+                others = world_size - len(missing) - 1
+                until = time.monotonic() + grace
+                while store.add(f"{prefix}/abort_ack", 0) < others and time.monotonic() < until:
+                    time.sleep(0.01)
+                raise fail(detail)
+            if not decider and waited > timeout_s + grace:
+                missing = _missing(store, prefix, world_size)
+                raise fail(f"rank(s) {missing} did not arrive (rank 0 did not decide in time)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+    except MoeEpTimeoutError:
+        raise
     except Exception as exc:
-        if not _is_timeout(exc):
-            raise MoeEpPeerError(
-                f"{what}: rank {rank} lost the rendezvous store hosted by {host_desc} "
-                f"(world size {world_size}); that rank probably died: {exc}"
-            ) from exc
-        try:
-            missing = [r for r in range(world_size) if not store.check([f"{prefix}/arrived/{r}"])]
-        except Exception:
-            missing = []
-        detail = (
-            f"rank(s) {missing} did not arrive ({world_size - len(missing)}/{world_size} did)"
-            if missing
-            else "not every rank arrived"
-        )
-        raise MoeEpTimeoutError(
-            f"{what}: {detail}; world size {world_size}, timeout {timeout_s:g} s, "
-            f"seen from rank {rank}"
+        raise MoeEpPeerError(
+            f"{what}: rank {rank} lost the rendezvous store hosted by {host_desc} "
+            f"(world size {world_size}); that rank probably died: {exc}"
         ) from exc
     if not host_waits_for_exit:
         return
     if rank != _STORE_HOST:
-        try:
+        # The host may be gone already; nothing is left to coordinate then.
+        with contextlib.suppress(Exception):
             if store.add(f"{prefix}/left", 1) == world_size - 1:
                 store.set(f"{prefix}/all_left", b"1")
-        except Exception:
-            pass  # the host is gone already; nothing left to coordinate
     elif world_size > 1:
-        remaining = max(0.001, deadline - time.monotonic())
+        remaining = max(0.001, start + timeout_s - time.monotonic())
         # Everyone arrived; a rank that vanished since cannot be waited for.
         with contextlib.suppress(Exception):
             store.wait([f"{prefix}/all_left"], datetime.timedelta(seconds=remaining))
@@ -169,10 +194,30 @@ def _rendezvous_url(config: BootstrapConfig) -> tuple[str, int]:
     return addr_port
 
 
+def _port_open(host: str, port: int, deadline: float) -> bool:
+    """Poll until something listens on host:port (torch's own connect loop can take about
+    twice its timeout, so the bounded wait is done here)."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
 def _create_store(config: BootstrapConfig, timeout_s: float) -> tuple[Any, str]:
     host, port = _rendezvous_url(config)
     desc = f"rank {_STORE_HOST} at {host}:{port}"
-    timeout = datetime.timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    if config.rank != _STORE_HOST and not _port_open(host, port, deadline):
+        raise MoeEpTimeoutError(
+            f"bootstrap: rank(s) [0] did not arrive: rank {config.rank} could not reach the "
+            f"rendezvous store hosted by {desc} within {timeout_s:g} s (world size "
+            f"{config.world_size})"
+        )
+    timeout = datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
     try:
         store = dist.TCPStore(
             host,
