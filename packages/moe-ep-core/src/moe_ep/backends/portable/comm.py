@@ -1,0 +1,194 @@
+"""Dispatch and combine over `torch.distributed` (`all_to_all_single`, uneven splits).
+
+Send order on the home rank is (destination rank, token, slot); every destination receives
+its pairs in (source rank, token, slot) order and regroups them by local expert with a stable
+sort, so an expert always sees its rows in global (token, slot) order whatever the world size.
+The combine returns one row per (token, slot) and sums on the home rank in slot order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError
+
+__all__ = [
+    "DispatchPlan",
+    "Received",
+    "combine",
+    "exchange",
+    "local_received",
+    "plan_dispatch",
+    "return_rows",
+]
+
+
+@dataclass
+class DispatchPlan:
+    """Home-side routing of one forward.
+
+    pair_token / pair_slot: `[P]` int64 token and slot of each valid pair, in send order.
+    row_token: `[R]` int64 token of each payload row sent, in send order (R == P without
+        dedup; one row per (destination, token) with dedup).
+    pair_meta: `[P, 2]` int32 (row index within its destination's chunk, local expert).
+    row_counts / pair_counts: per destination rank.
+    """
+
+    pair_token: torch.Tensor
+    pair_slot: torch.Tensor
+    row_token: torch.Tensor
+    pair_meta: torch.Tensor
+    row_counts: list[int]
+    pair_counts: list[int]
+
+
+def plan_dispatch(
+    topk_ids: torch.Tensor, e_local: int, world_size: int, dedup: bool
+) -> DispatchPlan:
+    """Plan the dispatch of `topk_ids [n, k]` (-1 = padded) over `world_size` ranks."""
+    n, k = int(topk_ids.shape[0]), int(topk_ids.shape[1])
+    flat = topk_ids.reshape(-1).long()
+    idx = (flat >= 0).nonzero().squeeze(1)  # token-major: (token, slot) order
+    dest = torch.div(flat[idx], e_local, rounding_mode="floor")
+    order = torch.sort(dest, stable=True).indices
+    idx, dest = idx[order], dest[order]
+    pair_token = torch.div(idx, k, rounding_mode="floor")
+    pair_slot = idx - pair_token * k
+    local_expert = flat[idx] - dest * e_local
+    pair_counts_t = torch.bincount(dest, minlength=world_size)
+    if dedup and idx.numel():
+        key = dest * max(n, 1) + pair_token
+        new_row = torch.ones_like(key, dtype=torch.bool)
+        new_row[1:] = key[1:] != key[:-1]
+        row_of_pair = torch.cumsum(new_row.long(), 0) - 1
+        first = new_row.nonzero().squeeze(1)
+        row_token = pair_token[first]
+        row_counts_t = torch.bincount(dest[first], minlength=world_size)
+    else:
+        row_of_pair = torch.arange(idx.numel(), device=flat.device)
+        row_token = pair_token
+        row_counts_t = pair_counts_t
+    row_start = torch.cumsum(row_counts_t, 0) - row_counts_t
+    row_in_chunk = row_of_pair - row_start[dest]
+    meta = torch.stack([row_in_chunk, local_expert], dim=1).to(torch.int32)
+    return DispatchPlan(
+        pair_token=pair_token,
+        pair_slot=pair_slot,
+        row_token=row_token,
+        pair_meta=meta,
+        row_counts=row_counts_t.tolist(),
+        pair_counts=pair_counts_t.tolist(),
+    )
+
+
+@dataclass
+class Received:
+    """Destination-side view: payload rows and, per received pair, its row and local expert.
+
+    rows: `[R_recv, B]` uint8 payload. pair_row: `[P_recv]` int64 index into rows.
+    pair_expert: `[P_recv]` int64 local expert. pair_counts: pairs received per source.
+    """
+
+    rows: torch.Tensor
+    pair_row: torch.Tensor
+    pair_expert: torch.Tensor
+    pair_counts: list[int]
+
+
+def _a2a(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group: object,
+    what: str,
+    rank: int,
+) -> None:
+    try:
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)  # type: ignore[arg-type]
+    except Exception as exc:  # a dead or misbehaving peer surfaces here; name ourselves
+        text = str(exc)
+        cls = (
+            MoeEpTimeoutError
+            if "timeout" in text.lower() or "timed out" in text.lower()
+            else MoeEpPeerError
+        )
+        raise cls(
+            f"rank {rank}: {what} failed: a peer rank failed, raised before joining, or did "
+            f"not join within the group timeout ({type(exc).__name__}: {text})"
+        ) from exc
+
+
+def exchange(
+    plan: DispatchPlan, payload: torch.Tensor, *, group: object, rank: int, world_size: int
+) -> Received:
+    """Counts exchange, then payload rows and pair metadata (three `all_to_all_single`s)."""
+    dev = payload.device
+    counts = torch.tensor([plan.row_counts, plan.pair_counts], dtype=torch.int64).t().contiguous()
+    recv_counts = torch.empty_like(counts)
+    counts, recv_counts = counts.to(dev), recv_counts.to(dev)
+    _a2a(recv_counts, counts, [1] * world_size, [1] * world_size, group, "dispatch counts", rank)
+    rc = recv_counts.cpu()
+    recv_rows_n, recv_pairs_n = rc[:, 0].tolist(), rc[:, 1].tolist()
+    rows = payload.new_empty((sum(recv_rows_n), payload.shape[1]))
+    _a2a(rows, payload, recv_rows_n, plan.row_counts, group, "dispatch payload", rank)
+    meta = plan.pair_meta.new_empty((sum(recv_pairs_n), 2))
+    _a2a(meta, plan.pair_meta, recv_pairs_n, plan.pair_counts, group, "dispatch metadata", rank)
+    src = torch.repeat_interleave(
+        torch.arange(world_size, device=dev), torch.tensor(recv_pairs_n, device=dev)
+    )
+    row_start = torch.cumsum(rc[:, 0], 0) - rc[:, 0]
+    pair_row = meta[:, 0].long() + row_start.to(dev)[src]
+    return Received(rows, pair_row, meta[:, 1].long(), recv_pairs_n)
+
+
+def local_received(token_payload: torch.Tensor, plan: DispatchPlan) -> Received:
+    """World size 1: `token_payload [n, B]` (every token, unselected) is already here."""
+    return Received(token_payload, plan.pair_token, plan.pair_meta[:, 1].long(), plan.pair_counts)
+
+
+def return_rows(
+    y: torch.Tensor,
+    recv: Received,
+    plan: DispatchPlan,
+    *,
+    group: object,
+    rank: int,
+    world_size: int,
+) -> torch.Tensor:
+    """Send `y [P_recv, H]` (received pair order) back; returns `[P, H]` in send order."""
+    if world_size == 1:
+        return y
+    out = y.new_empty((sum(plan.pair_counts), y.shape[1]))
+    _a2a(
+        out.view(torch.uint8),
+        y.contiguous().view(torch.uint8),
+        plan.pair_counts,
+        recv.pair_counts,
+        group,
+        "combine",
+        rank,
+    )
+    return out
+
+
+def combine(
+    y_home: torch.Tensor, plan: DispatchPlan, topk_weights: torch.Tensor, output: torch.Tensor
+) -> torch.Tensor:
+    """`output[t] = bf16(sum_j w[t, j] * y[t, j])`, fp32, slots in increasing order.
+
+    Padded slots have no pair and add nothing; a token with no valid slot gets exact zeros.
+    """
+    n, k = int(topk_weights.shape[0]), int(topk_weights.shape[1])
+    acc = torch.zeros((n, output.shape[1]), dtype=torch.float32, device=output.device)
+    for j in range(k):
+        sel = (plan.pair_slot == j).nonzero().squeeze(1)
+        if sel.numel() == 0:
+            continue
+        tok = plan.pair_token[sel]
+        acc.index_add_(0, tok, y_home[sel].float() * topk_weights[tok, j].unsqueeze(1))
+    output.copy_(acc)
+    return output

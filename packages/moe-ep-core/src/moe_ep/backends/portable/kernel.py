@@ -1,0 +1,215 @@
+"""The portable kernels: dispatch (comm) -> experts -> combine (comm), any device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from moe_ep.backends.base import KernelConfig, MegaKernel, RuntimeRequirements
+from moe_ep.backends.portable import comm
+from moe_ep.backends.portable.configs import (
+    Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
+    Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig,
+    Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
+    Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig,
+    Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig,
+    PortableConfig,
+)
+from moe_ep.backends.portable.experts import run_experts
+from moe_ep.backends.portable.recipes import (
+    Bf16Recipe,
+    Fp8BlockRecipe,
+    Fp8Fp4Recipe,
+    Mxfp8Recipe,
+    Nvfp4Recipe,
+    Recipe,
+)
+from moe_ep.errors import MoeEpUsageError
+from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+from moe_ep.layer.validation import validate_weight_pack
+from moe_ep.registry import register_mega_kernel
+
+if TYPE_CHECKING:
+    from moe_ep.runtime import Runtime
+
+__all__ = [
+    "Bf16TorchKernel",
+    "Fp8Fp4TorchKernel",
+    "Fp8TorchKernel",
+    "Mxfp8TorchKernel",
+    "Nvfp4TorchKernel",
+    "PortableTorchKernel",
+]
+
+
+@dataclass
+class StagedInputs:
+    """What `stage_inputs` hands to `compute_staged` (valid for one compute)."""
+
+    output: torch.Tensor
+    plan: comm.DispatchPlan
+    payload: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+class PortableTorchKernel(MegaKernel):
+    """Portable EP MoE in torch: runs on CPU (gloo) and CUDA (NCCL); the kernels' oracle.
+
+    Duplicate expert ids within a row are legal: each slot is its own (token, slot) pair and
+    the duplicates are summed like any other slots.
+    """
+
+    config_cls: ClassVar[type[KernelConfig]] = PortableConfig
+    requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements()
+
+    @classmethod
+    def make_recipe(cls, config: KernelConfig) -> Recipe:
+        raise NotImplementedError
+
+    @classmethod
+    def validate_weights(
+        cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
+    ) -> tuple[int, int]:
+        """Local checks of a weight pack (no collective); returns (E_local, I)."""
+        recipe = cls.make_recipe(config)
+        e_local, inter = validate_weight_pack(
+            weights, fleet, world_size, quantized_dtypes=recipe.quantized_weight_dtypes
+        )
+        recipe.check_dims(fleet.hidden_size, inter)
+        if not weights.prequantized:
+            for name in ("w13", "w2"):
+                t = getattr(weights, name)
+                if t.numel() and not bool(torch.isfinite(t).all()):
+                    raise MoeEpUsageError(f"{name} has non-finite values (NaN or inf)")
+        return e_local, inter
+
+    def __init__(
+        self,
+        *,
+        config: KernelConfig,
+        fleet: FleetParams,
+        runtime: Runtime,
+        weights: MoEWeightPack,
+    ) -> None:
+        if not isinstance(config, self.config_cls):
+            raise MoeEpUsageError(
+                f"config for {self.kernel_name} must be a {self.config_cls.__name__}, got "
+                f"{type(config).__name__}"
+            )
+        super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
+        self.pconfig: PortableConfig = config  # type: ignore[assignment]
+        self.e_local, self.intermediate = self.validate_weights(
+            weights, fleet, runtime.world_size, config
+        )
+        self.recipe = self.make_recipe(config)
+        dev = runtime.device
+        moved = MoEWeightPack(
+            *(
+                None if t is None else t.to(dev)
+                for t in (
+                    weights.w13,
+                    weights.w2,
+                    weights.w13_scale,
+                    weights.w2_scale,
+                    weights.w13_global_scale,
+                    weights.w2_global_scale,
+                )
+            )  # type: ignore[arg-type]
+        )
+        self.prepared = self.recipe.prepare(moved)
+
+    def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
+        """Plan routing and quantize this rank's tokens into the dispatch payload."""
+        ws = self.runtime.world_size
+        plan = comm.plan_dispatch(tensors.topk_ids, self.e_local, ws, self.pconfig.dedup)
+        x = tensors.hidden_states
+        if ws == 1:
+            payload = self.recipe.pack(x)
+        else:
+            payload = self.recipe.pack(x.index_select(0, plan.row_token))
+        return StagedInputs(output, plan, payload, tensors.topk_weights)
+
+    def compute_staged(self, *, staged: Any) -> torch.Tensor:
+        """Dispatch, run the local experts, return rows and combine into the output."""
+        st: StagedInputs = staged
+        rt = self.runtime
+        ws, rank = rt.world_size, rt.rank
+        if ws == 1:
+            recv = comm.local_received(st.payload, st.plan)
+        else:
+            recv = comm.exchange(st.plan, st.payload, group=rt.group, rank=rank, world_size=ws)
+        st.payload = st.payload[:0]  # the send buffer is no longer needed
+        hidden = self.fleet.hidden_size
+        order = torch.sort(recv.pair_expert, stable=True).indices
+        counts = torch.bincount(recv.pair_expert, minlength=self.e_local)
+        rows = self.recipe.unpack(recv.rows, hidden)
+        x = rows.index_select(0, recv.pair_row[order])
+        del rows
+        y_sorted = run_experts(
+            x, counts, self.prepared, self.recipe.requantize, self.pconfig.swiglu_clamp
+        )
+        del x
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted
+        del y_sorted
+        y_home = comm.return_rows(y, recv, st.plan, group=rt.group, rank=rank, world_size=ws)
+        return comm.combine(y_home, st.plan, st.topk_weights, st.output)
+
+
+@register_mega_kernel("any_bf16_bf16_bf16_torch")
+class Bf16TorchKernel(PortableTorchKernel):
+    """bf16 activations and weights (bit-identical across runs and world sizes 1, 2, 4)."""
+
+    config_cls = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
+
+    @classmethod
+    def make_recipe(cls, config: KernelConfig) -> Recipe:
+        return Bf16Recipe()
+
+
+@register_mega_kernel("any_fp8_fp8_bf16_torch")
+class Fp8TorchKernel(PortableTorchKernel):
+    """DeepSeek-V3 blockwise fp8: the oracle of the sm90 fp8 kernels."""
+
+    config_cls = Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
+
+    @classmethod
+    def make_recipe(cls, config: KernelConfig) -> Recipe:
+        return Fp8BlockRecipe()
+
+
+@register_mega_kernel("any_mxfp8_mxfp8_bf16_torch")
+class Mxfp8TorchKernel(PortableTorchKernel):
+    """mxfp8 (E8M0 per 32, ceil rule): the oracle of sm100_mxfp8_mxfp8_bf16_cutedsl."""
+
+    config_cls = Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig
+
+    @classmethod
+    def make_recipe(cls, config: KernelConfig) -> Recipe:
+        return Mxfp8Recipe()
+
+
+@register_mega_kernel("any_nvfp4_nvfp4_bf16_torch")
+class Nvfp4TorchKernel(PortableTorchKernel):
+    """nvfp4 (e4m3 per 16 + global alpha): the oracle of sm100_nvfp4_nvfp4_bf16_cutedsl."""
+
+    config_cls = Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig
+
+    @classmethod
+    def make_recipe(cls, config: KernelConfig) -> Recipe:
+        act = getattr(config, "act_global_scale", 1.0)
+        hid = getattr(config, "hidden_global_scale", 1.0)
+        return Nvfp4Recipe(act, hid)
+
+
+@register_mega_kernel("any_fp8_fp4_bf16_torch")
+class Fp8Fp4TorchKernel(PortableTorchKernel):
+    """fp8 (1x128, UE8M0) activations x mxfp4 weights: the oracle of the DeepGEMM kernel."""
+
+    config_cls = Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig
+
+    @classmethod
+    def make_recipe(cls, config: KernelConfig) -> Recipe:
+        return Fp8Fp4Recipe()

@@ -1,0 +1,303 @@
+"""Per-format recipes: how activations travel and how weights are prepared.
+
+A recipe quantizes a token's activations on its home rank into a byte payload (what is
+dispatched), dequantizes received payloads once, requantizes the FC2 input (the SwiGLU
+output) in the same activation format, and prepares the weights once at construction
+(quantize with the recipe, keep the dequantized values; never re-dequantized per forward).
+
+Formats (each matches the GPU kernel of the same taxonomy name; see docs/layer.md):
+    bf16    activations and weights bf16; FC1 / FC2 in bf16 with fp32 accumulation.
+    fp8     DeepSeek-V3 blockwise e4m3: activations 1x128, weights 128x128, fp32 scales.
+    mxfp8   e4m3 with one E8M0 byte per 32 elements (ceil rule), activations and weights.
+    nvfp4   e2m1 with one e4m3 scale per 16 elements; per-tensor global scales applied as a
+            per-expert alpha after each GEMM (static activation global scales from config).
+    fp8_fp4 DeepGEMM recipe: activations e4m3 1x128 with UE8M0 (power-of-two) scales,
+            weights mxfp4 (e2m1, one E8M0 byte per 32 elements, ceil rule).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from moe_ep import quant
+from moe_ep.errors import MoeEpUsageError
+from moe_ep.layer.params import MoEWeightPack
+
+__all__ = [
+    "Bf16Recipe",
+    "Fp8BlockRecipe",
+    "Fp8Fp4Recipe",
+    "Mxfp8Recipe",
+    "Nvfp4Recipe",
+    "PreparedWeights",
+    "Recipe",
+]
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    """Weights laid out for `torch._grouped_mm` (`mat_b [E_local, K, N]`), made once.
+
+    w13t: `[E_local, H, 2I]` compute dtype (gate columns first).
+    w2t: `[E_local, I, H]` compute dtype.
+    alpha13 / alpha2: `[E_local]` fp32 per-expert GEMM epilogue factors, or None.
+    """
+
+    w13t: torch.Tensor
+    w2t: torch.Tensor
+    alpha13: torch.Tensor | None = None
+    alpha2: torch.Tensor | None = None
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`[m, c]` tensor -> `[m, c * itemsize]` uint8 view of its bytes."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _split(payload: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for w in widths:
+        out.append(payload[:, start : start + w].contiguous())
+        start += w
+    return out
+
+
+class Recipe(ABC):
+    """One activation/weight format."""
+
+    name: str = ""
+    compute_dtype: torch.dtype = torch.float32
+    quantized_weight_dtypes: tuple[torch.dtype, ...] = ()
+    """Payload dtypes accepted in a pre-quantized `MoEWeightPack` (empty: none)."""
+    k_multiple: int = 1
+    """H and I must be multiples of this (the format's block along K)."""
+
+    def check_dims(self, hidden: int, intermediate: int) -> None:
+        m = self.k_multiple
+        if hidden % m or intermediate % m:
+            raise MoeEpUsageError(
+                f"format {self.name} needs hidden_size and intermediate size to be multiples "
+                f"of {m}, got H={hidden}, I={intermediate}"
+            )
+
+    @abstractmethod
+    def row_bytes(self, hidden: int) -> int:
+        """Bytes of one dispatched token row of `hidden` elements."""
+
+    @abstractmethod
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """`[n, H]` bf16 -> `[n, row_bytes(H)]` uint8 (quantized on the home rank)."""
+
+    @abstractmethod
+    def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
+        """`[m, row_bytes(H)]` uint8 -> `[m, H]` compute dtype (dequantized, no global scale)."""
+
+    @abstractmethod
+    def requantize(self, h: torch.Tensor) -> torch.Tensor:
+        """FC2 input: `[m, I]` fp32 SwiGLU output -> `[m, I]` compute dtype (quantize-dequant)."""
+
+    @abstractmethod
+    def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
+        """Quantize (or take the pre-quantized payload), dequantize once, lay out."""
+
+
+def _float_weights(weights: MoEWeightPack, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if weights.prequantized:
+        raise MoeEpUsageError(f"format {fmt} takes unquantized weights only")
+    return weights.w13, weights.w2
+
+
+def _layout(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return (
+        w13.to(dtype).transpose(1, 2).contiguous(),
+        w2.to(dtype).transpose(1, 2).contiguous(),
+    )
+
+
+class Bf16Recipe(Recipe):
+    name = "bf16"
+    compute_dtype = torch.bfloat16
+
+    def row_bytes(self, hidden: int) -> int:
+        return 2 * hidden
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        return _bytes(x)
+
+    def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
+        return payload.contiguous().view(torch.bfloat16)
+
+    def requantize(self, h: torch.Tensor) -> torch.Tensor:
+        return h.to(torch.bfloat16)
+
+    def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
+        w13, w2 = _float_weights(weights, self.name)
+        w13t, w2t = _layout(w13, w2, torch.bfloat16)
+        return PreparedWeights(w13t, w2t)
+
+
+def _check_scale_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], dtype: str) -> None:
+    if tuple(t.shape) != expected:
+        raise MoeEpUsageError(
+            f"{name} must be {dtype} {list(expected)} (canonical, unswizzled), got {tuple(t.shape)}"
+        )
+
+
+class Fp8BlockRecipe(Recipe):
+    """DeepSeek-V3 blockwise fp8 (e4m3; activations 1x128, weights 128x128; fp32 scales)."""
+
+    name = "fp8"
+    quantized_weight_dtypes = (torch.float8_e4m3fn,)
+    k_multiple = 128
+    act_scale_format = "fp32"
+
+    def row_bytes(self, hidden: int) -> int:
+        return hidden + 4 * (hidden // 128)
+
+    def _qdq_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quant.quantize_fp8_blockwise(
+            x, block=(1, 128), scale_format=self.act_scale_format, check_finite=False
+        )
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        data, scales = self._qdq_parts(x)
+        return torch.cat([_bytes(data), _bytes(scales)], dim=1)
+
+    def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
+        data, scales = _split(payload, [hidden, 4 * (hidden // 128)])
+        return quant.dequantize_fp8_blockwise(
+            data.view(torch.float8_e4m3fn), scales.view(torch.float32), block=(1, 128)
+        )
+
+    def requantize(self, h: torch.Tensor) -> torch.Tensor:
+        data, scales = self._qdq_parts(h)
+        return quant.dequantize_fp8_blockwise(data, scales, block=(1, 128))
+
+    def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        if s is None:
+            w, s = quant.quantize_fp8_blockwise(w, block=(128, 128))
+        else:
+            rows, cols = int(w.shape[1]), int(w.shape[2])
+            _check_scale_shape(
+                f"{name}_scale", s, (int(w.shape[0]), -(-rows // 128), cols // 128), "fp32"
+            )
+        return quant.dequantize_fp8_blockwise(w, s, block=(128, 128))
+
+    def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
+        w13 = self._weight("w13", weights.w13, weights.w13_scale)
+        w2 = self._weight("w2", weights.w2, weights.w2_scale)
+        w13t, w2t = _layout(w13, w2, torch.float32)
+        return PreparedWeights(w13t, w2t)
+
+
+class Mxfp8Recipe(Recipe):
+    """mxfp8: e4m3 elements, one E8M0 byte per 32 along K (ceil rule), acts and weights."""
+
+    name = "mxfp8"
+    quantized_weight_dtypes = (torch.float8_e4m3fn,)
+    k_multiple = 32
+
+    def row_bytes(self, hidden: int) -> int:
+        return hidden + hidden // 32
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        data, scales = quant.quantize_mxfp8(x, check_finite=False)
+        return torch.cat([_bytes(data), scales], dim=1)
+
+    def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
+        data, scales = _split(payload, [hidden, hidden // 32])
+        return quant.dequantize_mxfp8(data.view(torch.float8_e4m3fn), scales)
+
+    def requantize(self, h: torch.Tensor) -> torch.Tensor:
+        return quant.dequantize_mxfp8(*quant.quantize_mxfp8(h, check_finite=False))
+
+    def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        if s is None:
+            w, s = quant.quantize_mxfp8(w)
+        else:
+            e, rows, cols = (int(d) for d in w.shape)
+            _check_scale_shape(f"{name}_scale", s, (e, rows, cols // 32), "E8M0 uint8")
+        return quant.dequantize_mxfp8(w, s)
+
+    def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
+        w13 = self._weight("w13", weights.w13, weights.w13_scale)
+        w2 = self._weight("w2", weights.w2, weights.w2_scale)
+        w13t, w2t = _layout(w13, w2, torch.float32)
+        return PreparedWeights(w13t, w2t)
+
+
+class Nvfp4Recipe(Recipe):
+    """nvfp4: e2m1 (packed, low nibble first), e4m3 scale per 16, global scales as alpha.
+
+    Activations use static global scales (`act_global_scale` for FC1 input,
+    `hidden_global_scale` for FC2 input), like a calibrated `input_scale`: a per-batch
+    amax would make a token's result depend on its batch.
+    """
+
+    name = "nvfp4"
+    quantized_weight_dtypes = (torch.uint8,)
+    k_multiple = 16
+
+    def __init__(self, act_global_scale: float = 1.0, hidden_global_scale: float = 1.0) -> None:
+        self.act_gs = float(act_global_scale)
+        self.hidden_gs = float(hidden_global_scale)
+
+    def row_bytes(self, hidden: int) -> int:
+        return hidden // 2 + hidden // 16
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        packed, scales = quant.quantize_nvfp4(x, norm_const=self.act_gs, check_finite=False)
+        return torch.cat([packed, _bytes(scales)], dim=1)
+
+    def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
+        packed, scales = _split(payload, [hidden // 2, hidden // 16])
+        return quant.dequantize_nvfp4(packed, scales.view(torch.float8_e4m3fn))
+
+    def requantize(self, h: torch.Tensor) -> torch.Tensor:
+        packed, scales = quant.quantize_nvfp4(h, norm_const=self.hidden_gs, check_finite=False)
+        # Dequantized without the global scale: it is folded into alpha2.
+        return quant.dequantize_nvfp4(packed, scales)
+
+    def _weight(
+        self, name: str, w: torch.Tensor, s: torch.Tensor | None, gs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        e = int(w.shape[0])
+        if s is None:
+            gs_t = quant.nvfp4_global_scale(w, dim=(-2, -1))
+            w, s = quant.quantize_nvfp4(w, norm_const=gs_t)
+            gs = gs_t.reshape(e)
+        else:
+            rows, half = int(w.shape[1]), int(w.shape[2])
+            _check_scale_shape(f"{name}_scale", s, (e, rows, half * 2 // 16), "e4m3")
+            if gs is None:
+                gs = torch.ones(e, dtype=torch.float32, device=w.device)
+            _check_scale_shape(f"{name}_global_scale", gs, (e,), "fp32")
+        return quant.dequantize_nvfp4(w, s), gs.float().reshape(e)
+
+    def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
+        w13, gs13 = self._weight("w13", weights.w13, weights.w13_scale, weights.w13_global_scale)
+        w2, gs2 = self._weight("w2", weights.w2, weights.w2_scale, weights.w2_global_scale)
+        w13t, w2t = _layout(w13, w2, torch.float32)
+        alpha13 = torch.as_tensor(quant.nvfp4_alpha(self.act_gs, gs13), dtype=torch.float32)
+        alpha2 = torch.as_tensor(quant.nvfp4_alpha(self.hidden_gs, gs2), dtype=torch.float32)
+        return PreparedWeights(w13t, w2t, alpha13, alpha2)
+
+
+class Fp8Fp4Recipe(Fp8BlockRecipe):
+    """DeepGEMM fp8 x fp4: e4m3 1x128 activations with UE8M0 scales, mxfp4 weights."""
+
+    name = "fp8_fp4"
+    quantized_weight_dtypes = (torch.uint8,)
+    k_multiple = 128
+    act_scale_format = "ue8m0"
+
+    def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        if s is None:
+            w, s = quant.quantize_mxfp4(w)
+        else:
+            e, rows, half = (int(d) for d in w.shape)
+            _check_scale_shape(f"{name}_scale", s, (e, rows, half * 2 // 32), "E8M0 uint8")
+        return quant.dequantize_mxfp4(w, s)

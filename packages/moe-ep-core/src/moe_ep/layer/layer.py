@@ -1,0 +1,202 @@
+"""`MoEEpLayer`: the user-facing expert-parallel MoE layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_ep.backends.base import KernelConfig, MegaKernel
+from moe_ep.config import BootstrapConfig
+from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+from moe_ep.layer.validation import validate_forward, validate_weight_pack
+
+__all__ = ["MoEEpLayer", "StagedForward", "resolve_backend"]
+
+
+def resolve_backend(backend: str | KernelConfig) -> tuple[type[MegaKernel], KernelConfig]:
+    """(kernel class, config) for a kernel name (default config) or a config object."""
+    from moe_ep.registry import get_kernel
+
+    if not isinstance(backend, str | KernelConfig):
+        raise MoeEpUsageError(
+            f"backend must be a kernel name (e.g. 'any_bf16_bf16_bf16_torch') or a kernel "
+            f"config object, got {type(backend).__name__}"
+        )
+    kernel_cls: type[MegaKernel] = get_kernel(backend)
+    if isinstance(backend, str):
+        return kernel_cls, kernel_cls.config_cls()
+    if not isinstance(backend, kernel_cls.config_cls):
+        raise MoeEpUsageError(
+            f"backend config {type(backend).__name__} names kernel {backend.kernel_name!r}, "
+            f"whose config class is {kernel_cls.config_cls.__name__}"
+        )
+    return kernel_cls, backend
+
+
+class StagedForward:
+    """Inputs staged by `MoEEpLayer.stage_inputs`, consumed once by `compute_staged`."""
+
+    def __init__(self, output: torch.Tensor, handle: Any, generation: int) -> None:
+        self.output = output
+        self.handle = handle
+        self.generation = generation
+        self.used = False
+
+
+class MoEEpLayer:
+    """An expert-parallel MoE layer on one EP rank.
+
+    Construction (collective) validates everything locally first (expert count against the
+    world size, weight shapes / dtypes / packed fp4 halves / scale planes, the kernel's
+    availability), then acquires the runtime (`moe_ep.runtime.acquire`, which joins or
+    creates the process group), prepares the weights once, and ends with a barrier.
+
+    Args:
+        bootstrap: how this rank joins the fleet (`moe_ep.BootstrapConfig`).
+        fleet_params: `FleetParams(num_experts, max_tokens_per_rank, hidden_size)`, the same
+            on every rank.
+        weights: `MoEWeightPack` of this rank's `E_local` experts (rank r owns experts
+            `[r*E_local, (r+1)*E_local)`).
+        backend: a kernel name such as `"any_bf16_bf16_bf16_torch"` (default config) or a
+            kernel config object (e.g. `Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(dedup=False)`).
+
+    Bad input on one rank raises `MoeEpUsageError` on that rank before any collective; the
+    other ranks then fail in their next collective with `MoeEpPeerError` /
+    `MoeEpTimeoutError` within the bootstrap timeout (`BootstrapConfig.timeout_s`) instead
+    of hanging.
+    """
+
+    def __init__(
+        self,
+        bootstrap: BootstrapConfig,
+        fleet_params: FleetParams,
+        weights: MoEWeightPack,
+        backend: str | KernelConfig,
+    ) -> None:
+        if not isinstance(bootstrap, BootstrapConfig):
+            raise MoeEpUsageError(
+                f"bootstrap must be a moe_ep.BootstrapConfig, got {type(bootstrap).__name__}"
+            )
+        if not isinstance(fleet_params, FleetParams):
+            raise MoeEpUsageError(
+                f"fleet_params must be a moe_ep.FleetParams, got {type(fleet_params).__name__}"
+            )
+        if not isinstance(weights, MoEWeightPack):
+            raise MoeEpUsageError(
+                f"weights must be a moe_ep.MoEWeightPack, got {type(weights).__name__}"
+            )
+        kernel_cls, config = resolve_backend(backend)
+        ok, reason = kernel_cls.availability()
+        if not ok:
+            raise MoeEpUnavailableError(f"kernel {kernel_cls.kernel_name!r}: {reason}")
+        validate = getattr(kernel_cls, "validate_weights", None)
+        if validate is not None:
+            validate(weights, fleet_params, bootstrap.world_size, config)
+        else:
+            validate_weight_pack(weights, fleet_params, bootstrap.world_size)
+        self.fleet = fleet_params
+        self.kernel_name = kernel_cls.kernel_name
+        self.config = config
+        self._generation = 0
+        self._destroyed = False
+        from moe_ep.runtime import acquire
+
+        self._runtime = acquire(bootstrap, requirements=kernel_cls.requirements)
+        try:
+            self._kernel: MegaKernel = kernel_cls(
+                config=config, fleet=fleet_params, runtime=self._runtime, weights=weights
+            )
+            self._runtime.barrier()
+        except BaseException:
+            self._runtime.release()
+            raise
+
+    # -- properties ---------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._live().rank
+
+    @property
+    def world_size(self) -> int:
+        return self._live().world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._live().device
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    def _live(self) -> Any:
+        if self._destroyed:
+            raise MoeEpUsageError("this MoEEpLayer was destroyed; construct a new one")
+        return self._runtime
+
+    # -- forward ------------------------------------------------------------------------
+    def stage_inputs(self, tensors: MoEEpTensors) -> StagedForward:
+        """Validate `tensors`, allocate (or take) the output, stage inputs (no collective).
+
+        Returns a handle for one `compute_staged` call; its `output` is `[n, H]` bf16,
+        valid once `compute_staged` returns.
+        """
+        rt = self._live()
+        out = validate_forward(tensors, self.fleet, rt.device)
+        if out is None:
+            out = torch.empty(
+                (tensors.num_tokens, self.fleet.hidden_size), dtype=torch.bfloat16, device=rt.device
+            )
+        handle = self._kernel.stage_inputs(tensors=tensors, output=out)
+        return StagedForward(out, handle, self._generation)
+
+    def compute_staged(self, staged: StagedForward) -> torch.Tensor:
+        """Collective: dispatch, run the experts, combine; returns `[n, H]` bf16."""
+        self._live()
+        if not isinstance(staged, StagedForward) or staged.generation != self._generation:
+            raise MoeEpUsageError("staged must come from this layer's stage_inputs()")
+        if staged.used:
+            raise MoeEpUsageError("this staged forward was already computed; stage again")
+        staged.used = True
+        return self._kernel.compute_staged(staged=staged.handle)
+
+    def forward(self, tensors: MoEEpTensors) -> torch.Tensor:
+        """Collective: `[n, H]` bf16 = sum over k of `topk_weights[:, k] * expert(x)`."""
+        return self.compute_staged(self.stage_inputs(tensors))
+
+    __call__ = forward
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Collective: let the kernel compile / allocate what a first forward would."""
+        self._live()
+        self._kernel.warmup()
+
+    def destroy(self) -> None:
+        """Collective and idempotent: release the kernel's workspaces and the runtime.
+
+        Not done in `__del__`: teardown is collective, and garbage collection runs at
+        different times on different ranks, which would hang or break the peers.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            self._kernel.destroy()
+        finally:
+            self._runtime.release()
+
+    def __enter__(self) -> MoEEpLayer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        state = (
+            "destroyed"
+            if self._destroyed
+            else f"rank {self._runtime.rank}/{self._runtime.world_size}"
+        )
+        return f"MoEEpLayer({self.kernel_name}, {self.fleet}, {state})"

@@ -1,0 +1,208 @@
+"""Dense single-process reference of the EP MoE layer, and the per-cell tolerance band.
+
+`oracle_forward` takes the GLOBAL inputs (every rank's tokens concatenated in rank order)
+and ALL experts' weights, and computes in float64 what every kernel approximates: quantize
+the activations and weights with the format's recipe (`moe_ep.quant`), `[g; u] = w13 @ x`,
+`h = silu(g) * u` (optional clamp), requantize h, `y = w2 @ h`, `out = sum_k w_k * y_k`.
+For the bf16 format the FC1 output `[g; u]` is rounded to bf16 first (a bf16 GEMM's output,
+as in unfused bf16 MoE pipelines); the quantized formats keep it in high precision, as the
+fused GPU kernels do (fp32 accumulators feed SwiGLU).
+It loops over experts (not the kernels' grouping) and shares no code with the portable
+backend beyond `moe_ep.quant`.
+
+Band (DESIGN section 5): per output cell, `ulps * eps_bf16 * sum_k |w_k * y_k| + atol`
+with eps_bf16 = 2**-7, i.e. a few bf16 ulps of the magnitude of the terms summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe_ep import quant
+from moe_ep.errors import MoeEpUsageError
+
+__all__ = [
+    "FORMATS",
+    "OracleResult",
+    "ToleranceReport",
+    "compare_to_oracle",
+    "oracle_forward",
+    "tolerance_band",
+]
+
+FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4", "fp8_fp4")
+"""Activation/weight formats, named as in `any_<fmt>_..._torch` (fp8_fp4: act fp8, w fp4)."""
+
+EPS_BF16 = 2.0**-7
+DEFAULT_ULPS = 4.0
+DEFAULT_ATOL = 1e-6
+
+
+@dataclass(frozen=True)
+class OracleResult:
+    """output: `[T, H]` bf16; exact: `[T, H]` float64 before the cast; terms: `[T, H]`
+    float64 `sum_k |w_k * y_k|` (what the band is made of)."""
+
+    output: torch.Tensor
+    exact: torch.Tensor
+    terms: torch.Tensor
+
+
+def _qdq_act(x: torch.Tensor, fmt: str, global_scale: float) -> torch.Tensor:
+    """Quantize-dequantize activations `[m, K]` per token (no global scale folded back)."""
+    x = x.float()
+    if fmt == "bf16":
+        return x.to(torch.bfloat16).double()
+    if fmt in ("fp8", "fp8_fp4"):
+        sf = "fp32" if fmt == "fp8" else "ue8m0"
+        d, s = quant.quantize_fp8_blockwise(x, block=(1, 128), scale_format=sf)
+        return quant.dequantize_fp8_blockwise(d, s, block=(1, 128)).double()
+    if fmt == "mxfp8":
+        return quant.dequantize_mxfp8(*quant.quantize_mxfp8(x, rule="ceil")).double()
+    if fmt == "nvfp4":
+        p, s = quant.quantize_nvfp4(x, norm_const=global_scale)
+        return quant.dequantize_nvfp4(p, s).double()
+    raise MoeEpUsageError(f"format must be one of {FORMATS}, got {fmt!r}")
+
+
+def _qdq_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[E, N, K]` -> (dequantized float64 without global scale, per-expert norm_const)."""
+    if fmt == "bf16":
+        return w.to(torch.bfloat16).double(), None
+    if fmt == "fp8":
+        d, s = quant.quantize_fp8_blockwise(w, block=(128, 128))
+        return quant.dequantize_fp8_blockwise(d, s, block=(128, 128)).double(), None
+    if fmt == "mxfp8":
+        return quant.dequantize_mxfp8(*quant.quantize_mxfp8(w, rule="ceil")).double(), None
+    if fmt == "fp8_fp4":
+        return quant.dequantize_mxfp4(*quant.quantize_mxfp4(w, rule="ceil")).double(), None
+    if fmt == "nvfp4":
+        gs = quant.nvfp4_global_scale(w, dim=(-2, -1))
+        p, s = quant.quantize_nvfp4(w, norm_const=gs)
+        return quant.dequantize_nvfp4(p, s).double(), gs.reshape(-1).double()
+    raise MoeEpUsageError(f"format must be one of {FORMATS}, got {fmt!r}")
+
+
+def oracle_forward(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    fmt: str = "bf16",
+    swiglu_clamp: float | None = None,
+    act_global_scale: float = 1.0,
+    hidden_global_scale: float = 1.0,
+) -> OracleResult:
+    """Reference forward on global inputs.
+
+    Args:
+        hidden_states: `[T, H]` bf16, all ranks' tokens.
+        topk_ids: `[T, k]` int, global expert ids, -1 = padded slot (contributes 0).
+        topk_weights: `[T, k]` fp32.
+        w13: `[E, 2I, H]` bf16/fp32 all experts (gate rows first). w2: `[E, H, I]`.
+        fmt: one of `FORMATS`; weights are quantized here with the format's recipe.
+        swiglu_clamp: gate clamped to `<= c`, up to `[-c, c]`, as in the kernels.
+        act_global_scale / hidden_global_scale: nvfp4 static activation global scales.
+    """
+    t, hdim = (int(s) for s in hidden_states.shape)
+    e, two_i, _ = (int(s) for s in w13.shape)
+    inter = two_i // 2
+    xq = _qdq_act(hidden_states, fmt, act_global_scale)
+    w13q, gs13 = _qdq_weight(w13, fmt)
+    w2q, gs2 = _qdq_weight(w2, fmt)
+    ids = topk_ids.long()
+    wts = topk_weights.double()
+    exact = torch.zeros((t, hdim), dtype=torch.float64)
+    terms = torch.zeros((t, hdim), dtype=torch.float64)
+    y_all = torch.zeros((t, ids.shape[1], hdim), dtype=torch.float64)
+    for ex in range(e):
+        tok, slot = (ids == ex).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = xq[tok] @ w13q[ex].t()
+        if gs13 is not None:
+            gu = gu / (act_global_scale * gs13[ex])
+        if fmt == "bf16":  # a bf16 GEMM writes its bf16 output (as unfused bf16 MoE does)
+            gu = gu.to(torch.bfloat16).double()
+        g, u = gu[:, :inter], gu[:, inter:]
+        if swiglu_clamp is not None:
+            g = g.clamp(max=swiglu_clamp)
+            u = u.clamp(-swiglu_clamp, swiglu_clamp)
+        h = F.silu(g) * u
+        hq = _qdq_act(h.float(), fmt, hidden_global_scale)
+        y = hq @ w2q[ex].t()
+        if gs2 is not None:
+            y = y / (hidden_global_scale * gs2[ex])
+        y_all[tok, slot] = y
+    for j in range(ids.shape[1]):
+        term = wts[:, j : j + 1] * y_all[:, j]
+        exact += term
+        terms += term.abs()
+    return OracleResult(exact.to(torch.bfloat16), exact, terms)
+
+
+def tolerance_band(
+    terms: torch.Tensor, *, ulps: float = DEFAULT_ULPS, atol: float = DEFAULT_ATOL
+) -> torch.Tensor:
+    """`ulps * 2**-7 * terms + atol` per cell (terms = `sum_k |w_k * y_k|`)."""
+    return terms.double() * (ulps * EPS_BF16) + atol
+
+
+@dataclass(frozen=True)
+class ToleranceReport:
+    """max_ratio: max over cells of |out - exact| / band (<= 1 passes); worst: (row, col);
+    violations: cells with ratio > 1; got / want / band: values at the worst cell."""
+
+    max_ratio: float
+    worst: tuple[int, int]
+    violations: int
+    got: float
+    want: float
+    band: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_ratio <= 1.0
+
+    def __str__(self) -> str:
+        r, c = self.worst
+        return (
+            f"max err/band = {self.max_ratio:.3g} at [{r}, {c}] (got {self.got:.6g}, want "
+            f"{self.want:.6g}, band {self.band:.3g}); {self.violations} cell(s) over the band"
+        )
+
+
+def compare_to_oracle(
+    output: torch.Tensor,
+    reference: OracleResult,
+    *,
+    ulps: float = DEFAULT_ULPS,
+    atol: float = DEFAULT_ATOL,
+) -> ToleranceReport:
+    """Compare a kernel's `[T, H]` output with the oracle cell by cell against the band."""
+    if tuple(output.shape) != tuple(reference.exact.shape):
+        raise MoeEpUsageError(
+            f"output shape {tuple(output.shape)} != oracle shape {tuple(reference.exact.shape)}"
+        )
+    got = output.detach().cpu().double()
+    band = tolerance_band(reference.terms, ulps=ulps, atol=atol)
+    err = (got - reference.exact).abs()
+    err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
+    if err.numel() == 0:
+        return ToleranceReport(0.0, (0, 0), 0, 0.0, 0.0, 0.0)
+    ratio = err / band
+    flat = int(torch.argmax(ratio))
+    r, c = divmod(flat, int(ratio.shape[1]))
+    return ToleranceReport(
+        max_ratio=float(ratio.view(-1)[flat]),
+        worst=(r, c),
+        violations=int((ratio > 1).sum()),
+        got=float(got[r, c]),
+        want=float(reference.exact[r, c]),
+        band=float(band[r, c]),
+    )
