@@ -88,7 +88,9 @@ def git(repo: Path, *args: str) -> str:
         "HOME": str(repo),
         "PATH": "/usr/bin:/bin:/usr/local/bin",
     }
-    proc = subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        ["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True
+    )
     return proc.stdout.strip()
 
 
@@ -145,7 +147,9 @@ def _wheel_bytes(version: str, tree: dict[str, tuple[int, bytes]]) -> bytes:
             info = zipfile.ZipInfo(f"{WHEEL_SUBDIR}/{rel}")
             info.external_attr = (0o100000 | mode) << 16
             zf.writestr(info, data)
-        zf.writestr(f"demo_kernels-{version}.dist-info/METADATA", f"Name: {DIST}\nVersion: {version}\n")
+        zf.writestr(
+            f"demo_kernels-{version}.dist-info/METADATA", f"Name: {DIST}\nVersion: {version}\n"
+        )
     return buf.getvalue()
 
 

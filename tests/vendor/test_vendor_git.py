@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from conftest import SUBDIR, UTILS_V3, V1, GitUpstream, Runner, git, sha256, snapshot
-
 from vendorlib import ops
 from vendorlib.lockfile import git_blob_id
 from vendorlib.meta import load_meta
@@ -27,7 +26,9 @@ def _add(vendor: Runner, up: GitUpstream, commit: str, name: str = "demo") -> di
     return out
 
 
-def test_add_writes_member_and_lock_matching_git(vendor: Runner, root: Path, git_upstream: GitUpstream) -> None:
+def test_add_writes_member_and_lock_matching_git(
+    vendor: Runner, root: Path, git_upstream: GitUpstream
+) -> None:
     c0 = git_upstream.commits[0]
     out = _add(vendor, git_upstream, "HEAD~1")
     d = root / "vendor" / "demo"
@@ -54,7 +55,9 @@ def test_add_writes_member_and_lock_matching_git(vendor: Runner, root: Path, git
 
 
 @pytest.mark.parametrize("damage", ["byte", "extra", "missing", "mode"])
-def test_verify_detects_damage(vendor: Runner, root: Path, git_upstream: GitUpstream, damage: str) -> None:
+def test_verify_detects_damage(
+    vendor: Runner, root: Path, git_upstream: GitUpstream, damage: str
+) -> None:
     _add(vendor, git_upstream, git_upstream.commits[0])
     src = root / "vendor" / "demo" / "src"
     if damage == "byte":
@@ -88,7 +91,9 @@ def test_verify_ignores_bytecode_but_not_other_files_in_pycache(
     assert vendor("verify", "demo")[0] == 1
 
 
-def test_sync_refuses_local_edits_then_force_restores(vendor: Runner, root: Path, git_upstream: GitUpstream) -> None:
+def test_sync_refuses_local_edits_then_force_restores(
+    vendor: Runner, root: Path, git_upstream: GitUpstream
+) -> None:
     _add(vendor, git_upstream, git_upstream.commits[0])
     edited = root / "vendor" / "demo" / "src" / "common" / "utils.py"
     edited.write_text("local fix\n")
@@ -127,7 +132,9 @@ def test_pending_added_by_pull_file_then_absorbed_by_sync_to(
     c2 = git_upstream.commit("c2: utils fix + new header")
     d = root / "vendor" / "demo"
 
-    rc, res = vendor("pull-file", "demo", "common/utils.py", "--rev", c2, "--reason", "fix needed now")
+    rc, res = vendor(
+        "pull-file", "demo", "common/utils.py", "--rev", c2, "--reason", "fix needed now"
+    )
     assert rc == 0 and res["action"] == "pending-added", res
     assert (d / "src/common/utils.py").read_bytes() == UTILS_V3
     meta = load_meta(d)
@@ -155,7 +162,9 @@ def test_pending_added_by_pull_file_then_absorbed_by_sync_to(
     assert vendor("verify", "demo")[0] == 0
 
 
-def test_patch_that_no_longer_reproduces(vendor: Runner, root: Path, git_upstream: GitUpstream) -> None:
+def test_patch_that_no_longer_reproduces(
+    vendor: Runner, root: Path, git_upstream: GitUpstream
+) -> None:
     _add(vendor, git_upstream, git_upstream.commits[0])
     (git_upstream.path / SUBDIR / "common" / "utils.py").write_bytes(UTILS_V3)
     c2 = git_upstream.commit("c2")
@@ -184,13 +193,19 @@ def test_outdated_with_and_without_upstream_advances(
     c2 = git_upstream.commit("c2")
     rc, res = vendor("outdated", "demo")
     assert rc == 1 and res[0]["head"] == c2
-    assert res[0]["files"] == {"added": [], "removed": ["tune/cfg.json"], "modified": ["common/utils.py"]}
+    assert res[0]["files"] == {
+        "added": [],
+        "removed": ["tune/cfg.json"],
+        "modified": ["common/utils.py"],
+    }
     assert vendor("sync", "demo", "--to", c2)[0] == 0
     rc, res = vendor("outdated", "demo")
     assert rc == 0 and res[0]["ahead"] is False
 
 
-def test_diff_is_limited_to_the_subdir(vendor: Runner, root: Path, git_upstream: GitUpstream) -> None:
+def test_diff_is_limited_to_the_subdir(
+    vendor: Runner, root: Path, git_upstream: GitUpstream
+) -> None:
     c0, c1 = git_upstream.commits
     _add(vendor, git_upstream, c0)
     rc, res = vendor("diff", "demo")
