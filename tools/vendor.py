@@ -290,19 +290,19 @@ def _run(args: argparse.Namespace) -> int:
                 "materialized",
                 "verified",
             ):
-                t.add_column(col)
+                t.add_column(col, no_wrap=True)
             for r in rows:
                 t.add_row(
                     r["name"],
                     r.get("kind", "?"),
-                    str(r.get("pin", "?"))[:16],
+                    str(r.get("pin", "?"))[:24],
                     r.get("sync_date", ""),
                     f"{r.get('age_days')}d",
                     str(r["pending"]),
                     "yes" if r["materialized"] else "no",
                     "yes" if r["verified"] else "NO",
                 )
-            Console().print(t)
+            Console(width=None if sys.stdout.isatty() else 120).print(t)
 
         _emit(args, rows, human_status)
         return EXIT_OK
