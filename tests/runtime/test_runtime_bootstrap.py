@@ -322,7 +322,7 @@ def test_nvshmem_without_gpu_is_unavailable_before_any_collective() -> None:
     if torch.cuda.is_available():
         pytest.skip("needs a machine without a CUDA device")
     # No rendezvous is configured either: reaching it would raise MoeEpUsageError instead.
-    with pytest.raises(MoeEpUnavailableError, match="NVSHMEM.*no CUDA device"):
+    with pytest.raises(MoeEpUnavailableError, match=r"NVSHMEM.*no CUDA device"):
         runtime.acquire(BootstrapConfig(2, 0), requirements=RuntimeRequirements(nvshmem=True))
     with pytest.raises(MoeEpUnavailableError, match="CUDA device"):
         runtime.acquire(BootstrapConfig(2, 0), requirements=RuntimeRequirements(cuda=True))

@@ -35,7 +35,7 @@ def test_only_the_original_fields_are_positional() -> None:
     assert "device" in later and later == [f.name for f in fields[len(POSITIONAL) :]]
     # a sixth positional argument has nowhere to go, whatever fields get added later
     with pytest.raises(TypeError):
-        BootstrapConfig(4, 3, 0, True, None, 1)  # type: ignore[misc]
+        BootstrapConfig(4, 3, 0, True, None, 1)  # type: ignore[call-arg]
 
 
 def test_keyword_only_fields_bind_by_name() -> None:

@@ -22,14 +22,16 @@ TABLE = [
     pytest.param(7, {}, 0, 8, 0, None, id="no-cuda-is-cpu-even-explicit"),
     # the fold applies only under MEGA_SINGLE_GPU_GLOO=1
     pytest.param(None, {"MEGA_SINGLE_GPU_GLOO": "1"}, 5, 8, 2, 1, id="fold-rank"),
-    pytest.param(None, {"MEGA_SINGLE_GPU_GLOO": "1", "LOCAL_RANK": "3"}, 0, 8, 1, 0, id="fold-1gpu"),
+    pytest.param(
+        None, {"MEGA_SINGLE_GPU_GLOO": "1", "LOCAL_RANK": "3"}, 0, 8, 1, 0, id="fold-1gpu"
+    ),
     pytest.param(3, {"MEGA_SINGLE_GPU_GLOO": "1"}, 0, 8, 2, 1, id="fold-explicit"),
     pytest.param(None, {"MEGA_SINGLE_GPU_GLOO": "0"}, 1, 8, 2, 1, id="fold-off-in-range"),
 ]
 
 
 @pytest.mark.parametrize(("device", "env", "rank", "world", "count", "expected"), TABLE)
-def test_precedence_table(device, env, rank, world, count, expected) -> None:  # type: ignore[no-untyped-def]
+def test_precedence_table(device, env, rank, world, count, expected) -> None:
     cfg = BootstrapConfig(world, rank, device=device)
     assert resolve_local_device(cfg, env=env, device_count=count) == expected
 
@@ -43,7 +45,7 @@ def test_precedence_table(device, env, rank, world, count, expected) -> None:  #
         (None, {"MEGA_SINGLE_GPU_GLOO": "0", "CUDA_VISIBLE_DEVICES": "0,1"}, 2, "rank=2"),
     ],
 )
-def test_out_of_range_names_source_and_visible_devices(device, env, rank, source) -> None:  # type: ignore[no-untyped-def]
+def test_out_of_range_names_source_and_visible_devices(device, env, rank, source) -> None:
     cfg = BootstrapConfig(8, rank, device=device)
     with pytest.raises(MoeEpUsageError) as info:
         resolve_local_device(cfg, env=env, device_count=2)
@@ -71,7 +73,7 @@ def test_explicit_device_ignores_malformed_local_rank() -> None:
 
 
 def test_malformed_fold_variable() -> None:
-    with pytest.raises(MoeEpUsageError, match="MEGA_SINGLE_GPU_GLOO.*'true'"):
+    with pytest.raises(MoeEpUsageError, match=r"MEGA_SINGLE_GPU_GLOO.*'true'"):
         resolve_local_device(
             BootstrapConfig(2, 0), env={"MEGA_SINGLE_GPU_GLOO": "true"}, device_count=1
         )

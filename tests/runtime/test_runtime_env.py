@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
         (env.timeout_s, "MOE_EP_TIMEOUT_S", "30", 30.0),
     ],
 )
-def test_parses(reader, name: str, value: str, expected) -> None:  # type: ignore[no-untyped-def]
+def test_parses(reader, name: str, value: str, expected) -> None:
     assert reader({name: value}) == expected
 
 
@@ -42,7 +42,7 @@ def test_parses(reader, name: str, value: str, expected) -> None:  # type: ignor
         (env.master_addr_port, None),
     ],
 )
-def test_unset(reader, unset) -> None:  # type: ignore[no-untyped-def]
+def test_unset(reader, unset) -> None:
     assert reader({}) == unset
 
 
@@ -64,7 +64,7 @@ def test_unset(reader, unset) -> None:  # type: ignore[no-untyped-def]
         (env.timeout_s, "MOE_EP_TIMEOUT_S", "ten"),
     ],
 )
-def test_malformed_names_variable_and_value(reader, name: str, value: str) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_names_variable_and_value(reader, name: str, value: str) -> None:
     with pytest.raises(MoeEpUsageError) as info:
         reader({name: value})
     assert name in str(info.value) and repr(value) in str(info.value)
@@ -79,9 +79,9 @@ def test_master_addr_port() -> None:
         env.master_addr_port({"MASTER_ADDR": "node0"})
     with pytest.raises(MoeEpUsageError, match="MASTER_ADDR is unset"):
         env.master_addr_port({"MASTER_PORT": "29500"})
-    with pytest.raises(MoeEpUsageError, match="MASTER_PORT.*70000"):
+    with pytest.raises(MoeEpUsageError, match=r"MASTER_PORT.*70000"):
         env.master_addr_port({"MASTER_ADDR": "node0", "MASTER_PORT": "70000"})
-    with pytest.raises(MoeEpUsageError, match="MASTER_PORT.*'http'"):
+    with pytest.raises(MoeEpUsageError, match=r"MASTER_PORT.*'http'"):
         env.master_addr_port({"MASTER_ADDR": "node0", "MASTER_PORT": "http"})
 
 
