@@ -188,5 +188,7 @@ def test_lint_licenses_status_and_usage(vendor: Runner, root: Path, tmp_path: Pa
         == 2
     )
     (d / "VENDOR.md").write_text(meta_text.replace("schema = 1", "schema = 9"))
-    rc, res = vendor("verify", "lic")
+    rc, res = vendor("verify", "lic")  # verify reports a malformed front matter as a failed check
+    assert rc == 1 and "schema = 9 unsupported" in res[0]["problems"][0]["detail"]
+    rc, res = vendor("sync", "lic")  # other commands cannot work with it: usage error
     assert rc == 2 and "schema" in res["error"]

@@ -6,8 +6,10 @@ tests); otherwise it fetches flashinfer-python 0.7.2.post1 from PyPI once into t
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -141,7 +143,11 @@ try:
 except MoeEpUsageError as exc:
     print("refused:", exc)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    shims = os.pathsep.join(str(REPO / "vendor" / d / "shim") for d in DROPS)
+    env = {**os.environ, "PYTHONPATH": shims}  # works whether or not the members are installed
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     assert "refused:" in proc.stdout and "moe_ep_drop_sm90_pull is already active" in proc.stdout
 
@@ -167,8 +173,6 @@ def test_built_wheel_ships_exactly_the_locked_tree(synced: None, drop: str, tmp_
         shipped = {n[len(prefix) :]: zf.read(n) for n in zf.namelist() if n.startswith(prefix)}
         assert f"{package}/__init__.py" in zf.namelist()
     assert sorted(shipped) == sorted(f["path"] for f in lock["files"])
-    import hashlib
-
     for f in lock["files"]:
         assert hashlib.sha256(shipped[f["path"]]).hexdigest() == f["sha256"]
     if drop == "sm90_push_cuda":

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vendorlib.drops import Drop, drop_names, load_drop
-from vendorlib.errors import MismatchError, UsageError
+from vendorlib.errors import MismatchError, SourceError, UsageError
 from vendorlib.globs import select
 from vendorlib.lockfile import (
     FileEntry,
@@ -83,6 +83,10 @@ def _problem(check: str, path: str, detail: str) -> dict[str, str]:
 
 
 def _filtered(tree: Tree, meta: DropMeta) -> Tree:
+    for p in tree:
+        parts = p.split("/")
+        if p.startswith("/") or ".." in parts or "" in parts:
+            raise SourceError(f"the source holds an unsafe path {p!r}; refusing to write it")
     return {p: v for p, v in tree.items() if select(p, meta.include, meta.exclude)}
 
 
@@ -181,8 +185,21 @@ def _check_pending(drop: Drop) -> list[dict[str, str]]:
 
 
 def verify(root: Path, name: str) -> dict[str, Any]:
-    """Offline check of one drop: lock vs src/ bytes and modes, pin, pending, license files."""
-    drop = load_drop(root, name)
+    """Offline check of one drop: front matter, lock vs src/ bytes and modes, pin, pending,
+    license files. A malformed VENDOR.md is a failed check here (exit 1), not a usage error."""
+    if name not in drop_names(root):
+        load_drop(root, name)  # raises UsageError naming the known drops
+    try:
+        drop = load_drop(root, name)
+    except UsageError as exc:
+        return {
+            "name": name,
+            "ok": False,
+            "materialized": (root / "vendor" / name / "src").is_dir(),
+            "files": 0,
+            "tree_sha256": None,
+            "problems": [_problem("front-matter", META_NAME, str(exc))],
+        }
     problems: list[dict[str, str]] = []
     materialized = drop.src.is_dir()
     try:
@@ -313,6 +330,11 @@ def sync(
                 "files": len(lock.files),
             }
 
+    if to is None and lock is not None and lock.pin != meta.source.identity():
+        raise MismatchError(
+            f"{name}: VENDOR.md pins {meta.source.identity()} but {drop.lock_path.name} was made "
+            f"from {lock.pin}; re-pin with `uv run tools/vendor.py sync {name} --to <rev>`"
+        )
     pin = pin_at(meta.source, root, to, progress, sha256) if to is not None else meta.source
     tree = _filtered(fetch_tree(pin, root, progress), meta)
     tree, kept, absorbed = _apply_pending(

@@ -15,7 +15,7 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 
-class UpstreamTreeHook(BuildHookInterface):  # type: ignore[misc]
+class UpstreamTreeHook(BuildHookInterface):
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
