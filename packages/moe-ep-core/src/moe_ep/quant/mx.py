@@ -114,7 +114,9 @@ def quantize_mxfp8(
     xv, amax = _blocks(x, "mxfp8", check_finite)
     exp, byte = mx_block_exponents(amax, fmax=fmax, emax=emax, rule=rule)
     data = (xv * pow2_from_exponent(-exp)).clamp_(-fmax, fmax).to(dtype)
-    return data.view(x.shape), as_scale_dtype(byte.view(*x.shape[:-1], -1), scale_dtype)
+    return data.view(x.shape), as_scale_dtype(
+        byte.view(*x.shape[:-1], x.shape[-1] // MX_BLOCK), scale_dtype
+    )
 
 
 def _e8m0_block_scales(scales: torch.Tensor, lead: tuple[int, ...], nb: int) -> torch.Tensor:
@@ -153,7 +155,7 @@ def quantize_mxfp4(
     exp, byte = mx_block_exponents(amax, fmax=E2M1_MAX, emax=E2M1_EMAX, rule=rule)
     codes = round_to_e2m1_codes(xv * pow2_from_exponent(-exp))
     packed = pack_e2m1(codes.view(x.shape))
-    return packed, as_scale_dtype(byte.view(*x.shape[:-1], -1), scale_dtype)
+    return packed, as_scale_dtype(byte.view(*x.shape[:-1], x.shape[-1] // MX_BLOCK), scale_dtype)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -44,12 +44,13 @@ __all__ = [
 
 NVFP4_BLOCK = 16
 _E4M3_MAX = 448.0
+_MAX_NORM_CONST = 2.0**126
 
 
 def nvfp4_global_scale(
     x: torch.Tensor, *, dim: int | tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    """norm_const = 448 * 6 / amax(x) as float32 (1.0 where amax is 0).
+    """norm_const = 448 * 6 / amax(x) as float32 (1.0 where amax is 0, at most 2**126).
 
     Args:
         x: float32 / bf16 / fp16 tensor, e.g. all experts' w13 `[E, 2I, H]`.
@@ -64,7 +65,9 @@ def nvfp4_global_scale(
         amax = xf.amax(dim=dim, keepdim=True)
     check_finite_amax(amax)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    return torch.where(amax > 0, (_E4M3_MAX * E2M1_MAX) / safe, torch.ones_like(amax))
+    # Capped so that a (sub)normal-tiny amax cannot overflow it to inf.
+    nc = ((_E4M3_MAX * E2M1_MAX) / safe).clamp_max(_MAX_NORM_CONST)
+    return torch.where(amax > 0, nc, torch.ones_like(amax))
 
 
 def nvfp4_alpha(
@@ -84,13 +87,13 @@ def _norm_const(norm_const: float | torch.Tensor, x: torch.Tensor) -> float | to
                     f"size-1 last dim broadcasting to x {tuple(x.shape)} (e.g. [E, 1, 1]), "
                     f"got shape {tuple(norm_const.shape)}"
                 )
-            try:
-                torch.broadcast_shapes(norm_const.shape, x.shape)
-            except RuntimeError as err:
+            # (torch.broadcast_shapes would import sympy machinery: seconds on first use.)
+            aligned = zip(reversed(norm_const.shape), reversed(x.shape), strict=False)
+            if any(a not in (1, b) for a, b in aligned):
                 raise MoeEpUsageError(
                     f"norm_const shape {tuple(norm_const.shape)} does not broadcast to x "
                     f"{tuple(x.shape)}"
-                ) from err
+                )
             return norm_const.unsqueeze(-1)  # against the [..., K/16, 16] block view
         return norm_const
     if (
@@ -99,7 +102,10 @@ def _norm_const(norm_const: float | torch.Tensor, x: torch.Tensor) -> float | to
         or not (0 < float(norm_const) < float("inf"))
     ):
         raise MoeEpUsageError(f"norm_const must be a positive finite float, got {norm_const!r}")
-    return float(norm_const)
+    if float(norm_const) == 1.0:
+        return 1.0
+    # Used as fp32, like a kernel's argument: round the Python float once, here.
+    return torch.tensor(float(norm_const), dtype=torch.float32, device=x.device)
 
 
 def quantize_nvfp4(
