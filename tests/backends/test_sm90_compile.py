@@ -75,9 +75,7 @@ def _push_include_dirs() -> tuple[Path, ...] | str:
     try:
         import tvm_ffi  # type: ignore[import-not-found]
     except ImportError:
-        return (
-            "needs the apache-tvm-ffi headers (pip package apache-tvm-ffi<0.2, not in uv.lock)"
-        )
+        return "needs the apache-tvm-ffi headers (pip package apache-tvm-ffi<0.2, not in uv.lock)"
     tvm_inc = Path(tvm_ffi.__file__).parent / "include"
     dlpack = Path(tvm_ffi.__file__).parent / "3rdparty" / "dlpack" / "include"
     csrc = os.environ.get("MOE_EP_FLASHINFER_CSRC")
