@@ -33,8 +33,9 @@ Options for every command: --json (machine output on stdout), --quiet (no progre
 --root DIR (repository root; default: the one holding this tool).
 
 Exit codes: 0 all holds; 1 a check found a mismatch (verify, lint, licenses, diff, refused
-sync) or upstream is ahead (outdated); 2 usage error (bad arguments, malformed VENDOR.md or
-lock); 3 the source cannot be reached, lacks the revision or subdir, or fails its sha256.
+sync) or upstream is ahead (outdated); 2 usage error (bad arguments, unknown drop, malformed
+VENDOR.md or lock where a command needs them; verify and lint report those as exit 1);
+3 the source cannot be reached, lacks the revision or subdir, or fails its sha256.
 
 Environment: MOE_EP_VENDOR_CACHE (artifact and git-mirror cache; default
 ~/.cache/moe-ep-vendor), MOE_EP_VENDOR_INDEX_URL (PyPI simple index; default

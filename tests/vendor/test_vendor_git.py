@@ -274,3 +274,20 @@ def test_interrupted_sync_leaves_the_old_tree(
     assert not list(d.glob(".vendor-tmp-*"))
     monkeypatch.setattr(ops, "_write_file", real)
     assert vendor("verify", "demo")[0] == 0
+
+
+def test_sync_refuses_a_hand_edited_pin(
+    vendor: Runner, root: Path, git_upstream: GitUpstream
+) -> None:
+    c0, c1 = git_upstream.commits
+    _add(vendor, git_upstream, c0)
+    meta = root / "vendor" / "demo" / "VENDOR.md"
+    meta.write_text(
+        meta.read_text().replace(f'commit = "{c0}"\nsubdir', f'commit = "{c1}"\nsubdir')
+    )
+    rc, res = vendor("verify", "demo")
+    assert rc == 1 and [p["check"] for p in res[0]["problems"]] == ["pin"]
+    rc, res = vendor("sync", "demo")
+    assert rc == 1 and "--to <rev>" in res["error"]
+    assert vendor("sync", "demo", "--to", c1)[0] == 0
+    assert vendor("verify", "demo")[0] == 0

@@ -9,7 +9,8 @@ import pytest
 from conftest import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vendorlib.errors import MismatchError, UsageError
+from vendorlib import ops
+from vendorlib.errors import MismatchError, SourceError, UsageError
 from vendorlib.globs import select
 from vendorlib.meta import load_meta, parse_meta, render_meta
 from vendorlib.patching import apply_patch, make_patch, reverse_patch
@@ -80,3 +81,10 @@ def test_front_matter_errors_name_the_key(tmp_path: Path) -> None:
         parse_meta("# no front matter\n")
     with pytest.raises(UsageError, match="files is empty, so note must say"):
         parse_meta(text.replace("note = ", "not_note = "))
+
+
+@pytest.mark.parametrize("bad", ["../evil.py", "a/../../evil.py", "/abs.py", "a//b.py"])
+def test_unsafe_archive_paths_are_refused(bad: str) -> None:
+    meta = load_meta(REPO / "vendor" / "sm90_push_cuda")
+    with pytest.raises(SourceError, match="unsafe path"):
+        ops._filtered({"ok.cu": (0o644, b""), bad: (0o644, b"x")}, meta)
