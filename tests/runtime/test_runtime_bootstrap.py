@@ -90,12 +90,18 @@ def _host_group_worker(rank: int, world_size: int) -> dict[str, Any]:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     out: dict[str, Any] = {}
+    out["barrier_s"] = []
     for _ in range(2):
         with runtime.acquire(BootstrapConfig(world_size, rank, auto_bootstrap=False)) as rt:
             out["is_world"] = rt.group is dist.group.WORLD
             out["sum"] = _all_reduce_sum(rt.group, rank + 1)
             rt.barrier()
+            # the barrier really waits for the late rank, in every runtime lifetime
+            if rank == 1:
+                time.sleep(0.5)
+            start = time.monotonic()
             rt.barrier()
+            out["barrier_s"].append(time.monotonic() - start)
     out["host_group_alive"] = dist.is_initialized()
     out["host_group_works"] = _all_reduce_sum(None, 1.0)
     wrong = BootstrapConfig(world_size + 1, rank, auto_bootstrap=False)
@@ -205,6 +211,7 @@ def test_reuses_host_group_and_never_destroys_it() -> None:
         assert out["is_world"] and out["sum"] == 3.0
         assert out["host_group_alive"] and out["host_group_works"] == 2.0
         assert "world size 2" in out["mismatch"] and "world_size=3" in out["mismatch"]
+    assert min(results[0]["barrier_s"]) > 0.3
 
 
 @pytest.mark.multirank

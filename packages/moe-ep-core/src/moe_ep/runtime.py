@@ -207,37 +207,46 @@ def _port_open(host: str, port: int, deadline: float) -> bool:
             time.sleep(0.05)
 
 
+_CLOSING_KEY = "moe_ep/closing"  # set in a store moe-ep is about to close
+
+
 def _create_store(config: BootstrapConfig, timeout_s: float) -> tuple[Any, str]:
+    """Host (rank 0) or join the rendezvous TCPStore, within `timeout_s`.
+
+    A rank that bootstraps again right after a teardown can reach the previous store on the
+    same port before rank 0 has closed it; such a store carries `_CLOSING_KEY`, and the rank
+    drops it and retries until rank 0's new store answers.
+    """
     host, port = _rendezvous_url(config)
     desc = f"rank {_STORE_HOST} at {host}:{port}"
     deadline = time.monotonic() + timeout_s
-    if config.rank != _STORE_HOST and not _port_open(host, port, deadline):
-        raise MoeEpTimeoutError(
-            f"bootstrap: rank(s) [0] did not arrive: rank {config.rank} could not reach the "
-            f"rendezvous store hosted by {desc} within {timeout_s:g} s (world size "
-            f"{config.world_size})"
-        )
-    timeout = datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
-    try:
-        store = dist.TCPStore(
-            host,
-            port,
-            config.world_size,
-            config.rank == _STORE_HOST,
-            timeout,
-            wait_for_workers=False,
-        )
-    except Exception as exc:
-        if config.rank == _STORE_HOST:
-            raise MoeEpPeerError(
-                f"bootstrap: rank 0 could not host the rendezvous store on {host}:{port}: {exc}"
-            ) from exc
-        raise MoeEpTimeoutError(
-            f"bootstrap: rank(s) [0] did not arrive: rank {config.rank} could not reach the "
-            f"rendezvous store hosted by {desc} within {timeout_s:g} s (world size "
-            f"{config.world_size}): {exc}"
-        ) from exc
-    return store, desc
+    is_host = config.rank == _STORE_HOST
+    last_error: BaseException | None = None
+    while True:
+        if not is_host and not _port_open(host, port, deadline):
+            break
+        timeout = datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
+        try:
+            store = dist.TCPStore(
+                host, port, config.world_size, is_host, timeout, wait_for_workers=False
+            )
+            if is_host or not store.check([_CLOSING_KEY]):
+                return store, desc
+            del store
+        except Exception as exc:
+            if is_host:
+                raise MoeEpPeerError(
+                    f"bootstrap: rank 0 could not host the rendezvous store on {host}:{port}: {exc}"
+                ) from exc
+            last_error = exc
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    raise MoeEpTimeoutError(
+        f"bootstrap: rank(s) [0] did not arrive: rank {config.rank} could not reach the "
+        f"rendezvous store hosted by {desc} within {timeout_s:g} s (world size "
+        f"{config.world_size})" + (f": {last_error}" if last_error else "")
+    ) from last_error
 
 
 def _check_group(group: Any, config: BootstrapConfig, what: str) -> None:
@@ -249,15 +258,22 @@ def _check_group(group: Any, config: BootstrapConfig, what: str) -> None:
         )
 
 
+_host_lifetimes: dict[str, int] = {}  # group tag -> runtimes bootstrapped on it so far
+
+
 def _host_store(group: Any) -> tuple[Any, str]:
-    """The host's default store, namespaced for this group; None if torch hides it."""
+    """The host's default store, namespaced for this group and this runtime lifetime (the
+    host's store outlives us, so barrier keys of an earlier lifetime must not be reused);
+    None if torch hides it."""
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:
         return None, ""
     ranks = dist.get_process_group_ranks(group)
     tag = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
-    return dist.PrefixStore(f"moe_ep/group-{tag}", store), "the host's default store"
+    life = _host_lifetimes[tag] = _host_lifetimes.get(tag, 0) + 1
+    prefix = f"moe_ep/group-{tag}/life-{life}"
+    return dist.PrefixStore(prefix, store), "the host's default store"
 
 
 # ---------------------------------------------------------------- NVSHMEM
@@ -463,6 +479,9 @@ def _teardown(state: _State) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
         if not errors:
+            # Before anyone can leave the last barrier and bootstrap again on this port.
+            with contextlib.suppress(Exception):  # a dead store fails the barrier below
+                state.store.set(_CLOSING_KEY, b"1")
             try:
                 _store_barrier(
                     state.store,
