@@ -53,7 +53,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vendorlib import ops
+from vendorlib import checks, ops
 from vendorlib.drops import default_root, drop_names, select_drops
 from vendorlib.errors import EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, UsageError, VendorError
 from vendorlib.meta import Pin
@@ -224,15 +224,15 @@ def _run(args: argparse.Namespace) -> int:
             if not args.names:
                 _emit(args, [], lambda: print("no materialized drops to verify"))
                 return EXIT_OK
-        return _each(args, root, lambda n: ops.verify(root, n))
+        return _each(args, root, lambda n: checks.verify(root, n))
 
     if cmd == "lint":
-        return _each(args, root, lambda n: ops.lint(root, n))
+        return _each(args, root, lambda n: checks.lint(root, n))
 
     if cmd == "licenses":
 
         def lic(n: str) -> dict[str, Any]:
-            r = ops.licenses(root, n)
+            r = checks.licenses(root, n)
             if not args.json:
                 print(
                     f"{n}: declared {r['spdx']}; headers {r['headers']}; "
@@ -274,7 +274,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_OK if r["identical"] else EXIT_MISMATCH
 
     if cmd == "status":
-        rows = ops.status(root)
+        rows = checks.status(root)
 
         def human_status() -> None:
             from rich.console import Console

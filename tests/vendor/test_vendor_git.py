@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import SUBDIR, UTILS_V3, V1, GitUpstream, Runner, git, sha256, snapshot
+from vendor_testlib import SUBDIR, UTILS_V3, V1, GitUpstream, Runner, git, sha256, snapshot
 from vendorlib import ops
 from vendorlib.lockfile import git_blob_id
 from vendorlib.meta import load_meta

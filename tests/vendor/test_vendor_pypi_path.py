@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
+from vendor_testlib import (
     DIST,
     UTILS_V3,
     V1,

@@ -19,7 +19,7 @@ from types import ModuleType
 
 import pytest
 import yaml
-from conftest import REPO
+from vendor_testlib import REPO
 
 from moe_ep.errors import MoeEpUnavailableError
 

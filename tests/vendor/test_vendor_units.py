@@ -6,9 +6,9 @@ import difflib
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vendor_testlib import REPO
 from vendorlib import ops
 from vendorlib.errors import MismatchError, SourceError, UsageError
 from vendorlib.globs import select

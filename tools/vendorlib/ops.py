@@ -1,4 +1,6 @@
-"""The tool's commands as functions returning JSON-ready dicts; the CLI only formats them.
+"""Commands that fetch or change drops: `add`, `sync`, `pull-file`, `diff`, `outdated`.
+
+They return JSON-ready dicts; the CLI only formats them (the offline checks are in `checks`).
 
 Every command that changes a drop builds the new state completely aside (a staging directory
 inside the drop) and swaps it in with renames, so a failure leaves the drop as it was.
@@ -6,20 +8,18 @@ inside the drop) and swaps it in with renames, so a failure leaves the drop as i
 
 from __future__ import annotations
 
-import datetime as _dt
 import difflib
 import hashlib
 import os
 import re
 import shutil
-import subprocess
-import tomllib
 import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vendorlib.drops import Drop, drop_names, load_drop
+from vendorlib.checks import check_tree, problem, today
+from vendorlib.drops import Drop, load_drop
 from vendorlib.errors import MismatchError, SourceError, UsageError
 from vendorlib.globs import select
 from vendorlib.lockfile import (
@@ -35,7 +35,6 @@ from vendorlib.lockfile import (
     write_lock,
 )
 from vendorlib.meta import (
-    META_NAME,
     NOT_RECORDED,
     DropMeta,
     License,
@@ -55,31 +54,13 @@ from vendorlib.templates import (
     render_shim,
 )
 
-__all__ = [
-    "add",
-    "diff",
-    "licenses",
-    "lint",
-    "outdated",
-    "pull_file",
-    "status",
-    "sync",
-    "verify",
-]
+__all__ = ["add", "diff", "outdated", "pull_file", "sync"]
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
-def _today() -> str:
-    return _dt.datetime.now(_dt.UTC).date().isoformat()
-
-
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _problem(check: str, path: str, detail: str) -> dict[str, str]:
-    return {"check": check, "path": path, "detail": detail}
 
 
 def _filtered(tree: Tree, meta: DropMeta) -> Tree:
@@ -130,135 +111,6 @@ def _swap_in(drop_dir: Path, tree: Tree, progress: Progress) -> None:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- verify
-
-
-def _check_tree(drop: Drop, lock: Lock) -> list[dict[str, str]]:
-    actual, odd = scan_dir(drop.src)
-    d = diff_entries(lock.files, actual)
-    out = [_problem("missing", p, "in the lock, not in src/") for p in d["missing"]]
-    out += [_problem("extra", p, "in src/, not in the lock") for p in d["extra"]]
-    out += [
-        _problem("modified", p, f"sha256 {actual[p].sha256}, lock {lock.files[p].sha256}")
-        for p in d["modified"]
-    ]
-    out += [
-        _problem("mode", p, f"mode {actual[p].mode}, lock {lock.files[p].mode}") for p in d["mode"]
-    ]
-    out += [_problem("not-regular", p, "symlink or special file in src/") for p in odd]
-    return out
-
-
-def _check_pending(drop: Drop) -> list[dict[str, str]]:
-    out: list[dict[str, str]] = []
-    for p in drop.meta.pending:
-        patch_path = drop.dir / p.patch
-        if not patch_path.is_file():
-            out.append(_problem("pending", p.path, f"patch file {p.patch} is missing"))
-            continue
-        current = drop.src / p.path
-        if not current.is_file():
-            continue  # reported as missing by the tree check
-        data = current.read_bytes()
-        if _sha256(data) != p.to_sha256:
-            out.append(
-                _problem("pending", p.path, f"bytes are not the entry's to_sha256 {p.to_sha256}")
-            )
-            continue
-        try:
-            base = apply_patch(data, reverse_patch(patch_path.read_text(encoding="utf-8")), p.path)
-        except MismatchError as exc:
-            out.append(_problem("pending", p.path, f"patch no longer reproduces: {exc}"))
-            continue
-        if _sha256(base) != p.from_sha256:
-            out.append(
-                _problem(
-                    "pending",
-                    p.path,
-                    f"patch no longer reproduces: reversed it gives sha256 {_sha256(base)}, "
-                    f"entry says from_sha256 {p.from_sha256}",
-                )
-            )
-    return out
-
-
-def verify(root: Path, name: str) -> dict[str, Any]:
-    """Offline check of one drop: front matter, lock vs src/ bytes and modes, pin, pending,
-    license files. A malformed VENDOR.md is a failed check here (exit 1), not a usage error."""
-    if name not in drop_names(root):
-        load_drop(root, name)  # raises UsageError naming the known drops
-    try:
-        drop = load_drop(root, name)
-    except UsageError as exc:
-        return {
-            "name": name,
-            "ok": False,
-            "materialized": (root / "vendor" / name / "src").is_dir(),
-            "files": 0,
-            "tree_sha256": None,
-            "problems": [_problem("front-matter", META_NAME, str(exc))],
-        }
-    problems: list[dict[str, str]] = []
-    materialized = drop.src.is_dir()
-    try:
-        lock: Lock | None = load_lock(drop.lock_path)
-    except UsageError as exc:
-        lock = None
-        problems.append(_problem("lock", drop.lock_path.name, str(exc)))
-    if lock is not None:
-        if lock.drop != name:
-            problems.append(
-                _problem("lock", drop.lock_path.name, f"lock is for drop {lock.drop!r}")
-            )
-        if lock.pin != drop.meta.source.identity():
-            problems.append(
-                _problem(
-                    "pin",
-                    META_NAME,
-                    f"VENDOR.md pins {drop.meta.source.identity()} but the lock was made from "
-                    f"{lock.pin}; run `uv run tools/vendor.py sync {name} --to <rev>`",
-                )
-            )
-        if tree_digest(lock.files) != lock.tree_sha256:
-            problems.append(
-                _problem("lock", drop.lock_path.name, "tree_sha256 does not match its files")
-            )
-        want_pending = {p.path: p.to_sha256 for p in drop.meta.pending}
-        if lock.pending != want_pending:
-            problems.append(
-                _problem(
-                    "pending",
-                    drop.lock_path.name,
-                    f"lock pending {lock.pending} != VENDOR.md {want_pending}",
-                )
-            )
-        for lic in drop.meta.license.files:
-            if lic not in lock.files:
-                problems.append(
-                    _problem("license", lic, "license file listed in VENDOR.md is not in the drop")
-                )
-        if materialized:
-            problems += _check_tree(drop, lock)
-    if not materialized:
-        problems.append(
-            _problem(
-                "materialized",
-                "src/",
-                f"not materialized; run `uv run tools/vendor.py sync {name}`",
-            )
-        )
-    else:
-        problems += _check_pending(drop)
-    return {
-        "name": name,
-        "ok": not problems,
-        "materialized": materialized,
-        "files": len(lock.files) if lock else 0,
-        "tree_sha256": lock.tree_sha256 if lock else None,
-        "problems": problems,
-    }
 
 
 # --------------------------------------------------------------------------- sync
@@ -315,7 +167,7 @@ def sync(
         raise UsageError("--sha256 only goes with --to (it pins the new artifact)")
 
     if drop.src.exists() and not force:
-        dirty = _check_tree(drop, lock) if lock else [_problem("lock", "", "no lock to compare")]
+        dirty = check_tree(drop, lock) if lock else [problem("lock", "", "no lock to compare")]
         if dirty:
             shown = ", ".join(f"{d['check']} {d['path']}" for d in dirty[:5])
             raise MismatchError(
@@ -355,7 +207,7 @@ def sync(
     if to is not None or lock is None:
         write_lock(drop.lock_path, name, pin.identity(), pending_map, entries)
     if to is not None:
-        new_meta = replace(meta, source=pin, sync_date=_today(), pending=tuple(kept))
+        new_meta = replace(meta, source=pin, sync_date=today(), pending=tuple(kept))
         write_meta(drop.dir, new_meta)
         for p in absorbed:
             (drop.dir / p.patch).unlink(missing_ok=True)
@@ -412,7 +264,7 @@ def add(
         license=License(spdx=spdx, files=license_files, note=license_note),
         include=include,
         exclude=exclude,
-        sync_date=_today(),
+        sync_date=today(),
         update=(
             f"uv run tools/vendor.py outdated {name}; uv run tools/vendor.py sync {name} --to <rev>"
         ),
@@ -564,7 +416,7 @@ def pull_file(
         raise UsageError("--reason must say why the file is taken ahead of the pin")
     lock = load_lock(drop.lock_path)
     problems = (
-        _check_tree(drop, lock) if drop.src.is_dir() else [_problem("materialized", "src/", "")]
+        check_tree(drop, lock) if drop.src.is_dir() else [problem("materialized", "src/", "")]
     )
     if problems:
         raise MismatchError(
@@ -602,7 +454,7 @@ def pull_file(
             to_sha256=_sha256(new),
             patch=_patch_name(path),
             reason=reason,
-            date=_today(),
+            date=today(),
         )
         pending = (*others, entry)
         (drop.dir / "patches").mkdir(exist_ok=True)
@@ -625,200 +477,4 @@ def pull_file(
         "from_rev": drop.meta.source.revision,
         "to_rev": new_pin.revision,
         "patch": entry.patch if entry else None,
-    }
-
-
-# --------------------------------------------------------------------------- status, lint
-
-
-def status(root: Path) -> list[dict[str, Any]]:
-    """One row per drop: pin, sync date and age, pending count, materialized, verified."""
-    rows: list[dict[str, Any]] = []
-    today = _dt.date.fromisoformat(_today())
-    for name in drop_names(root):
-        try:
-            drop = load_drop(root, name)
-        except UsageError as exc:
-            rows.append(
-                {
-                    "name": name,
-                    "materialized": False,
-                    "verified": False,
-                    "pending": 0,
-                    "error": str(exc),
-                }
-            )
-            continue
-        v = verify(root, name)
-        try:
-            age: int | None = (today - _dt.date.fromisoformat(drop.meta.sync_date)).days
-        except ValueError:
-            age = None
-        rows.append(
-            {
-                "name": name,
-                "kind": drop.meta.source.kind,
-                "pin": drop.meta.source.revision,
-                "sync_date": drop.meta.sync_date,
-                "age_days": age,
-                "pending": len(drop.meta.pending),
-                "materialized": v["materialized"],
-                "verified": v["ok"],
-                "problems": len(v["problems"]),
-            }
-        )
-    return rows
-
-
-def _tracked(root: Path, rel: str) -> list[str]:
-    try:
-        proc = subprocess.run(
-            ["git", "ls-files", "--", rel], cwd=root, capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return proc.stdout.split() if proc.returncode == 0 else []
-
-
-def lint(root: Path, name: str) -> dict[str, Any]:
-    """Static checks of a drop's metadata and member layout (offline)."""
-    problems: list[dict[str, str]] = []
-    d = root / "vendor" / name
-    try:
-        drop = load_drop(root, name)
-    except UsageError as exc:
-        return {
-            "name": name,
-            "ok": False,
-            "problems": [_problem("front-matter", META_NAME, str(exc))],
-        }
-    m = drop.meta
-    if m.name != name:
-        problems.append(
-            _problem(
-                "front-matter", META_NAME, f"name {m.name!r} is not the directory name {name!r}"
-            )
-        )
-    for key, value in (
-        ("description", m.description),
-        ("sync.date", m.sync_date),
-        ("sync.update", m.update),
-    ):
-        if not value.strip():
-            problems.append(_problem("front-matter", META_NAME, f"{key} is empty"))
-    if not m.consumers:
-        problems.append(
-            _problem("front-matter", META_NAME, "consumers is empty: name the kernels using it")
-        )
-    if not m.origin.repo.strip() or not m.origin.commit.strip():
-        problems.append(
-            _problem("front-matter", META_NAME, f"origin repo/commit empty (say {NOT_RECORDED!r})")
-        )
-    if "\n+++" in m.body:
-        problems.append(_problem("front-matter", META_NAME, "prose holds a second `+++` line"))
-    pyproject = d / "pyproject.toml"
-    try:
-        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))
-        dist = project["project"]["name"]
-        packages = project["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
-    except (OSError, tomllib.TOMLDecodeError, KeyError) as exc:
-        problems.append(_problem("member", "pyproject.toml", f"unreadable or incomplete: {exc!r}"))
-    else:
-        if not dist.startswith("moe-ep-drop-"):
-            problems.append(
-                _problem(
-                    "member",
-                    "pyproject.toml",
-                    f"distribution {dist!r} must start with 'moe-ep-drop-'",
-                )
-            )
-        for pkg in packages:
-            if not pkg.startswith("shim/") or not (d / pkg / "__init__.py").is_file():
-                problems.append(
-                    _problem("member", "pyproject.toml", f"package {pkg!r} is not a shim/ package")
-                )
-    if (
-        "/src/" not in (d / ".gitignore").read_text(encoding="utf-8")
-        if (d / ".gitignore").is_file()
-        else True
-    ):
-        problems.append(_problem("member", ".gitignore", "must ignore /src/"))
-    referenced = {p.patch for p in m.pending}
-    for p in m.pending:
-        if not (d / p.patch).is_file():
-            problems.append(_problem("pending", p.patch, f"patch of pending {p.path} is missing"))
-    if (d / "patches").is_dir():
-        for f in sorted((d / "patches").iterdir()):
-            if f"patches/{f.name}" not in referenced:
-                problems.append(
-                    _problem("pending", f"patches/{f.name}", "no [[pending]] entry uses this patch")
-                )
-    tracked = _tracked(root, f"vendor/{name}/src")
-    if tracked:
-        problems.append(
-            _problem("committed", tracked[0], f"{len(tracked)} upstream files are tracked by git")
-        )
-    return {"name": name, "ok": not problems, "problems": problems}
-
-
-_SPDX = re.compile(r"SPDX-License-Identifier:\s*(.+)")
-_SPDX_TOKEN = re.compile(r"[A-Za-z0-9.+-]+")
-
-
-def _spdx_ids(expression: str) -> set[str]:
-    return {t for t in _SPDX_TOKEN.findall(expression) if t not in {"AND", "OR", "WITH"}}
-
-
-def licenses(root: Path, name: str) -> dict[str, Any]:
-    """Declared license vs what the files say: license files present, SPDX headers found."""
-    drop = load_drop(root, name)
-    lic = drop.meta.license
-    declared = _spdx_ids(lic.spdx)
-    problems: list[dict[str, str]] = []
-    files = [{"path": f, "present": (drop.src / f).is_file()} for f in lic.files]
-    for f in files:
-        if not f["present"]:
-            problems.append(
-                _problem("license", str(f["path"]), "listed license file is missing from src/")
-            )
-    headers: dict[str, int] = {}
-    without: list[str] = []
-    if drop.src.is_dir():
-        entries, _ = scan_dir(drop.src)
-        for rel in entries:
-            head = (drop.src / rel).read_bytes()[:8192].decode("utf-8", errors="replace")
-            found = [
-                m.group(1).strip().removesuffix("*/").removesuffix("-->").strip()
-                for m in _SPDX.finditer(head)
-            ]
-            if not found:
-                without.append(rel)
-            for expr in found:
-                headers[expr] = headers.get(expr, 0) + 1
-                undeclared = _spdx_ids(expr) - declared
-                if undeclared:
-                    problems.append(
-                        _problem(
-                            "license",
-                            rel,
-                            f"header says {expr!r}, not covered by declared {lic.spdx!r}",
-                        )
-                    )
-    else:
-        problems.append(
-            _problem(
-                "materialized",
-                "src/",
-                f"not materialized; run `uv run tools/vendor.py sync {name}`",
-            )
-        )
-    return {
-        "name": name,
-        "spdx": lic.spdx,
-        "license_files": files,
-        "note": lic.note,
-        "headers": dict(sorted(headers.items())),
-        "without_header": without,
-        "ok": not problems,
-        "problems": problems,
     }
