@@ -209,3 +209,28 @@ def test_staging_rejects_too_many_tokens_and_bad_shapes(stage):
         stage(x, ids, w, max_tokens=4)
     with pytest.raises(MoeEpUsageError, match="topk_weights"):
         stage(x, ids, w[:, :2], max_tokens=8)
+
+
+def test_kernels_validate_packs_before_any_collective():
+    from moe_ep.layer.params import FleetParams, MoEWeightPack
+    from moe_ep_sm90 import (
+        Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
+        Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
+        Sm90Fp8Fp8Bf16PullCutedslKernel,
+        Sm90Fp8Fp8Bf16PushCudaKernel,
+    )
+
+    w13, w2 = _weights()
+    fleet = FleetParams(num_experts=2 * E, max_tokens_per_rank=64, hidden_size=H)
+    for kernel, cfg in (
+        (Sm90Fp8Fp8Bf16PullCutedslKernel, Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig()),
+        (Sm90Fp8Fp8Bf16PushCudaKernel, Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig()),
+    ):
+        kernel.validate_weights(MoEWeightPack(w13=w13, w2=w2), fleet, 2, cfg)
+        with pytest.raises(MoeEpUsageError, match="E_local=1"):
+            kernel.validate_weights(MoEWeightPack(w13=w13, w2=w2), fleet, 4, cfg)
+        q13, s13 = torch.zeros_like(w13, dtype=torch.float8_e4m3fn), torch.ones(E, 4, 3)
+        q2, s2 = torch.zeros_like(w2, dtype=torch.float8_e4m3fn), torch.ones(E, 3, 2)
+        packed = MoEWeightPack(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
+        with pytest.raises(MoeEpUsageError, match="pre-quantized"):
+            kernel.validate_weights(packed, fleet, 2, cfg)

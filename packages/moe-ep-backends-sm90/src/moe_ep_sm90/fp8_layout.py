@@ -22,6 +22,7 @@ Recipe (DeepSeek-V3 blockwise fp8, `moe_ep.quant.fp8`): e4m3 payload, fp32 scale
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ __all__ = [
     "PULL_GATE_UP_BLOCK",
     "Fp8BlockWeights",
     "StagedInputs",
+    "check_pack",
     "dequantize_pull_weights",
     "dequantize_push_weights",
     "prepare_pull_weights",
@@ -85,6 +87,36 @@ def _check_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
         if v % _BLOCK:
             raise MoeEpUsageError(f"{name} must be a multiple of {_BLOCK}, got {v}")
     return e, i, h
+
+
+def check_pack(kernel: str, weights: Any, fleet: Any, world_size: int, config: Any) -> None:
+    """Checks of a `MoEWeightPack` against one of the sm90 fp8 kernels, before any collective.
+
+    The pack must hold unquantized bf16/fp32 weights (the kernels quantize with their own
+    block grouping), `[E_local, 2I, H]` / `[E_local, H, I]` with `E_local = E / world_size`,
+    and the geometry must pass `config.check_problem` (top_k from the config, else 1).
+    """
+    scales = (getattr(weights, "w13_scale", None), getattr(weights, "w2_scale", None))
+    if any(s is not None for s in scales):
+        raise MoeEpUsageError(
+            f"{kernel} takes unquantized (bf16/fp32) weights and quantizes them itself; got a "
+            "pre-quantized MoEWeightPack"
+        )
+    e, i, h = _check_weights(weights.w13, weights.w2)
+    e_expected = fleet.num_experts // world_size if world_size else 0
+    if e != e_expected or h != fleet.hidden_size:
+        raise MoeEpUsageError(
+            f"{kernel}: weights.w13 must be [E_local={e_expected}, 2I, H={fleet.hidden_size}], "
+            f"got {tuple(weights.w13.shape)}"
+        )
+    config.check_problem(
+        hidden_size=h,
+        intermediate_size=i,
+        top_k=getattr(config, "top_k", None) or 1,
+        num_experts=fleet.num_experts,
+        world_size=world_size,
+        max_tokens_per_rank=fleet.max_tokens_per_rank,
+    )
 
 
 def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

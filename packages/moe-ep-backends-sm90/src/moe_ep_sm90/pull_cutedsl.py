@@ -18,7 +18,7 @@ from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90._hardware import check_availability
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 from moe_ep_sm90.drops import PULL_DROP, load_pull_api
-from moe_ep_sm90.fp8_layout import StagedInputs, prepare_pull_weights, stage_pull_inputs
+from moe_ep_sm90.fp8_layout import StagedInputs, check_pack, prepare_pull_weights, stage_pull_inputs
 from moe_ep_sm90.pool import WorkspacePool
 from moe_ep_sm90.pull_args import (
     ArgSpec,
@@ -89,6 +89,13 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
         return check_availability(
             capability=(9, 0), arch_label="Hopper, sm_90a", packages=_PACKAGES, drop=PULL_DROP
         )
+
+    @classmethod
+    def validate_weights(
+        cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
+    ) -> None:
+        """Local checks before any collective: pack shapes, unquantized weights, geometry."""
+        check_pack(cls.kernel_name, weights, fleet, world_size, config)
 
     def __init__(
         self,

@@ -20,7 +20,12 @@ from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90._hardware import check_availability
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig
 from moe_ep_sm90.drops import PUSH_DROP
-from moe_ep_sm90.fp8_layout import StagedInputs, prepare_push_weights, stage_push_inputs
+from moe_ep_sm90.fp8_layout import (
+    StagedInputs,
+    check_pack,
+    prepare_push_weights,
+    stage_push_inputs,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +71,13 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
             reasons.append("nvcc is not on PATH (the drop compiles its FC1 kernel at run time)")
         reasons.append(LAUNCH_NOT_WRITTEN)
         return False, "; ".join(reasons)
+
+    @classmethod
+    def validate_weights(
+        cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
+    ) -> None:
+        """Local checks before any collective: pack shapes, unquantized weights, geometry."""
+        check_pack(cls.kernel_name, weights, fleet, world_size, config)
 
     def __init__(
         self,

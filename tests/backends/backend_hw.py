@@ -1,4 +1,4 @@
-"""Shared helpers of the backend tests: which hardware is here, one place for skip reasons."""
+"""Which hardware is here, for the backend tests: the one place that words GPU skip reasons."""
 
 from __future__ import annotations
 
