@@ -250,7 +250,7 @@ def test_peer_dies_during_bootstrap(tmp_path: Path, world_size: int, victim: int
     for elapsed, msg in _survivor_reports(tmp_path, survivors):
         assert f"rank(s) [{victim}]" in msg or f"rank {victim}" in msg, msg
         assert "MoeEpTimeoutError" in msg or "MoeEpPeerError" in msg
-        assert elapsed < 4 + 3, (elapsed, msg)
+        assert elapsed < 4 + 6, (elapsed, msg)  # slack for a loaded 2-core box
 
 
 @pytest.mark.multirank
@@ -261,7 +261,7 @@ def test_peer_dies_during_release(tmp_path: Path) -> None:
         first, after = msg.rsplit("\n", 1)
         assert first.startswith("MoeEpTimeoutError") and "rank(s) [2]" in first, msg
         assert "world size 3" in first and "timeout 4 s" in first
-        assert elapsed < 4 + 3, (elapsed, msg)
+        assert elapsed < 4 + 6, (elapsed, msg)  # slack for a loaded 2-core box
         # the survivor still tore down its own state, so it could bootstrap again
         assert after == "False 0"
 

@@ -1,25 +1,21 @@
-"""Runtime bootstrap: bind the device, join (or create) the EP process group, NVSHMEM.
+"""The runtime handle, `acquire`, and the process-wide ref-counted state under it.
 
 `acquire(config)` returns a `Runtime` handle; the state underneath is process-wide and
 ref-counted, so a layer, a backend and a test can each hold a handle. The last `release()`
 tears down only what moe-ep created, as barrier -> destroy -> barrier. Every wait (rendezvous,
 barriers, teardown) is bounded by `BootstrapConfig.timeout_s` (default MOE_EP_TIMEOUT_S, else
 120 s): a dead peer becomes a `MoeEpTimeoutError` / `MoeEpPeerError` naming the rank, never a
-hang. This module imports no backend and no drop.
+hang.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
-import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -28,16 +24,13 @@ from moe_ep import env as _env
 from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.config import BootstrapConfig
 from moe_ep.device import DeviceResolution, resolve_device_detailed, warn_if_host_bound_elsewhere
-from moe_ep.errors import (
-    MoeEpPeerError,
-    MoeEpTimeoutError,
-    MoeEpUnavailableError,
-    MoeEpUsageError,
+from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError, MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.runtime.nvshmem_init import (
+    finalize_nvshmem,
+    init_nvshmem,
+    nvshmem_unavailable_reason,
 )
-
-__all__ = ["Runtime", "acquire", "active_refcount"]
-
-_STORE_HOST = 0  # group rank hosting the TCPStore moe-ep creates
+from moe_ep.runtime.store import CLOSING_KEY, create_store, host_store, store_barrier
 
 
 @dataclass
@@ -70,185 +63,6 @@ def active_refcount() -> int:
         return 0 if _state is None else _state.refs
 
 
-# ---------------------------------------------------------------- bounded store barrier
-
-
-def _missing(store: Any, prefix: str, world_size: int) -> list[int]:
-    return [r for r in range(world_size) if not store.check([f"{prefix}/arrived/{r}"])]
-
-
-def _store_barrier(
-    store: Any,
-    prefix: str,
-    *,
-    rank: int,
-    world_size: int,
-    timeout_s: float,
-    what: str,
-    host_desc: str,
-    host_waits_for_exit: bool = False,
-) -> None:
-    """All `world_size` ranks meet under `prefix` in `store`, or raise within `timeout_s`.
-
-    Group rank 0 decides a timeout: it writes which ranks are missing under `abort` and waits
-    briefly for the ranks that did arrive to read it, so every survivor reports the same
-    missing ranks (instead of racing the store's shutdown). Others give up on their own
-    only a grace period later (rank 0 itself is then the one missing).
-
-    Raises:
-        MoeEpTimeoutError: names the ranks that did not arrive, world size and timeout.
-        MoeEpPeerError: the store (hosted by a peer) went away; names that peer.
-    """
-    start = time.monotonic()
-    grace = min(2.0, 0.25 * timeout_s + 0.1)
-    decider = rank == 0
-
-    def fail(detail: str) -> MoeEpTimeoutError:
-        return MoeEpTimeoutError(
-            f"{what}: {detail}; world size {world_size}, timeout {timeout_s:g} s, "
-            f"seen from rank {rank}"
-        )
-
-    try:
-        store.set(f"{prefix}/arrived/{rank}", b"1")
-        if store.add(f"{prefix}/count", 1) == world_size:
-            store.set(f"{prefix}/done", b"1")
-        pause = 0.0005
-        while not store.check([f"{prefix}/done"]):
-            if store.check([f"{prefix}/abort"]):
-                detail = store.get(f"{prefix}/abort").decode()
-                store.add(f"{prefix}/abort_ack", 1)
-                raise fail(detail)
-            waited = time.monotonic() - start
-            if decider and waited > timeout_s:
-                missing = _missing(store, prefix, world_size)
-                if not missing:
-                    continue  # the last rank arrived just now
-                detail = (
-                    f"rank(s) {missing} did not arrive ({world_size - len(missing)}/"
-                    f"{world_size} did)"
-                )
-                store.set(f"{prefix}/abort", detail.encode())
-                others = world_size - len(missing) - 1
-                until = time.monotonic() + grace
-                while store.add(f"{prefix}/abort_ack", 0) < others and time.monotonic() < until:
-                    time.sleep(0.01)
-                raise fail(detail)
-            if not decider and waited > timeout_s + grace:
-                missing = _missing(store, prefix, world_size)
-                raise fail(f"rank(s) {missing} did not arrive (rank 0 did not decide in time)")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-    except MoeEpTimeoutError:
-        raise
-    except Exception as exc:
-        raise MoeEpPeerError(
-            f"{what}: rank {rank} lost the rendezvous store hosted by {host_desc} "
-            f"(world size {world_size}); that rank probably died: {exc}"
-        ) from exc
-    if not host_waits_for_exit:
-        return
-    if rank != _STORE_HOST:
-        # The host may be gone already; nothing is left to coordinate then.
-        with contextlib.suppress(Exception):
-            if store.add(f"{prefix}/left", 1) == world_size - 1:
-                store.set(f"{prefix}/all_left", b"1")
-    elif world_size > 1:
-        remaining = max(0.001, start + timeout_s - time.monotonic())
-        # Everyone arrived; a rank that vanished since cannot be waited for.
-        with contextlib.suppress(Exception):
-            store.wait([f"{prefix}/all_left"], datetime.timedelta(seconds=remaining))
-
-
-# ---------------------------------------------------------------- rendezvous
-
-
-def _rendezvous_url(config: BootstrapConfig) -> tuple[str, int]:
-    if config.init_method is not None:
-        parsed = urlparse(config.init_method)
-        if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
-            raise MoeEpUsageError(
-                "BootstrapConfig.init_method must be 'tcp://HOST:PORT' (moe-ep hosts the "
-                f"store itself), got {config.init_method!r}"
-            )
-        return parsed.hostname, parsed.port
-    addr_port = _env.master_addr_port()
-    if addr_port is None:
-        raise MoeEpUsageError(
-            "torch.distributed is not initialised and moe-ep cannot initialise it: "
-            "set MASTER_ADDR and MASTER_PORT (torchrun does), pass "
-            "BootstrapConfig(init_method='tcp://HOST:PORT'), or initialise "
-            "torch.distributed in the host and pass process_group="
-        )
-    env_rank, env_world = _env.torchrun_rank(), _env.torchrun_world_size()
-    if env_world is not None and env_world != config.world_size:
-        raise MoeEpUsageError(
-            f"BootstrapConfig.world_size={config.world_size} disagrees with environment "
-            f"variable WORLD_SIZE={env_world}"
-        )
-    if env_rank is not None and env_rank != config.rank:
-        raise MoeEpUsageError(
-            f"BootstrapConfig.rank={config.rank} disagrees with environment variable "
-            f"RANK={env_rank}"
-        )
-    return addr_port
-
-
-def _port_open(host: str, port: int, deadline: float) -> bool:
-    """Poll until something listens on host:port (torch's own connect loop can take about
-    twice its timeout, so the bounded wait is done here)."""
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-
-
-_CLOSING_KEY = "moe_ep/closing"  # set in a store moe-ep is about to close
-
-
-def _create_store(config: BootstrapConfig, timeout_s: float) -> tuple[Any, str]:
-    """Host (rank 0) or join the rendezvous TCPStore, within `timeout_s`.
-
-    A rank that bootstraps again right after a teardown can reach the previous store on the
-    same port before rank 0 has closed it; such a store carries `_CLOSING_KEY`, and the rank
-    drops it and retries until rank 0's new store answers.
-    """
-    host, port = _rendezvous_url(config)
-    desc = f"rank {_STORE_HOST} at {host}:{port}"
-    deadline = time.monotonic() + timeout_s
-    is_host = config.rank == _STORE_HOST
-    last_error: BaseException | None = None
-    while True:
-        if not is_host and not _port_open(host, port, deadline):
-            break
-        timeout = datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
-        try:
-            store = dist.TCPStore(
-                host, port, config.world_size, is_host, timeout, wait_for_workers=False
-            )
-            if is_host or not store.check([_CLOSING_KEY]):
-                return store, desc
-            del store
-        except Exception as exc:
-            if is_host:
-                raise MoeEpPeerError(
-                    f"bootstrap: rank 0 could not host the rendezvous store on {host}:{port}: {exc}"
-                ) from exc
-            last_error = exc
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    raise MoeEpTimeoutError(
-        f"bootstrap: rank(s) [0] did not arrive: rank {config.rank} could not reach the "
-        f"rendezvous store hosted by {desc} within {timeout_s:g} s (world size "
-        f"{config.world_size})" + (f": {last_error}" if last_error else "")
-    ) from last_error
-
-
 def _check_group(group: Any, config: BootstrapConfig, what: str) -> None:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size != config.world_size or rank != config.rank:
@@ -256,65 +70,6 @@ def _check_group(group: Any, config: BootstrapConfig, what: str) -> None:
             f"{what} has world size {size} and this process is its rank {rank}, but "
             f"BootstrapConfig says world_size={config.world_size}, rank={config.rank}"
         )
-
-
-_host_lifetimes: dict[str, int] = {}  # group tag -> runtimes bootstrapped on it so far
-
-
-def _host_store(group: Any) -> tuple[Any, str]:
-    """The host's default store, namespaced for this group and this runtime lifetime (the
-    host's store outlives us, so barrier keys of an earlier lifetime must not be reused);
-    None if torch hides it."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None, ""
-    ranks = dist.get_process_group_ranks(group)
-    tag = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
-    life = _host_lifetimes[tag] = _host_lifetimes.get(tag, 0) + 1
-    prefix = f"moe_ep/group-{tag}/life-{life}"
-    return dist.PrefixStore(prefix, store), "the host's default store"
-
-
-# ---------------------------------------------------------------- NVSHMEM
-
-
-def _nvshmem_unavailable_reason(device: DeviceResolution) -> str | None:
-    if device.ordinal is None:
-        return "no CUDA device is visible (NVSHMEM needs a GPU)"
-    try:
-        import nvshmem.core  # noqa: F401
-    except Exception as exc:
-        return (
-            f"nvshmem4py could not be imported ({type(exc).__name__}: {exc}); install the "
-            "moe-ep sm90/sm100 extra"
-        )
-    return None
-
-
-def _init_nvshmem(state: _State) -> None:
-    """Initialise NVSHMEM over the EP group with a unique id made on group rank 0.
-
-    Warning: never run on a GPU in this project's CI (no GPU there); written against
-    nvshmem4py 0.4's `get_unique_id` / `init(initializer_method="uid")`.
-    """
-    import nvshmem.core as nvshmem
-
-    try:
-        from cuda.core import Device
-    except ImportError:  # older cuda-core
-        from cuda.core.experimental import Device
-
-    dev = Device(state.device.index)
-    dev.set_current()
-    uid = nvshmem.get_unique_id(empty=state.rank != 0)
-    box = [uid]
-    src = dist.get_global_rank(state.group, 0) if state.group is not None else 0
-    dist.broadcast_object_list(box, src=src, group=state.group)
-    nvshmem.init(
-        device=dev, uid=box[0], rank=state.rank, nranks=state.world_size, initializer_method="uid"
-    )
-    state.nvshmem = state.created_nvshmem = True
 
 
 # ---------------------------------------------------------------- handle
@@ -421,7 +176,7 @@ def _barrier(state: _State, what: str) -> None:
         with state.lock:
             state.barrier_gen += 1
             gen = state.barrier_gen
-        _store_barrier(
+        store_barrier(
             state.store,
             f"{state.store_prefix}/barrier/{gen}",
             rank=state.rank,
@@ -451,9 +206,7 @@ def _teardown(state: _State) -> None:
     if state.created_nvshmem:
         try:
             _barrier(state, "moe-ep teardown (before NVSHMEM finalize)")
-            import nvshmem.core as nvshmem
-
-            nvshmem.finalize()
+            finalize_nvshmem()
         except BaseException as exc:
             errors.append(exc)
     if state.created_group:
@@ -466,7 +219,7 @@ def _teardown(state: _State) -> None:
         }
         try:
             if not errors:
-                _store_barrier(
+                store_barrier(
                     state.store,
                     f"{state.store_prefix}/teardown/enter",
                     what="moe-ep teardown (before destroying the process group)",
@@ -481,9 +234,9 @@ def _teardown(state: _State) -> None:
         if not errors:
             # Before anyone can leave the last barrier and bootstrap again on this port.
             with contextlib.suppress(Exception):  # a dead store fails the barrier below
-                state.store.set(_CLOSING_KEY, b"1")
+                state.store.set(CLOSING_KEY, b"1")
             try:
-                _store_barrier(
+                store_barrier(
                     state.store,
                     f"{state.store_prefix}/teardown/exit",
                     what="moe-ep teardown (after destroying the process group)",
@@ -498,6 +251,13 @@ def _teardown(state: _State) -> None:
 
 
 # ---------------------------------------------------------------- acquire
+
+
+def _start_nvshmem(state: _State) -> None:
+    init_nvshmem(
+        group=state.group, rank=state.rank, world_size=state.world_size, device=state.device
+    )
+    state.nvshmem = state.created_nvshmem = True
 
 
 def _check_compatible(state: _State, config: BootstrapConfig, res: DeviceResolution) -> None:
@@ -556,20 +316,20 @@ def acquire(config: BootstrapConfig, *, requirements: RuntimeRequirements | None
             f"(CUDA_VISIBLE_DEVICES={_env.cuda_visible_devices()})"
         )
     if reqs.nvshmem:
-        reason = _nvshmem_unavailable_reason(res)
+        reason = nvshmem_unavailable_reason(res)
         if reason is not None:
             raise MoeEpUnavailableError(f"this kernel needs NVSHMEM, unavailable: {reason}")
     with _lock:
         if _state is not None:
             _check_compatible(_state, config, res)
             if reqs.nvshmem and not _state.nvshmem:
-                _init_nvshmem(_state)
+                _start_nvshmem(_state)
             _state.refs += 1
             return Runtime(_state)
         state = _bootstrap(config, res, timeout_s, fold)
         try:
             if reqs.nvshmem:
-                _init_nvshmem(state)
+                _start_nvshmem(state)
         except BaseException:
             _teardown(state)
             raise
@@ -582,8 +342,12 @@ def _bootstrap(
     config: BootstrapConfig, res: DeviceResolution, timeout_s: float, fold: bool
 ) -> _State:
     if res.ordinal is not None:
-        current = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-        warn_if_host_bound_elsewhere(config, res, current)
+        # torch cannot tell "the host chose device 0" from "nothing chosen yet" (both read
+        # 0), so a host binding is recognised when CUDA is initialised or a non-0 is current.
+        was_initialised = torch.cuda.is_initialized()
+        current = torch.cuda.current_device()
+        host_bound = current if (was_initialised or current != 0) else None
+        warn_if_host_bound_elsewhere(config, res, host_bound)
         torch.cuda.set_device(res.ordinal)
         device = torch.device("cuda", res.ordinal)
     else:
@@ -600,7 +364,7 @@ def _bootstrap(
         else:
             group, what = dist.group.WORLD, "the host's default process group"  # type: ignore[assignment]
         _check_group(group, config, what)
-        store, host_desc = _host_store(group)
+        store, host_desc = host_store(group)
         return _State(
             rank=config.rank,
             world_size=config.world_size,
@@ -621,15 +385,13 @@ def _bootstrap(
             "set auto_bootstrap=True"
         )
     backend = "gloo" if res.ordinal is None or fold else "nccl"
-    store, host_desc = _create_store(config, timeout_s)
+    store, host_desc = create_store(config, timeout_s)
     common: dict[str, Any] = {
         "rank": config.rank,
         "world_size": config.world_size,
         "timeout_s": timeout_s,
     }
-    _store_barrier(
-        store, "moe_ep/bootstrap", what="moe-ep bootstrap", host_desc=host_desc, **common
-    )
+    store_barrier(store, "moe_ep/bootstrap", what="moe-ep bootstrap", host_desc=host_desc, **common)
     try:
         dist.init_process_group(
             backend,
@@ -657,7 +419,7 @@ def _bootstrap(
         store_host_desc=host_desc,
     )
     try:
-        _store_barrier(
+        store_barrier(
             store,
             "moe_ep/bootstrap_done",
             what="moe-ep bootstrap (group created)",

@@ -1,0 +1,230 @@
+"""The rendezvous store moe-ep hosts, and barriers over a store that are bounded in time.
+
+Barriers run over a TCPStore rather than the process group: a dead peer then shows up as a
+missing key, which names the rank, instead of a hung or aborted collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import socket
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+from moe_ep import env as _env
+from moe_ep.config import BootstrapConfig
+from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError, MoeEpUsageError
+
+__all__ = [
+    "CLOSING_KEY",
+    "STORE_HOST",
+    "create_store",
+    "host_store",
+    "port_open",
+    "rendezvous_url",
+    "store_barrier",
+]
+
+STORE_HOST = 0  # group rank hosting the TCPStore moe-ep creates
+
+
+# ---------------------------------------------------------------- bounded store barrier
+
+
+def _missing(store: Any, prefix: str, world_size: int) -> list[int]:
+    return [r for r in range(world_size) if not store.check([f"{prefix}/arrived/{r}"])]
+
+
+def store_barrier(
+    store: Any,
+    prefix: str,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    what: str,
+    host_desc: str,
+    host_waits_for_exit: bool = False,
+) -> None:
+    """All `world_size` ranks meet under `prefix` in `store`, or raise within `timeout_s`.
+
+    Group rank 0 decides a timeout: it writes which ranks are missing under `abort` and waits
+    briefly for the ranks that did arrive to read it, so every survivor reports the same
+    missing ranks (instead of racing the store's shutdown). Others give up on their own
+    only a grace period later (rank 0 itself is then the one missing).
+
+    Raises:
+        MoeEpTimeoutError: names the ranks that did not arrive, world size and timeout.
+        MoeEpPeerError: the store (hosted by a peer) went away; names that peer.
+    """
+    start = time.monotonic()
+    grace = min(2.0, 0.25 * timeout_s + 0.1)
+    decider = rank == 0
+
+    def fail(detail: str) -> MoeEpTimeoutError:
+        return MoeEpTimeoutError(
+            f"{what}: {detail}; world size {world_size}, timeout {timeout_s:g} s, "
+            f"seen from rank {rank}"
+        )
+
+    try:
+        store.set(f"{prefix}/arrived/{rank}", b"1")
+        if store.add(f"{prefix}/count", 1) == world_size:
+            store.set(f"{prefix}/done", b"1")
+        pause = 0.0005
+        while not store.check([f"{prefix}/done"]):
+            if store.check([f"{prefix}/abort"]):
+                detail = store.get(f"{prefix}/abort").decode()
+                store.add(f"{prefix}/abort_ack", 1)
+                raise fail(detail)
+            waited = time.monotonic() - start
+            if decider and waited > timeout_s:
+                missing = _missing(store, prefix, world_size)
+                if not missing:
+                    continue  # the last rank arrived just now
+                detail = (
+                    f"rank(s) {missing} did not arrive ({world_size - len(missing)}/"
+                    f"{world_size} did)"
+                )
+                store.set(f"{prefix}/abort", detail.encode())
+                others = world_size - len(missing) - 1
+                until = time.monotonic() + grace
+                while store.add(f"{prefix}/abort_ack", 0) < others and time.monotonic() < until:
+                    time.sleep(0.01)
+                raise fail(detail)
+            if not decider and waited > timeout_s + grace:
+                missing = _missing(store, prefix, world_size)
+                raise fail(f"rank(s) {missing} did not arrive (rank 0 did not decide in time)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+    except MoeEpTimeoutError:
+        raise
+    except Exception as exc:
+        raise MoeEpPeerError(
+            f"{what}: rank {rank} lost the rendezvous store hosted by {host_desc} "
+            f"(world size {world_size}); that rank probably died: {exc}"
+        ) from exc
+    if not host_waits_for_exit:
+        return
+    if rank != STORE_HOST:
+        # The host may be gone already; nothing is left to coordinate then.
+        with contextlib.suppress(Exception):
+            if store.add(f"{prefix}/left", 1) == world_size - 1:
+                store.set(f"{prefix}/all_left", b"1")
+    elif world_size > 1:
+        remaining = max(0.001, start + timeout_s - time.monotonic())
+        # Everyone arrived; a rank that vanished since cannot be waited for.
+        with contextlib.suppress(Exception):
+            store.wait([f"{prefix}/all_left"], datetime.timedelta(seconds=remaining))
+
+
+# ---------------------------------------------------------------- rendezvous
+
+
+def rendezvous_url(config: BootstrapConfig) -> tuple[str, int]:
+    if config.init_method is not None:
+        parsed = urlparse(config.init_method)
+        if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+            raise MoeEpUsageError(
+                "BootstrapConfig.init_method must be 'tcp://HOST:PORT' (moe-ep hosts the "
+                f"store itself), got {config.init_method!r}"
+            )
+        return parsed.hostname, parsed.port
+    addr_port = _env.master_addr_port()
+    if addr_port is None:
+        raise MoeEpUsageError(
+            "torch.distributed is not initialised and moe-ep cannot initialise it: "
+            "set MASTER_ADDR and MASTER_PORT (torchrun does), pass "
+            "BootstrapConfig(init_method='tcp://HOST:PORT'), or initialise "
+            "torch.distributed in the host and pass process_group="
+        )
+    env_rank, env_world = _env.torchrun_rank(), _env.torchrun_world_size()
+    if env_world is not None and env_world != config.world_size:
+        raise MoeEpUsageError(
+            f"BootstrapConfig.world_size={config.world_size} disagrees with environment "
+            f"variable WORLD_SIZE={env_world}"
+        )
+    if env_rank is not None and env_rank != config.rank:
+        raise MoeEpUsageError(
+            f"BootstrapConfig.rank={config.rank} disagrees with environment variable "
+            f"RANK={env_rank}"
+        )
+    return addr_port
+
+
+def port_open(host: str, port: int, deadline: float) -> bool:
+    """Poll until something listens on host:port (torch's own connect loop can take about
+    twice its timeout, so the bounded wait is done here)."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+CLOSING_KEY = "moe_ep/closing"  # set in a store moe-ep is about to close
+
+
+def create_store(config: BootstrapConfig, timeout_s: float) -> tuple[Any, str]:
+    """Host (rank 0) or join the rendezvous TCPStore, within `timeout_s`.
+
+    A rank that bootstraps again right after a teardown can reach the previous store on the
+    same port before rank 0 has closed it; such a store carries `CLOSING_KEY`, and the rank
+    drops it and retries until rank 0's new store answers.
+    """
+    host, port = rendezvous_url(config)
+    desc = f"rank {STORE_HOST} at {host}:{port}"
+    deadline = time.monotonic() + timeout_s
+    is_host = config.rank == STORE_HOST
+    last_error: BaseException | None = None
+    while True:
+        if not is_host and not port_open(host, port, deadline):
+            break
+        timeout = datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
+        try:
+            store = dist.TCPStore(
+                host, port, config.world_size, is_host, timeout, wait_for_workers=False
+            )
+            if is_host or not store.check([CLOSING_KEY]):
+                return store, desc
+            del store
+        except Exception as exc:
+            if is_host:
+                raise MoeEpPeerError(
+                    f"bootstrap: rank 0 could not host the rendezvous store on {host}:{port}: {exc}"
+                ) from exc
+            last_error = exc
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    raise MoeEpTimeoutError(
+        f"bootstrap: rank(s) [0] did not arrive: rank {config.rank} could not reach the "
+        f"rendezvous store hosted by {desc} within {timeout_s:g} s (world size "
+        f"{config.world_size})" + (f": {last_error}" if last_error else "")
+    ) from last_error
+
+
+_host_lifetimes: dict[str, int] = {}  # group tag -> runtimes bootstrapped on it so far
+
+
+def host_store(group: Any) -> tuple[Any, str]:
+    """The host's default store, namespaced for this group and this runtime lifetime (the
+    host's store outlives us, so barrier keys of an earlier lifetime must not be reused);
+    None if torch hides it."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None, ""
+    ranks = dist.get_process_group_ranks(group)
+    tag = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
+    life = _host_lifetimes[tag] = _host_lifetimes.get(tag, 0) + 1
+    prefix = f"moe_ep/group-{tag}/life-{life}"
+    return dist.PrefixStore(prefix, store), "the host's default store"
