@@ -100,6 +100,7 @@ def _load_shim(drop: str, tmp_path: Path, with_src: bool) -> ModuleType:
     package, _ = DROPS[drop]
     fake = tmp_path / "vendor" / drop
     shutil.copytree(REPO / "vendor" / drop / "shim", fake / "shim")
+    shutil.copy(REPO / "vendor" / drop / "vendor.lock.json", fake / "vendor.lock.json")
     if with_src:
         (fake / "src" / "pkg").mkdir(parents=True)
         (fake / "src" / "pkg" / "__init__.py").write_text("VALUE = 42\n")
@@ -123,11 +124,13 @@ def test_shim_without_src_names_the_sync_command(drop: str, tmp_path: Path) -> N
         shim.import_src_module("common")
 
 
-def test_shim_finds_in_repo_src(tmp_path: Path) -> None:
+def test_shim_finds_in_repo_src_only_beside_a_lock(tmp_path: Path) -> None:
     shim = _load_shim("sm90_push_cuda", tmp_path, with_src=True)
     assert shim.src_dir() == (tmp_path / "vendor" / "sm90_push_cuda" / "src").resolve()
     assert shim.top_level_packages() == ("pkg",)
     assert [p.name for p in shim.source_files("**/*.py")] == ["__init__.py"]
+    (tmp_path / "vendor" / "sm90_push_cuda" / "vendor.lock.json").unlink()
+    assert shim.is_materialized() is False
 
 
 def test_one_cutedsl_drop_per_process(synced: None) -> None:

@@ -50,8 +50,11 @@ class DropUnavailableError(MoeEpUnavailableError):
 
 
 def _candidates() -> tuple[Path, ...]:
-    # A built wheel carries `_upstream/`; a workspace checkout has vendor/<drop>/src/.
-    return (_HERE / "_upstream", _HERE.parents[1] / "src")
+    # A built wheel carries `_upstream/`; a workspace checkout has vendor/<drop>/src/ beside
+    # the drop's vendor.lock.json (the marker keeps an unrelated `src/` from being taken).
+    checkout = _HERE.parents[1]
+    in_repo = (checkout / "src",) if (checkout / "vendor.lock.json").is_file() else ()
+    return (_HERE / "_upstream", *in_repo)
 
 
 def _find() -> Path | None:
