@@ -1,0 +1,155 @@
+"""Compile-only check (no GPU) of the sm100 nvfp4 CuTe DSL kernel for `sm_100a`.
+
+Builds the kernel from `nvfp4_args` (the arguments a launch would use) with fake gmem
+tensors and compiles it. Run in a fresh process (the drop owns generic top-level module
+names; the CuTe DSL reads the target arch from the environment at import):
+
+    CUTE_DSL_ARCH=sm_100a python -m moe_ep_sm100.compile_check nvfp4 --arch sm_100a
+
+Prints one JSON line; exit code 0 on success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from moe_ep_sm100.configs import BLACKWELL_SM_COUNT, Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
+from moe_ep_sm100.drops import CUTEDSL_DROP, drop_src_module
+from moe_ep_sm100.nvfp4_args import (
+    ArgSpec,
+    Geometry,
+    Nvfp4KernelApi,
+    call_args,
+    kernel_ctor_kwargs,
+)
+
+__all__ = ["DEFAULT_GEOMETRY", "compile_nvfp4", "load_nvfp4_api", "main"]
+
+# One default shape: 2 ranks, 8 experts (4 local), H=1024, I=512, top-8, 128 tokens per rank.
+DEFAULT_GEOMETRY = Geometry(
+    world_size=2,
+    rank=0,
+    max_tokens_per_rank=128,
+    top_k=8,
+    num_experts=8,
+    hidden_size=1024,
+    intermediate_size=512,
+)
+
+
+def load_nvfp4_api() -> Nvfp4KernelApi:
+    """The nvfp4 kernel class and ABI constants, through the drop's shim (imports cutlass)."""
+    kernel = drop_src_module(CUTEDSL_DROP, "moe_nvfp4_swapab.megamoe_kernel")
+    epilogue = drop_src_module(CUTEDSL_DROP, "moe_nvfp4_swapab.epilogue_refactor")
+    consts = drop_src_module(CUTEDSL_DROP, "common.megamoe_constants")
+    comm = drop_src_module(CUTEDSL_DROP, "src.token_comm")
+    sym = drop_src_module(CUTEDSL_DROP, "src.sym_buffer")
+    return Nvfp4KernelApi(
+        kernel=kernel.Sm100MegaMoEKernel,
+        token_padding_block=int(epilogue.SwapABSwigluFp4Epilogue._EpilogueTokenTileSize),
+        sf_padding_block=int(consts.SfPaddingBlock),
+        combine_format_bf16=comm.CombineFormat.parse("bf16"),
+        sym_buffer_host=sym.SymBufferHost,
+    )
+
+
+def compile_nvfp4(
+    config: Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
+    geometry: Geometry = DEFAULT_GEOMETRY,
+    *,
+    arch: str = "sm_100a",
+) -> float:
+    """Compile for `arch` with fake tensors; returns seconds. Needs `CUTE_DSL_ARCH=<arch>`."""
+    if os.environ.get("CUTE_DSL_ARCH") != arch:
+        raise RuntimeError(
+            f"CUTE_DSL_ARCH must be {arch!r} before cutlass is imported, got "
+            f"{os.environ.get('CUTE_DSL_ARCH')!r}"
+        )
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.typing import AddressSpace
+
+    config.check_problem(
+        hidden_size=geometry.hidden_size,
+        intermediate_size=geometry.intermediate_size,
+        top_k=geometry.top_k,
+        num_experts=geometry.num_experts,
+        world_size=geometry.world_size,
+        max_tokens_per_rank=geometry.max_tokens_per_rank,
+    )
+    api = load_nvfp4_api()
+    kernel = api.kernel(
+        **kernel_ctor_kwargs(
+            config,
+            geometry,
+            api=api,
+            fc2_output_dtype=cutlass.BFloat16,
+            max_active_clusters=BLACKWELL_SM_COUNT,
+        )
+    )
+    dtypes = {
+        "fp4": cutlass.Float4E2M1FN,
+        "fp8_e4m3": cutlass.Float8E4M3FN,
+        "float32": cutlass.Float32,
+        "int64": cutlass.Int64,
+        "bfloat16": cutlass.BFloat16,
+    }
+
+    def fake(spec: ArgSpec) -> Any:
+        shape = tuple(cute.sym_int64() for _ in spec.shape)
+        stride = tuple(
+            1 if d == spec.leading_dim else cute.sym_int64() for d in range(len(spec.shape))
+        )
+        return cute.runtime.make_fake_tensor(
+            dtypes[spec.dtype],
+            shape,
+            stride=stride,
+            memspace=AddressSpace.gmem,
+            assumed_align=spec.align,
+        )
+
+    def pointer(name: str) -> Any:
+        return cute.runtime.make_ptr(cutlass.Uint8, 1 << 20, AddressSpace.gmem, assumed_align=16)
+
+    peer_map = api.sym_buffer_host(
+        base_addr=1 << 30,
+        offsets=tuple(r << 32 for r in range(geometry.world_size)),
+        rank_idx=geometry.rank,
+        num_max_ranks=geometry.world_size,
+    )
+    args = call_args(
+        geometry,
+        tensor=fake,
+        pointer=pointer,
+        peer_map=peer_map,
+        stream=cuda.CUstream(0),
+        max_active_clusters=BLACKWELL_SM_COUNT,
+    )
+    start = time.perf_counter()
+    cute.compile(kernel, **args, options=f"--gpu-arch {arch}")
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_ep_sm100.compile_check")
+    parser.add_argument("kernel", choices=["nvfp4"])
+    parser.add_argument("--arch", default="sm_100a")
+    args = parser.parse_args(argv)
+    try:
+        seconds = compile_nvfp4(Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig(), arch=args.arch)
+    except Exception as exc:
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:4000]}))
+        return 1
+    kernel = "sm100_nvfp4_nvfp4_bf16_cutedsl"
+    print(json.dumps({"ok": True, "kernel": kernel, "arch": args.arch, "seconds": seconds}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The sm100 nvfp4 kernel's constructor and call arguments, built from shapes in one place.
+
+Used by the compile-only check (fake gmem tensors) and meant for the launch path (real
+tensors through `from_dlpack`), so the two cannot drift apart. No cutlass import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from moe_ep_sm100.configs import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
+
+__all__ = [
+    "NVFP4_BLOCK",
+    "ArgSpec",
+    "Geometry",
+    "Nvfp4KernelApi",
+    "call_args",
+    "kernel_ctor_kwargs",
+    "tensor_specs",
+]
+
+NVFP4_BLOCK = 16
+# Fixed launch geometry (the drop driver's defaults): swap-AB tile, 1-CTA cluster.
+MMA_TILER_MNK = (128, 128, 256)
+CLUSTER_SHAPE_MNK = (1, 1, 1)
+
+
+def _ceil_to(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One layer's launch geometry on one rank (everything the compiled kernel depends on)."""
+
+    world_size: int
+    rank: int
+    max_tokens_per_rank: int
+    top_k: int
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+
+@dataclass(frozen=True)
+class Nvfp4KernelApi:
+    """What the backend needs from the sm100 drop for the nvfp4 kernel."""
+
+    kernel: type
+    token_padding_block: int
+    sf_padding_block: int
+    combine_format_bf16: Any
+    sym_buffer_host: type
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One tensor argument in LOGICAL elements (fp4 counts elements, not packed bytes).
+
+    `dtype`: "fp4" (e2m1), "fp8_e4m3" (block scales), "float32", "int64", "bfloat16";
+    `leading_dim`: the stride-1 mode.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    leading_dim: int
+    align: int = 16
+
+
+def tensor_specs(g: Geometry) -> tuple[ArgSpec, ...]:
+    """Every tensor argument of the kernel's `__call__`, in call order.
+
+    Weights are K-major: `fc1_weight [E_local, H, 2I]`, `fc2_weight [E_local, I, H]` (stride 1
+    on dim 1); weight scale planes are 128x4-swizzled per expert and flattened
+    (`[E_local, ceil128(N) * ceil4(K/16)]`); `fc1_alpha` / `fc2_alpha` / `fc1_norm_const` are
+    per-expert fp32 global-scale factors.
+    """
+    t, k, e = g.max_tokens_per_rank, g.top_k, g.experts_per_rank
+    h, i = g.hidden_size, g.intermediate_size
+    sf = NVFP4_BLOCK
+    return (
+        ArgSpec("activation", (t, h), "fp4", 1),
+        ArgSpec("activation_sf", (t, _ceil_to(h // sf, 4)), "fp8_e4m3", 1),
+        ArgSpec("topk_idx", (t, k), "int64", 1),
+        ArgSpec("topk_weights", (t, k), "float32", 1),
+        ArgSpec("fc1_weight", (e, h, 2 * i), "fp4", 1),
+        ArgSpec("fc1_weight_sf", (e, _ceil_to(2 * i, 128) * _ceil_to(h // sf, 4)), "fp8_e4m3", 1),
+        ArgSpec("fc2_weight", (e, i, h), "fp4", 1),
+        ArgSpec("fc2_weight_sf", (e, _ceil_to(h, 128) * _ceil_to(i // sf, 4)), "fp8_e4m3", 1),
+        ArgSpec("fc1_alpha", (e,), "float32", 0, 4),
+        ArgSpec("fc2_alpha", (e,), "float32", 0, 4),
+        ArgSpec("fc1_norm_const", (e,), "float32", 0, 4),
+        ArgSpec("output_activation", (t, h), "bfloat16", 1),
+    )
+
+
+def kernel_ctor_kwargs(
+    config: Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
+    g: Geometry,
+    *,
+    api: Nvfp4KernelApi,
+    fc2_output_dtype: Any,
+    max_active_clusters: int,
+) -> dict[str, Any]:
+    """Constructor keyword arguments of the drop's `Sm100MegaMoEKernel`.
+
+    Fixed choices: SwiGLU, top-k weights applied in FC1, bf16 combine, token-back by the
+    epilogue warps, the standalone top-k reduce.
+    """
+    return dict(
+        mma_tiler_mnk=MMA_TILER_MNK,
+        cluster_shape_mnk=CLUSTER_SHAPE_MNK,
+        use_2cta_instrs=False,
+        group_hint=max_active_clusters,
+        token_padding_block=api.token_padding_block,
+        sf_padding_block=api.sf_padding_block,
+        load_balance_mode="static",
+        static_expert_shape=(g.experts_per_rank, 2 * g.intermediate_size, g.hidden_size),
+        force_static_sched=True,
+        clc_bundle_size=None,
+        num_sched_stages=None,
+        world_size=g.world_size,
+        num_topk=g.top_k,
+        max_tokens_per_rank=g.max_tokens_per_rank,
+        hidden=g.hidden_size,
+        fc2_output_dtype=fc2_output_dtype,
+        non_ubulk_fc2_store=True,
+        in_kernel_fc2_reduce=False,
+        defer_topk_reduce=False,
+        token_back_mode="epi_warps",
+        apply_topk_in_fc1=True,
+        gate_up_clamp=config.gate_up_clamp,
+        swiglu_alpha=None,
+        swiglu_beta=None,
+        situ_beta=None,
+        situ_linear_beta=None,
+        flag_batch=4,
+        epi_flag_batch=(1, 1),
+        combine_format=api.combine_format_bf16,
+    )
+
+
+def call_args(
+    g: Geometry,
+    *,
+    tensor: Callable[[ArgSpec], Any],
+    pointer: Callable[[str], Any],
+    peer_map: Any,
+    stream: Any,
+    max_active_clusters: int,
+) -> dict[str, Any]:
+    """Keyword arguments of the kernel's `__call__` (and of `cute.compile`)."""
+    args: dict[str, Any] = {spec.name: tensor(spec) for spec in tensor_specs(g)}
+    args["local_workspace"] = pointer("local_workspace")
+    args["shared_workspace"] = pointer("shared_workspace")
+    args["peer_rank_ptr_mapper_host"] = peer_map
+    args["max_active_clusters"] = max_active_clusters
+    args["stream"] = stream
+    return args
