@@ -61,6 +61,32 @@ def _cycle_worker(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+def _late_barrier_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 reaches a barrier after the timeout: both ranks get the same error."""
+    import torch.distributed as dist
+
+    from moe_ep import runtime
+
+    out: dict[str, Any] = {}
+    with runtime.acquire(BootstrapConfig(world_size, rank, timeout_s=2)) as rt:
+        if rank == 1:
+            time.sleep(3.5)
+        start = time.monotonic()
+        try:
+            rt.barrier()
+        except MoeEpTimeoutError as exc:
+            out["error"] = str(exc)
+        out["elapsed"] = time.monotonic() - start
+        try:
+            runtime.acquire(BootstrapConfig(world_size + 1, 0))
+        except MoeEpUsageError as exc:
+            out["conflict"] = str(exc)
+        rt.barrier()  # the runtime is still usable after a timed-out barrier
+        out["refs"] = runtime.active_refcount()
+    out["after"] = dist.is_initialized()
+    return out
+
+
 def _raises(fn: Any, exc: type[BaseException]) -> bool:
     try:
         fn()
@@ -195,6 +221,17 @@ def test_bootstrap_cycles(world_size: int) -> None:
         # moe-ep created the group, so the last release leaves no process group behind
         assert out["initialised_after"] == [False, False]
         assert out["released_raises"]
+
+
+@pytest.mark.multirank
+def test_barrier_is_bounded_and_names_the_late_rank() -> None:
+    results = spawn_local(_late_barrier_worker, 2, timeout_s=SPAWN_TIMEOUT)
+    for out in results:
+        assert "rank(s) [1] did not arrive (1/2 did)" in out["error"]
+        assert "world size 2" in out["error"] and "timeout 2 s" in out["error"]
+        assert "already active" in out["conflict"] and "world_size=3" in out["conflict"]
+        assert out["refs"] == 1 and out["after"] is False
+    assert 2 <= results[0]["elapsed"] < 2 + 6
 
 
 @pytest.mark.multirank

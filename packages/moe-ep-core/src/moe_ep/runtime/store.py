@@ -53,10 +53,12 @@ def store_barrier(
 ) -> None:
     """All `world_size` ranks meet under `prefix` in `store`, or raise within `timeout_s`.
 
-    Group rank 0 decides a timeout: it writes which ranks are missing under `abort` and waits
-    briefly for the ranks that did arrive to read it, so every survivor reports the same
-    missing ranks (instead of racing the store's shutdown). Others give up on their own
-    only a grace period later (rank 0 itself is then the one missing).
+    The arrival counter is the arbiter. Group rank 0 decides a timeout by poisoning the
+    counter (adding `world_size + 1`), so a rank can never count itself in after the
+    decision; it then writes which ranks are missing under `abort` and waits briefly for the
+    ranks that did arrive to read it. Every survivor, and a rank that arrives late, reports
+    the same missing ranks. Others give up on their own only a grace period later (rank 0
+    itself is then the one missing).
 
     Raises:
         MoeEpTimeoutError: names the ranks that did not arrive, world size and timeout.
@@ -64,7 +66,9 @@ def store_barrier(
     """
     start = time.monotonic()
     grace = min(2.0, 0.25 * timeout_s + 0.1)
+    poison = world_size + 1
     decider = rank == 0
+    count, abort = f"{prefix}/count", f"{prefix}/abort"
 
     def fail(detail: str) -> MoeEpTimeoutError:
         return MoeEpTimeoutError(
@@ -73,31 +77,48 @@ def store_barrier(
         )
 
     try:
+        ticket = store.add(count, 1)
+        if ticket > world_size:  # rank 0 gave up on this barrier before we arrived
+            try:
+                store.wait([abort], datetime.timedelta(seconds=grace))
+                detail = store.get(abort).decode()
+            except Exception:
+                detail = "rank 0 abandoned this barrier before this rank arrived"
+            raise fail(f"{detail}; this rank arrived after the timeout")
         store.set(f"{prefix}/arrived/{rank}", b"1")
-        if store.add(f"{prefix}/count", 1) == world_size:
+        if ticket == world_size:
             store.set(f"{prefix}/done", b"1")
         pause = 0.0005
+        poisoned = False
         while not store.check([f"{prefix}/done"]):
-            if store.check([f"{prefix}/abort"]):
-                detail = store.get(f"{prefix}/abort").decode()
+            if store.check([abort]):
+                detail = store.get(abort).decode()
                 store.add(f"{prefix}/abort_ack", 1)
                 raise fail(detail)
             waited = time.monotonic() - start
-            if decider and waited > timeout_s:
-                missing = _missing(store, prefix, world_size)
-                if not missing:
-                    continue  # the last rank arrived just now
-                detail = (
-                    f"rank(s) {missing} did not arrive ({world_size - len(missing)}/"
-                    f"{world_size} did)"
-                )
-                store.set(f"{prefix}/abort", detail.encode())
-                others = world_size - len(missing) - 1
-                until = time.monotonic() + grace
-                while store.add(f"{prefix}/abort_ack", 0) < others and time.monotonic() < until:
-                    time.sleep(0.01)
-                raise fail(detail)
-            if not decider and waited > timeout_s + grace:
+            if decider and not poisoned and waited > timeout_s:
+                poisoned = True
+                arrived = store.add(count, poison) - poison
+                if arrived < world_size:
+                    # ranks that counted themselves in set their key right after
+                    until = time.monotonic() + grace
+                    missing = _missing(store, prefix, world_size)
+                    while world_size - len(missing) < arrived and time.monotonic() < until:
+                        time.sleep(0.005)
+                        missing = _missing(store, prefix, world_size)
+                    detail = (
+                        f"rank(s) {missing} did not arrive ({world_size - len(missing)}/"
+                        f"{world_size} did)"
+                    )
+                    store.set(abort, detail.encode())
+                    until = time.monotonic() + grace
+                    while store.add(f"{prefix}/abort_ack", 0) < arrived - 1:
+                        if time.monotonic() >= until:
+                            break
+                        time.sleep(0.01)
+                    raise fail(detail)
+                # everyone had arrived: the last one is setting `done`
+            if waited > timeout_s + grace:
                 missing = _missing(store, prefix, world_size)
                 raise fail(f"rank(s) {missing} did not arrive (rank 0 did not decide in time)")
             time.sleep(pause)
