@@ -280,7 +280,12 @@ def test_peer_dies_during_bootstrap(tmp_path: Path, world_size: int, victim: int
     start = time.monotonic()
     with pytest.raises(MoeEpPeerError, match=rf"rank {victim} died"):
         spawn_local(
-            _die_before_bootstrap, world_size, victim, str(tmp_path), timeout_s=SPAWN_TIMEOUT
+            _die_before_bootstrap,
+            world_size,
+            victim,
+            str(tmp_path),
+            timeout_s=SPAWN_TIMEOUT,
+            failure_grace_s=SPAWN_TIMEOUT,
         )
     assert time.monotonic() - start < 40
     survivors = [r for r in range(world_size) if r != victim]
@@ -293,7 +298,14 @@ def test_peer_dies_during_bootstrap(tmp_path: Path, world_size: int, victim: int
 @pytest.mark.multirank
 def test_peer_dies_during_release(tmp_path: Path) -> None:
     with pytest.raises(MoeEpPeerError, match=r"rank 2 died"):
-        spawn_local(_die_before_release, 3, 2, str(tmp_path), timeout_s=SPAWN_TIMEOUT)
+        spawn_local(
+            _die_before_release,
+            3,
+            2,
+            str(tmp_path),
+            timeout_s=SPAWN_TIMEOUT,
+            failure_grace_s=SPAWN_TIMEOUT,
+        )
     for elapsed, msg in _survivor_reports(tmp_path, [0, 1]):
         first, after = msg.rsplit("\n", 1)
         assert first.startswith("MoeEpTimeoutError") and "rank(s) [2]" in first, msg

@@ -70,6 +70,7 @@ def _hang_on_rank_one(rank: int, world_size: int, pid_dir: str) -> int:
 
 
 def test_timeout_kills_every_child(tmp_path: Path) -> None:
+    spawn_local(_report_env, 1, 0)  # the first call in a process also starts the forkserver
     start = time.monotonic()
     with pytest.raises(MoeEpTimeoutError) as info:
         spawn_local(_hang_on_rank_one, 2, str(tmp_path), timeout_s=4)
@@ -83,7 +84,35 @@ def test_timeout_kills_every_child(tmp_path: Path) -> None:
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize(("world_size", "timeout_s"), [(0, 1.0), (True, 1.0), (2, 0), (2, -1.0)])
-def test_usage_errors(world_size: object, timeout_s: float) -> None:
+def _fail_or_hang(rank: int, world_size: int) -> int:
+    if rank == 0:
+        raise RuntimeError("rank 0 gives up")
+    time.sleep(600)
+    return rank
+
+
+def test_after_a_failure_the_others_get_a_grace_period_then_are_killed() -> None:
+    start = time.monotonic()
+    with pytest.raises(MoeEpPeerError) as info:
+        spawn_local(_fail_or_hang, 3, timeout_s=120, failure_grace_s=1.0)
+    assert time.monotonic() - start < 20
+    msg = str(info.value)
+    assert "rank 0 raised RuntimeError: rank 0 gives up" in msg
+    assert "rank(s) [1, 2] were still running 1 s after rank 0 failed" in msg
+    assert not isinstance(info.value, MoeEpTimeoutError)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize(
+    ("world_size", "kwargs"),
+    [
+        (0, {}),
+        (True, {}),
+        (2, {"timeout_s": 0}),
+        (2, {"timeout_s": -1.0}),
+        (2, {"failure_grace_s": -1.0}),
+    ],
+)
+def test_usage_errors(world_size: object, kwargs: dict[str, float]) -> None:
     with pytest.raises(MoeEpUsageError):
-        spawn_local(_report_env, world_size, 1, timeout_s=timeout_s)  # type: ignore[arg-type]
+        spawn_local(_report_env, world_size, 1, **kwargs)  # type: ignore[arg-type]

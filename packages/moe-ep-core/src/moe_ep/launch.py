@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -64,6 +65,7 @@ def spawn_local(
     *args: Any,
     timeout_s: float = 120.0,
     env: Mapping[str, str] | None = None,
+    failure_grace_s: float = 10.0,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` fresh local processes.
 
@@ -71,13 +73,16 @@ def spawn_local(
     LOCAL_RANK (then `env` on top). `fn` must be a picklable top-level function and its
     return value picklable.
 
+    `timeout_s` counts from the moment every process has started. Once a rank has failed,
+    the others get `failure_grace_s` more seconds (their own bounded waits usually end with
+    an error worth reporting), then are killed.
+
     Returns:
         The return values in rank order.
 
     Raises:
         MoeEpPeerError: one or more ranks raised or died; names each rank with its
-            traceback (waits for the other ranks, bounded by `timeout_s`, so their errors
-            are reported too).
+            traceback, and the ranks killed after the grace period.
         MoeEpTimeoutError: `timeout_s` passed; all children are killed and the message
             names the ranks that had not finished.
     """
@@ -85,12 +90,15 @@ def spawn_local(
         raise MoeEpUsageError(f"world_size must be an int >= 1, got {world_size!r}")
     if not (isinstance(timeout_s, int | float) and timeout_s > 0):
         raise MoeEpUsageError(f"timeout_s must be a number > 0, got {timeout_s!r}")
+    if not (isinstance(failure_grace_s, int | float) and failure_grace_s >= 0):
+        raise MoeEpUsageError(f"failure_grace_s must be a number >= 0, got {failure_grace_s!r}")
     ctx = _context()
     port = free_port()
     procs: list[Any] = []
     readers: dict[Any, int] = {}  # pipe reader -> rank
     outcome: dict[int, tuple[Any, ...]] = {}
-    deadline = time.monotonic() + timeout_s
+    deadline = math.inf
+    first_failure: int | None = None
     try:
         for rank in range(world_size):
             environ = dict(os.environ)
@@ -113,6 +121,8 @@ def spawn_local(
             writer.close()
             procs.append(proc)
             readers[reader] = rank
+        # counted from here: the first call also starts the forkserver (imports torch)
+        deadline = time.monotonic() + timeout_s
         pending = dict(readers)
         while pending:
             remaining = deadline - time.monotonic()
@@ -126,6 +136,9 @@ def spawn_local(
                 except EOFError:
                     outcome[rank] = ("dead",)
                 got.close()
+                if outcome[rank][0] != "ok" and first_failure is None:
+                    first_failure = rank
+                    deadline = min(deadline, time.monotonic() + failure_grace_s)
         unfinished = [r for r in range(world_size) if r not in outcome]
         for proc in procs:
             proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
@@ -144,7 +157,12 @@ def spawn_local(
             failures.append(f"rank {rank} raised {out[1]}\n{out[2]}")
         elif out[0] == "dead":
             failures.append(f"rank {rank} died (exit code {procs[rank].exitcode}) without a result")
-    if unfinished:
+    if unfinished and first_failure is not None:
+        failures.append(
+            f"rank(s) {unfinished} were still running {failure_grace_s:g} s after rank "
+            f"{first_failure} failed and were killed"
+        )
+    elif unfinished:
         msg = (
             f"spawn_local timed out after {timeout_s:g} s: rank(s) {unfinished} of world size "
             f"{world_size} had not finished and were killed"
