@@ -1,7 +1,7 @@
-"""Compile-only check of the sm100 nvfp4 CuTe DSL kernel for sm_100a (no GPU needed).
+"""Compile-only checks of the sm100 CuTe DSL kernels (nvfp4, mxfp8) for sm_100a (no GPU).
 
-Built from `moe_ep_sm100.nvfp4_args` in a fresh process (the drop owns generic top-level
-module names; the CuTe DSL reads the target arch from the environment).
+Built from `moe_ep_sm100.nvfp4_args` / `mxfp8_args` in a fresh process (the drop owns generic
+top-level module names; the CuTe DSL reads the target arch from the environment).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from moe_ep_sm100.drops import CUTEDSL_DROP
 
 
-def _compile(tmp_path: Path, arch: str) -> dict:
+def _compile(tmp_path: Path, arch: str, kernel: str = "nvfp4") -> dict:
     why = CUTEDSL_DROP.reason()
     if why:
         pytest.skip(why)
@@ -28,7 +28,7 @@ def _compile(tmp_path: Path, arch: str) -> dict:
         "CUTE_DSL_NO_CACHE": "1",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "moe_ep_sm100.compile_check", "nvfp4", "--arch", arch],
+        [sys.executable, "-m", "moe_ep_sm100.compile_check", kernel, "--arch", arch],
         capture_output=True,
         text=True,
         env=env,
@@ -42,10 +42,11 @@ def _compile(tmp_path: Path, arch: str) -> dict:
     return result
 
 
-def test_nvfp4_kernel_compiles_for_sm100a(tmp_path):
-    result = _compile(tmp_path, "sm_100a")
+@pytest.mark.parametrize("kernel", ["nvfp4", "mxfp8"])
+def test_kernel_compiles_for_sm100a(tmp_path, kernel):
+    result = _compile(tmp_path, "sm_100a", kernel)
     assert result["ok"], result
-    assert result["kernel"] == "sm100_nvfp4_nvfp4_bf16_cutedsl"
+    assert result["kernel"] == f"sm100_{kernel}_{kernel}_bf16_cutedsl"
 
 
 @pytest.mark.slow

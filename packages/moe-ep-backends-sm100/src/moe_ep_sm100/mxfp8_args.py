@@ -1,0 +1,124 @@
+"""The sm100 mxfp8 kernel's constructor and call arguments, built from shapes in one place.
+
+Shares `Geometry` / `ArgSpec` with `nvfp4_args`. Differences from nvfp4: e4m3 payloads with
+one E8M0 scale per 32 elements, a 2-CTA MMA (tile (256, 256, 128), cluster (2, 1, 1)), and
+the workspaces are passed as uint8 tensors (the local one with a static extent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from moe_ep_sm100.configs import Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
+from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
+
+__all__ = [
+    "CLUSTER_SHAPE_MNK",
+    "MXFP8_BLOCK",
+    "Mxfp8KernelApi",
+    "call_args",
+    "kernel_ctor_kwargs",
+    "tensor_specs",
+]
+
+MXFP8_BLOCK = 32
+MMA_TILER_MNK = (256, 256, 128)
+CLUSTER_SHAPE_MNK = (2, 1, 1)
+
+
+def _ceil_to(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+@dataclass(frozen=True)
+class Mxfp8KernelApi:
+    """What the backend needs from the sm100 drop for the mxfp8 kernel."""
+
+    kernel: type
+    token_padding_block: int
+    sf_padding_block: int
+    sym_buffer_host: type
+
+
+def tensor_specs(g: Geometry) -> tuple[ArgSpec, ...]:
+    """Tensor arguments of the kernel's `__call__` except the workspaces, in call order.
+
+    `dtype` "fp8_e4m3" payloads, "e8m0" scales. Weights are K-major `[E_local, H, 2I]` /
+    `[E_local, I, H]`; weight scale planes 128x4-swizzled per expert and flattened.
+    """
+    t, k, e = g.max_tokens_per_rank, g.top_k, g.experts_per_rank
+    h, i = g.hidden_size, g.intermediate_size
+    sf = MXFP8_BLOCK
+    return (
+        ArgSpec("activation", (t, h), "fp8_e4m3", 1),
+        ArgSpec("activation_sf", (t, _ceil_to(-(-h // sf), 4)), "e8m0", 1),
+        ArgSpec("topk_idx", (t, k), "int64", 1),
+        ArgSpec("topk_weights", (t, k), "float32", 1),
+        ArgSpec("fc1_weight", (e, h, 2 * i), "fp8_e4m3", 1),
+        ArgSpec("fc1_weight_sf", (e, _ceil_to(2 * i, 128) * _ceil_to(h // sf, 4)), "e8m0", 1),
+        ArgSpec("fc2_weight", (e, i, h), "fp8_e4m3", 1),
+        ArgSpec("fc2_weight_sf", (e, _ceil_to(h, 128) * _ceil_to(i // sf, 4)), "e8m0", 1),
+        ArgSpec("output_activation", (t, h), "bfloat16", 1),
+    )
+
+
+def kernel_ctor_kwargs(
+    config: Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
+    g: Geometry,
+    *,
+    api: Mxfp8KernelApi,
+    ab_dtype: Any,
+    max_active_clusters: int,
+) -> dict[str, Any]:
+    """Constructor keyword arguments of the drop's `Sm100MegaMoEMxfp8Kernel`."""
+    return dict(
+        mma_tiler_mnk=MMA_TILER_MNK,
+        cluster_shape_mnk=CLUSTER_SHAPE_MNK,
+        use_2cta_instrs=True,
+        group_hint=max_active_clusters,
+        token_padding_block=api.token_padding_block,
+        sf_padding_block=api.sf_padding_block,
+        load_balance_mode="static",
+        static_expert_shape=(g.experts_per_rank, 2 * g.intermediate_size, g.hidden_size),
+        force_static_sched=True,
+        clc_bundle_size=None,
+        num_sched_stages=None,
+        ab_dtype=ab_dtype,
+        sf_vec_size=MXFP8_BLOCK,
+        world_size=g.world_size,
+        local_rank=g.rank,
+        num_topk=g.top_k,
+        max_tokens_per_rank=g.max_tokens_per_rank,
+        hidden=g.hidden_size,
+        fc2_in_kernel_topk_reduce=False,
+        token_back_mode="epi_warps",
+        epi_flag_batch=(1, 1),
+        flag_batch=4,
+        gate_up_clamp=config.gate_up_clamp,
+    )
+
+
+def call_args(
+    g: Geometry,
+    *,
+    tensor: Callable[[ArgSpec], Any],
+    workspace: Callable[[str], Any],
+    peer_map: Any,
+    stream: Any,
+    max_active_clusters: int,
+) -> dict[str, Any]:
+    """Keyword arguments of the kernel's `__call__` (and of `cute.compile`).
+
+    `workspace(name)` builds the uint8 tensor of `"local_workspace"` (static extent) or
+    `"shared_workspace"`.
+    """
+    args: dict[str, Any] = {spec.name: tensor(spec) for spec in tensor_specs(g)}
+    args["fc1_c"] = None
+    args["local_workspace"] = workspace("local_workspace")
+    args["shared_workspace"] = workspace("shared_workspace")
+    args["peer_rank_ptr_mapper_host"] = peer_map
+    args["max_active_clusters"] = max_active_clusters
+    args["stream"] = stream
+    return args
