@@ -1,20 +1,368 @@
-"""`moe-ep demo` and `moe-ep run` (placeholder until the portable layer lands)."""
+"""`moe-ep demo` and `moe-ep run`: run the layer on a synthetic problem, check it, time it.
+
+`demo` (no arguments) runs every portable format on 2 local ranks (gloo on CPU, NCCL on
+CUDA, plus the best available GPU kernel there) on a small DeepSeek-like shape, checks each
+against the oracle and prints one table. `run` does the same for one kernel and any shape;
+under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) it runs in this process (env://)
+instead of spawning local ranks.
+
+Every rank generates the same global problem from the seed, takes its token slice and its
+experts, and checks its own output rows against the oracle (which needs all experts'
+weights but only the rank's tokens), so no rank gathers the others' outputs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["add_parsers", "run_command"]
+from moe_ep.errors import MoeEpUsageError
+
+__all__ = ["JobSpec", "add_parsers", "run_command", "run_job"]
+
+EXIT_OK, EXIT_CHECK_FAILED = 0, 1
+
+PORTABLE_KERNELS = (
+    "any_bf16_bf16_bf16_torch",
+    "any_fp8_fp8_bf16_torch",
+    "any_mxfp8_mxfp8_bf16_torch",
+    "any_nvfp4_nvfp4_bf16_torch",
+    "any_fp8_fp4_bf16_torch",
+)
+# (act, weight) taxonomy tags -> oracle format
+_ORACLE_FORMAT = {
+    ("bf16", "bf16"): "bf16",
+    ("fp8", "fp8"): "fp8",
+    ("mxfp8", "mxfp8"): "mxfp8",
+    ("nvfp4", "nvfp4"): "nvfp4",
+    ("fp8", "fp4"): "fp8_fp4",
+}
+DEMO_SHAPE: dict[str, Any] = {
+    "tokens": 128,
+    "hidden": 512,
+    "intermediate": 256,
+    "experts": 16,
+    "topk": 4,
+}
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One problem: `tokens` per rank; kernels run one after another on the same ranks."""
+
+    kernels: tuple[str, ...]
+    world_size: int
+    tokens: int
+    hidden: int
+    intermediate: int
+    experts: int
+    topk: int
+    routing: str = "uniform"
+    check: bool = True
+    iters: int = 3
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("world_size", "hidden", "intermediate", "experts", "topk", "iters"):
+            value = getattr(self, name)
+            if value < 1:
+                raise MoeEpUsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.tokens < 0:
+            raise MoeEpUsageError(f"--tokens must be >= 0, got {self.tokens}")
+        if self.experts % self.world_size:
+            raise MoeEpUsageError(
+                f"--experts must be divisible by --world-size: got {self.experts} experts on "
+                f"{self.world_size} ranks (e.g. --experts {self.world_size * 8})"
+            )
+        if self.topk > self.experts:
+            raise MoeEpUsageError(f"--topk ({self.topk}) must be <= --experts ({self.experts})")
+        if self.routing not in ("uniform", "skewed"):
+            raise MoeEpUsageError(f"--routing must be uniform or skewed, got {self.routing!r}")
+
+
+def oracle_format(kernel: str) -> str:
+    """The oracle format of a kernel name, from its taxonomy (act, weight) tags."""
+    from moe_ep.registry import parse_kernel_name
+
+    parsed = parse_kernel_name(kernel)
+    fmt = _ORACLE_FORMAT.get((parsed.act, parsed.weight))
+    if fmt is None:
+        raise MoeEpUsageError(
+            f"no oracle format for kernel {kernel!r} ({parsed.act} x {parsed.weight})"
+        )
+    return fmt
+
+
+def make_problem(spec: JobSpec) -> dict[str, Any]:
+    """The global problem (all ranks' tokens, all experts), deterministic in the seed."""
+    import torch
+
+    g = torch.Generator().manual_seed(spec.seed)
+    t = spec.tokens * spec.world_size
+    h, i, e, k = spec.hidden, spec.intermediate, spec.experts, spec.topk
+    x = torch.randn(t, h, generator=g).bfloat16()
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()
+    scores = torch.rand(t, e, generator=g)
+    if spec.routing == "skewed":
+        scores[:, e - 1] += (torch.rand(t, generator=g) < 0.7).float()  # one hot expert
+    ids = scores.topk(k, dim=1).indices
+    weights = torch.softmax(torch.randn(t, k, generator=g), dim=1)
+    return {"x": x, "ids": ids, "topk_weights": weights, "w13": w13, "w2": w2}
+
+
+def run_job(rank: int, world_size: int, spec: JobSpec) -> list[dict[str, Any]]:
+    """One rank's work (top level so it can be spawned): every kernel of `spec`, in order."""
+    import torch
+
+    from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
+    from moe_ep.oracle import compare_to_oracle, oracle_forward
+    from moe_ep.runtime import acquire
+
+    if not torch.cuda.is_available():
+        # Ranks share the cores: oversubscribed OpenMP threads spin and crawl.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    p = make_problem(spec)
+    el = spec.experts // world_size
+    sl = slice(rank * spec.tokens, (rank + 1) * spec.tokens)
+    boot = BootstrapConfig(world_size, rank)
+    keep = acquire(boot)
+    rows: list[dict[str, Any]] = []
+    try:
+        for kernel in spec.kernels:
+            weights = MoEWeightPack(
+                p["w13"][rank * el : (rank + 1) * el], p["w2"][rank * el : (rank + 1) * el]
+            )
+            layer = MoEEpLayer(
+                boot, FleetParams(spec.experts, max(spec.tokens, 1), spec.hidden), weights, kernel
+            )
+            dev = layer.device
+            tensors = MoEEpTensors(
+                p["x"][sl].to(dev), p["ids"][sl].to(dev), p["topk_weights"][sl].to(dev)
+            )
+            out = layer(tensors)  # warm-up
+            keep.barrier()
+            start = time.perf_counter()
+            for _ in range(spec.iters):
+                out = layer(tensors)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            per_forward = (time.perf_counter() - start) / spec.iters
+            layer.destroy()
+            row: dict[str, Any] = {"kernel": kernel, "seconds": per_forward, "rank": rank}
+            if spec.check:
+                ref = oracle_forward(
+                    p["x"][sl],
+                    p["ids"][sl],
+                    p["topk_weights"][sl],
+                    p["w13"],
+                    p["w2"],
+                    fmt=oracle_format(kernel),
+                )
+                report = compare_to_oracle(out.cpu(), ref)
+                row.update(ratio=report.max_ratio, ok=report.ok, detail=str(report))
+            rows.append(row)
+        return rows
+    finally:
+        keep.release()
+
+
+def _under_torchrun() -> bool:
+    return all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def preflight(spec: JobSpec) -> None:
+    """Checks that need no rank: the spec itself and each kernel's shape rules."""
+    from moe_ep.layer.layer import resolve_backend
+
+    spec.validate()
+    for kernel in spec.kernels:
+        kernel_cls, config = resolve_backend(kernel)
+        make_recipe = getattr(kernel_cls, "make_recipe", None)
+        if make_recipe is not None:
+            make_recipe(config).check_dims(spec.hidden, spec.intermediate)
+
+
+def execute(spec: JobSpec) -> list[dict[str, Any]]:
+    """Run `spec` on local spawned ranks, or in-process under torchrun; merged per kernel.
+
+    Under torchrun every rank returns the merged rows (gathered with all_gather_object).
+    """
+    preflight(spec)
+    if _under_torchrun():
+        import torch.distributed as dist
+
+        rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if ws != spec.world_size:
+            spec = JobSpec(**{**asdict(spec), "world_size": ws, "kernels": spec.kernels})
+            spec.validate()
+        mine = run_job(rank, ws, spec)
+        per_rank: list[Any] = [None] * ws
+        if dist.is_initialized():
+            dist.all_gather_object(per_rank, mine)
+        else:  # the runtime tore its group down; ranks report their own rows
+            per_rank = [mine]
+    else:
+        from moe_ep.errors import MoeEpPeerError
+        from moe_ep.launch import spawn_local
+
+        try:
+            per_rank = spawn_local(run_job, spec.world_size, spec, timeout_s=600)
+        except MoeEpPeerError as exc:
+            if "raised MoeEpUsageError" in str(exc):  # a usage error found on a rank
+                raise MoeEpUsageError(str(exc)) from None
+            raise
+    merged = []
+    for j, kernel in enumerate(spec.kernels):
+        rows = [r[j] for r in per_rank]
+        worst = max(rows, key=lambda r: r.get("ratio", 0.0))
+        merged.append(
+            {
+                "kernel": kernel,
+                "seconds": max(r["seconds"] for r in rows),
+                "ratio": worst.get("ratio"),
+                "ok": all(r.get("ok", True) for r in rows),
+                "detail": f"rank {worst['rank']}: {worst.get('detail', '')}",
+            }
+        )
+    return merged
+
+
+def _table(spec: JobSpec, merged: list[dict[str, Any]], device: str) -> Any:
+    from rich.table import Table
+
+    title = (
+        f"moe-ep {device}: EP{spec.world_size}, {spec.tokens} tokens/rank, H={spec.hidden}, "
+        f"I={spec.intermediate}, E={spec.experts}, k={spec.topk}, {spec.routing} routing"
+    )
+    table = Table(title=title)
+    for col in ("kernel", "max err / band", "check", "time / forward", "tokens/s"):
+        table.add_column(col, justify="left" if col == "kernel" else "right", no_wrap=True)
+    total = spec.tokens * spec.world_size
+    for row in merged:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        check = "-" if row["ratio"] is None else ("ok" if row["ok"] else "FAIL")
+        table.add_row(
+            row["kernel"],
+            ratio,
+            check,
+            f"{row['seconds'] * 1e3:.2f} ms",
+            f"{total / row['seconds']:,.0f}" if row["seconds"] > 0 else "-",
+        )
+    return table
+
+
+def _report(spec: JobSpec, merged: list[dict[str, Any]], *, info: bool) -> int:
+    import torch
+    from rich.console import Console
+
+    if _under_torchrun() and int(os.environ["RANK"]) != 0:
+        return EXIT_OK if all(r["ok"] for r in merged) else EXIT_CHECK_FAILED
+    console = Console()
+    if console.width < 100:  # not a terminal: keep kernel names whole
+        console = Console(width=100)
+    if info:
+        from moe_ep.cli.report import print_info
+
+        print_info(console)
+    device = "CUDA/NCCL" if torch.cuda.is_available() else "CPU/gloo"
+    console.print(_table(spec, merged, device))
+    failed = [r for r in merged if not r["ok"]]
+    for row in failed:
+        console.print(f"[red]check failed[/red] {row['kernel']}: {row['detail']}")
+    return EXIT_CHECK_FAILED if failed else EXIT_OK
+
+
+def _demo_kernels() -> tuple[str, ...]:
+    import torch
+
+    kernels = list(PORTABLE_KERNELS)
+    if torch.cuda.is_available():
+        from moe_ep.registry import available_kernels
+
+        # "best": a GPU kernel of the newest arch listed as available, checkable by format.
+        gpu = [
+            info
+            for info in available_kernels()
+            if info.available
+            and info.taxonomy is not None
+            and info.taxonomy.arch != "any"
+            and (info.taxonomy.act, info.taxonomy.weight) in _ORACLE_FORMAT
+        ]
+        gpu.sort(
+            key=lambda info: (
+                int("".join(c for c in info.taxonomy.arch if c.isdigit()) or 0)
+                if info.taxonomy
+                else 0
+            )
+        )
+        if gpu:
+            kernels.append(gpu[-1].name)
+    return tuple(kernels)
 
 
 def add_parsers(sub: Any) -> None:
-    sub.add_parser("demo", help="run every portable format against the oracle")
+    """Add `demo` and `run` to the `moe-ep` sub-command parser."""
+    demo = sub.add_parser(
+        "demo",
+        help="every portable format (+ the best GPU kernel) on 2 ranks vs the oracle",
+        description="Run every portable format on 2 local ranks on a small DeepSeek-like "
+        "shape, check each against the oracle and print one table. Exit 1 if a check fails.",
+    )
+    demo.add_argument("--iters", type=int, default=3, help="timed forwards per kernel (3)")
+    run = sub.add_parser(
+        "run",
+        help="one kernel on any shape (spawns local ranks, or runs under torchrun)",
+        description="Run one kernel on a synthetic problem; --check compares with the oracle "
+        "(exit 1 if it fails). Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) it runs in "
+        "this process with env:// rendezvous and the launcher's world size.",
+    )
+    run.add_argument("--world-size", type=int, default=1, help="local ranks to spawn (1)")
+    run.add_argument("--kernel", default=PORTABLE_KERNELS[0], help="kernel name (%(default)s)")
+    run.add_argument("--tokens", type=int, default=128, help="tokens per rank (128)")
+    run.add_argument("--hidden", type=int, default=1024, help="H (1024)")
+    run.add_argument("--intermediate", type=int, default=512, help="I (512)")
+    run.add_argument("--experts", type=int, default=16, help="E (16)")
+    run.add_argument("--topk", type=int, default=4, help="k (4)")
+    run.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    run.add_argument("--check", action="store_true", help="compare with the oracle")
+    run.add_argument("--iters", type=int, default=5, help="timed forwards (5)")
+    run.add_argument("--seed", type=int, default=0)
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from moe_ep.cli.report import print_info, print_kernels
+    """Run `demo` or `run`; returns the exit code (1 when a check fails)."""
+    if args.command == "demo":
+        spec = JobSpec(kernels=_demo_kernels(), world_size=2, iters=args.iters, **DEMO_SHAPE)
+        spec.validate()
+        from moe_ep.cli.report import print_info
 
-    print_info()
-    print_kernels(as_json=False)
-    return 0
+        print_info()
+        return _report(spec, execute(spec), info=False)
+    if args.command == "run":
+        from moe_ep.registry import resolve_kernel_name
+
+        try:
+            kernel = resolve_kernel_name(args.kernel)
+        except KeyError as exc:
+            raise MoeEpUsageError(str(exc).strip("'\"")) from None
+        spec = JobSpec(
+            kernels=(kernel,),
+            world_size=args.world_size,
+            tokens=args.tokens,
+            hidden=args.hidden,
+            intermediate=args.intermediate,
+            experts=args.experts,
+            topk=args.topk,
+            routing=args.routing,
+            check=args.check,
+            iters=args.iters,
+            seed=args.seed,
+        )
+        if spec.check:
+            oracle_format(kernel)
+        return _report(spec, execute(spec), info=False)
+    raise MoeEpUsageError(f"unknown command {args.command!r}")
