@@ -234,3 +234,42 @@ def test_kernels_validate_packs_before_any_collective():
         packed = MoEWeightPack(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
         with pytest.raises(MoeEpUsageError, match="pre-quantized"):
             kernel.validate_weights(packed, fleet, 2, cfg)
+
+
+_CROSS_CHECK = r"""
+import json, torch
+import moe_ep_drop_sm90_pull as drop
+from moe_ep.quant import quantize_fp8_blockwise
+hu = drop.import_src_module("moe_hopper_fp8.hopper_moe_utils")
+g = torch.Generator().manual_seed(0)
+x = torch.randn(32, 512, generator=g) * torch.logspace(-3, 3, 32).unsqueeze(1)
+w = torch.randn(256, 384, generator=g) * 0.02
+qa, sa = quantize_fp8_blockwise(x, block=(1, 128))
+ra, rsa = hu.quantize_fp8_per_token_block(x, torch.float8_e4m3fn)
+qw, sw = quantize_fp8_blockwise(w, block=(128, 128))
+rw, rsw = hu.quantize_fp8_weight_block_nk(w, torch.float8_e4m3fn)
+print(json.dumps({
+    "act": torch.equal(qa.view(torch.uint8), ra.view(torch.uint8)) and torch.equal(sa, rsa),
+    "weight": torch.equal(qw.view(torch.uint8), rw.view(torch.uint8)) and torch.equal(sw, rsw),
+}))
+"""
+
+
+def test_recipe_matches_the_pull_drops_own_host_quantizers():
+    """Our fp8 blockwise bytes equal the drop's `quantize_fp8_per_token_block` /
+    `quantize_fp8_weight_block_nk` (nonzero blocks; fresh process: the drop owns top-level
+    module names)."""
+    import json
+    import subprocess
+    import sys
+
+    from moe_ep_sm90.drops import PULL_DROP
+
+    why = PULL_DROP.reason()
+    if why:
+        pytest.skip(why)
+    out = subprocess.run(
+        [sys.executable, "-c", _CROSS_CHECK], capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"act": True, "weight": True}
