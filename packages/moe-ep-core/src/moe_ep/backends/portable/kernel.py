@@ -78,6 +78,7 @@ class PortableTorchKernel(MegaKernel):
             weights, fleet, world_size, quantized_dtypes=recipe.quantized_weight_dtypes
         )
         recipe.check_dims(fleet.hidden_size, inter)
+        recipe.check_scales(weights)
         if not weights.prequantized:
             for name in ("w13", "w2"):
                 t = getattr(weights, name)

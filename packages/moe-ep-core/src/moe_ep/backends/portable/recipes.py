@@ -83,6 +83,24 @@ class Recipe(ABC):
                 f"of {m}, got H={hidden}, I={intermediate}"
             )
 
+    scale_desc: str = ""
+    """The scale dtype in words, for messages."""
+
+    def scale_shape(self, w: torch.Tensor) -> tuple[int, ...]:
+        """Canonical scale shape of a pre-quantized payload `w [E_local, rows, cols]`."""
+        raise MoeEpUsageError(f"format {self.name} takes no pre-quantized weights")
+
+    def check_scales(self, weights: MoEWeightPack) -> None:
+        """Shape checks of a pre-quantized pack's scale planes (before any collective)."""
+        if not weights.prequantized:
+            return
+        for name in ("w13", "w2"):
+            w, s = getattr(weights, name), getattr(weights, f"{name}_scale")
+            _check_scale_shape(f"{name}_scale", s, self.scale_shape(w), self.scale_desc)
+            gs = getattr(weights, f"{name}_global_scale")
+            if gs is not None:
+                _check_scale_shape(f"{name}_global_scale", gs, (int(w.shape[0]),), "fp32")
+
     @abstractmethod
     def row_bytes(self, hidden: int) -> int:
         """Bytes of one dispatched token row of `hidden` elements."""
@@ -153,6 +171,11 @@ class Fp8BlockRecipe(Recipe):
     quantized_weight_dtypes = (torch.float8_e4m3fn,)
     k_multiple = 128
     act_scale_format = "fp32"
+    scale_desc = "fp32"
+
+    def scale_shape(self, w: torch.Tensor) -> tuple[int, ...]:
+        e, rows, cols = (int(d) for d in w.shape)
+        return (e, -(-rows // 128), cols // 128)
 
     def row_bytes(self, hidden: int) -> int:
         return hidden + 4 * (hidden // 128)
@@ -179,11 +202,6 @@ class Fp8BlockRecipe(Recipe):
     def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
         if s is None:
             w, s = quant.quantize_fp8_blockwise(w, block=(128, 128))
-        else:
-            rows, cols = int(w.shape[1]), int(w.shape[2])
-            _check_scale_shape(
-                f"{name}_scale", s, (int(w.shape[0]), -(-rows // 128), cols // 128), "fp32"
-            )
         return quant.dequantize_fp8_blockwise(w, s, block=(128, 128))
 
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
@@ -199,6 +217,11 @@ class Mxfp8Recipe(Recipe):
     name = "mxfp8"
     quantized_weight_dtypes = (torch.float8_e4m3fn,)
     k_multiple = 32
+    scale_desc = "E8M0 uint8"
+
+    def scale_shape(self, w: torch.Tensor) -> tuple[int, ...]:
+        e, rows, cols = (int(d) for d in w.shape)
+        return (e, rows, cols // 32)
 
     def row_bytes(self, hidden: int) -> int:
         return hidden + hidden // 32
@@ -217,9 +240,6 @@ class Mxfp8Recipe(Recipe):
     def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
         if s is None:
             w, s = quant.quantize_mxfp8(w)
-        else:
-            e, rows, cols = (int(d) for d in w.shape)
-            _check_scale_shape(f"{name}_scale", s, (e, rows, cols // 32), "E8M0 uint8")
         return quant.dequantize_mxfp8(w, s)
 
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
@@ -240,6 +260,11 @@ class Nvfp4Recipe(Recipe):
     name = "nvfp4"
     quantized_weight_dtypes = (torch.uint8,)
     k_multiple = 16
+    scale_desc = "e4m3"
+
+    def scale_shape(self, w: torch.Tensor) -> tuple[int, ...]:
+        e, rows, half = (int(d) for d in w.shape)
+        return (e, rows, half * 2 // 16)
 
     def __init__(self, act_global_scale: float = 1.0, hidden_global_scale: float = 1.0) -> None:
         self.act_gs = float(act_global_scale)
@@ -269,12 +294,8 @@ class Nvfp4Recipe(Recipe):
             gs_t = quant.nvfp4_global_scale(w, dim=(-2, -1))
             w, s = quant.quantize_nvfp4(w, norm_const=gs_t)
             gs = gs_t.reshape(e)
-        else:
-            rows, half = int(w.shape[1]), int(w.shape[2])
-            _check_scale_shape(f"{name}_scale", s, (e, rows, half * 2 // 16), "e4m3")
-            if gs is None:
-                gs = torch.ones(e, dtype=torch.float32, device=w.device)
-            _check_scale_shape(f"{name}_global_scale", gs, (e,), "fp32")
+        elif gs is None:
+            gs = torch.ones(e, dtype=torch.float32, device=w.device)
         return quant.dequantize_nvfp4(w, s), gs.float().reshape(e)
 
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
@@ -293,11 +314,13 @@ class Fp8Fp4Recipe(Fp8BlockRecipe):
     quantized_weight_dtypes = (torch.uint8,)
     k_multiple = 128
     act_scale_format = "ue8m0"
+    scale_desc = "E8M0 uint8"
+
+    def scale_shape(self, w: torch.Tensor) -> tuple[int, ...]:
+        e, rows, half = (int(d) for d in w.shape)
+        return (e, rows, half * 2 // 32)
 
     def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
         if s is None:
             w, s = quant.quantize_mxfp4(w)
-        else:
-            e, rows, half = (int(d) for d in w.shape)
-            _check_scale_shape(f"{name}_scale", s, (e, rows, half * 2 // 32), "E8M0 uint8")
         return quant.dequantize_mxfp4(w, s)
