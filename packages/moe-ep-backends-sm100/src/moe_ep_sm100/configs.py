@@ -129,14 +129,18 @@ class Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig(_Sm100Config):
     kernel_name: ClassVar[str] = "sm100_nvfp4_nvfp4_bf16_cutedsl"
 
     input_norm_const: float = 1.0
-    """Global scale the activations are divided by before nvfp4 quantization; must be the
+    """Static global scale (norm const) of the FC1 input's nvfp4 quantization; must be the
     same on every rank (peers' tokens are dequantized with the local copy)."""
+    hidden_norm_const: float = 1.0
+    """Static global scale of the FC2 input (the SwiGLU output) quantization."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        v = self.input_norm_const
-        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-            raise MoeEpUsageError(f"input_norm_const must be finite and > 0, got {v!r}")
+        for field in ("input_norm_const", "hidden_norm_const"):
+            v = getattr(self, field)
+            bad = isinstance(v, bool) or not isinstance(v, int | float)
+            if bad or not math.isfinite(v) or v <= 0:
+                raise MoeEpUsageError(f"{field} must be finite and > 0 (e.g. 1.0), got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,10 @@
 """`sm100_mxfp8_mxfp8_bf16_cutedsl`: the Blackwell CuTe DSL mxfp8 mega-MoE (2-CTA) kernel.
 
 Warning:
-    Registration, config validation and availability only; no launch path, never run on a
-    GPU (see docs/backends.md).
+    No launch path; never run on a GPU (see docs/backends.md). What exists and is tested on
+    CPU: config validation, availability, weight preparation and input staging
+    (`mxfp8_args`, `mxfp8_layout`), and a compile-only check of the kernel for sm_100a built from
+    the same argument builder a launch would use (`compile_check`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,198 @@
+"""Kernel-ready nvfp4 weights and staged inputs of `sm100_nvfp4_nvfp4_bf16_cutedsl` (torch).
+
+Runs on CPU or CUDA tensors alike. Recipe (`moe_ep.quant.quantize_nvfp4`, the drop's own
+convention): e2m1 elements packed two per byte (even element in the low nibble), one e4m3
+scale per 16 elements along K, `scale = e4m3(amax / 6 * norm_const)`. Weights get one
+global scale (norm const) per expert (`nvfp4_global_scale`), activations static ones from the
+config; the kernel applies `fc1_alpha = 1 / (input_norm_const * w13_norm_const[e])` and
+`fc2_alpha = 1 / (hidden_norm_const * w2_norm_const[e])` after each GEMM and quantizes the
+FC2 input with `fc1_norm_const[e] = hidden_norm_const`. This is the portable
+`any_nvfp4_nvfp4_bf16_torch` recipe, so the kernel's weights equal the portable ones.
+
+Kernel layout: FC1 rows gate/up interleaved in blocks of 16 (data and scale rows alike; the
+scale blocks run along K, so this commutes with quantization); packed weights as K-major
+views `fc1 [E_local, H/2, 2I]`, `fc2 [E_local, I/2, H]` bytes (stride 1 on dim 1; the kernel
+reads them as `float4_e2m1fn_x2`, i.e. `[E_local, H, 2I]` fp4 elements); scale planes
+128x4-swizzled per expert, flattened to `[E_local, ceil128(N) * ceil4(K/16)]` e4m3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_ep.errors import MoeEpUsageError
+
+__all__ = [
+    "NVFP4_GATE_UP_BLOCK",
+    "Nvfp4Weights",
+    "StagedNvfp4Inputs",
+    "dequantize_nvfp4_weights",
+    "prepare_nvfp4_weights",
+    "stage_nvfp4_inputs",
+]
+
+NVFP4_GATE_UP_BLOCK = 16
+_BLOCK = 16
+
+
+def _ceil_to(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
+@dataclass(frozen=True)
+class Nvfp4Weights:
+    """One rank's kernel-ready nvfp4 weights (layouts in the module docstring).
+
+    `fc1_alpha`, `fc2_alpha`, `fc1_norm_const`: `[E_local]` fp32.
+    """
+
+    w13: torch.Tensor
+    w13_scales: torch.Tensor
+    w2: torch.Tensor
+    w2_scales: torch.Tensor
+    fc1_alpha: torch.Tensor
+    fc2_alpha: torch.Tensor
+    fc1_norm_const: torch.Tensor
+
+
+def _quantized(
+    w: torch.Tensor, s: torch.Tensor | None, gs: torch.Tensor | None, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from moe_ep.quant import nvfp4_global_scale, quantize_nvfp4
+
+    e = w.shape[0]
+    if s is None:
+        if w.dtype not in (torch.bfloat16, torch.float32):
+            raise MoeEpUsageError(
+                f"{name} must be bf16/fp32 (or packed with scales), got {w.dtype}"
+            )
+        norm = nvfp4_global_scale(w, dim=(-2, -1))
+        packed, scales = quantize_nvfp4(w, norm_const=norm)
+        return packed, scales, norm.reshape(e).float()
+    if w.dtype != torch.uint8 or s.dtype != torch.float8_e4m3fn:
+        raise MoeEpUsageError(
+            f"pre-quantized {name} must be packed uint8 with float8_e4m3fn scales, got "
+            f"{w.dtype} / {s.dtype}"
+        )
+    expected = (*w.shape[:-1], w.shape[-1] * 2 // _BLOCK)
+    if tuple(s.shape) != expected:
+        raise MoeEpUsageError(
+            f"{name}_scale must be {list(expected)} (one e4m3 per 16 along K), got {list(s.shape)}"
+        )
+    norm = torch.ones(e) if gs is None else gs.float().reshape(e)
+    return w, s, norm
+
+
+def prepare_nvfp4_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    input_norm_const: float = 1.0,
+    hidden_norm_const: float = 1.0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_global_scale: torch.Tensor | None = None,
+    w2_global_scale: torch.Tensor | None = None,
+) -> Nvfp4Weights:
+    """Weights in the form the nvfp4 kernel reads.
+
+    Args:
+        w13: `[E_local, 2I, H]` bf16/fp32 gate rows then up rows, or packed `[E_local, 2I, H/2]`
+            uint8 with `w13_scale [E_local, 2I, H/16]` e4m3 (+ optional `w13_global_scale
+            [E_local]`, default 1).
+        w2: `[E_local, H, I]`, likewise.
+        input_norm_const / hidden_norm_const: the config's static activation global scales.
+    """
+    from moe_ep.quant import interleave_gate_up, nvfp4_alpha, swizzle_128x4
+
+    q13, s13, g13 = _quantized(w13, w13_scale, w13_global_scale, "w13")
+    q2, s2, g2 = _quantized(w2, w2_scale, w2_global_scale, "w2")
+    e, two_i, h_half = q13.shape
+    if tuple(q2.shape) != (e, 2 * h_half, two_i // 4) or two_i % (2 * NVFP4_GATE_UP_BLOCK):
+        raise MoeEpUsageError(
+            f"w13 {list(w13.shape)} / w2 {list(w2.shape)} must be [E_local, 2I, H] / "
+            f"[E_local, H, I] with I a multiple of {NVFP4_GATE_UP_BLOCK}"
+        )
+    q13 = interleave_gate_up(q13, NVFP4_GATE_UP_BLOCK)
+    s13 = interleave_gate_up(s13.view(torch.uint8), NVFP4_GATE_UP_BLOCK).view(s13.dtype)
+    swz = lambda s: swizzle_128x4(s.view(torch.uint8)).view(torch.float8_e4m3fn)  # noqa: E731
+    return Nvfp4Weights(
+        w13=q13.permute(0, 2, 1),
+        w13_scales=swz(s13),
+        w2=q2.permute(0, 2, 1),
+        w2_scales=swz(s2),
+        fc1_alpha=torch.as_tensor(nvfp4_alpha(input_norm_const, g13), dtype=torch.float32),
+        fc2_alpha=torch.as_tensor(nvfp4_alpha(hidden_norm_const, g2), dtype=torch.float32),
+        fc1_norm_const=torch.full((e,), float(hidden_norm_const), dtype=torch.float32),
+    )
+
+
+def dequantize_nvfp4_weights(weights: Nvfp4Weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Undo the layout: fp32 `w13 [E_local, 2I, H]` (gate, up) and `w2 [E_local, H, I]` as
+    `e2m1 * scale`, without the global scales (those are in the alphas)."""
+    from moe_ep.quant import deinterleave_gate_up, dequantize_nvfp4, unswizzle_128x4
+
+    q13 = weights.w13.permute(0, 2, 1).contiguous()
+    q2 = weights.w2.permute(0, 2, 1).contiguous()
+    two_i, h = q13.shape[1], q13.shape[2] * 2
+    i = q2.shape[2] * 2
+    s13 = unswizzle_128x4(weights.w13_scales.view(torch.uint8), two_i, h // _BLOCK)
+    s2 = unswizzle_128x4(weights.w2_scales.view(torch.uint8), h, i // _BLOCK)
+    w13 = dequantize_nvfp4(q13, s13.view(torch.float8_e4m3fn))
+    w2 = dequantize_nvfp4(q2, s2.view(torch.float8_e4m3fn))
+    return deinterleave_gate_up(w13, NVFP4_GATE_UP_BLOCK), w2
+
+
+@dataclass(frozen=True)
+class StagedNvfp4Inputs:
+    """Staged buffers of one launch; rows `>= num_tokens` are padding.
+
+    `activation [T, H/2]` packed e2m1 bytes (0 in padding rows), `activation_scales
+    [T, ceil4(H/16)]` e4m3 (extra columns and padding rows 0), `topk_ids [T, k]` int64 (-1 for
+    padded slots and rows), `topk_weights [T, k]` fp32 (0 where the id is -1).
+    """
+
+    activation: torch.Tensor
+    activation_scales: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    num_tokens: int
+
+
+def stage_nvfp4_inputs(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    max_tokens: int,
+    input_norm_const: float = 1.0,
+) -> StagedNvfp4Inputs:
+    """Quantize (static global scale `input_norm_const`) and pad inputs into T-row buffers."""
+    from moe_ep.quant import quantize_nvfp4
+
+    if hidden_states.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:
+        raise MoeEpUsageError(
+            "hidden_states must be [n, H] and topk_ids / topk_weights [n, k], got "
+            f"{list(hidden_states.shape)}, {list(topk_ids.shape)}, {list(topk_weights.shape)}"
+        )
+    n, h = hidden_states.shape
+    if n > max_tokens or topk_ids.shape[0] != n:
+        raise MoeEpUsageError(f"n={n} rows must match topk_ids and be <= max_tokens={max_tokens}")
+    if h % _BLOCK:
+        raise MoeEpUsageError(f"H must be a multiple of {_BLOCK}, got {h}")
+    dev, k = hidden_states.device, topk_ids.shape[1]
+    act = torch.zeros((max_tokens, h // 2), dtype=torch.uint8, device=dev)
+    sf = torch.zeros((max_tokens, _ceil_to(h // _BLOCK, 4)), dtype=torch.uint8, device=dev)
+    ids = torch.full((max_tokens, k), -1, dtype=torch.int64, device=dev)
+    wts = torch.zeros((max_tokens, k), dtype=torch.float32, device=dev)
+    if n:
+        packed, scales = quantize_nvfp4(
+            hidden_states, norm_const=input_norm_const, check_finite=False
+        )
+        act[:n] = packed
+        sf[:n, : h // _BLOCK] = scales.view(torch.uint8)
+    ids[:n] = topk_ids.to(torch.int64)
+    wts[:n] = torch.where(topk_ids >= 0, topk_weights.float(), 0.0)
+    return StagedNvfp4Inputs(act, sf.view(torch.float8_e4m3fn), ids, wts, n)
