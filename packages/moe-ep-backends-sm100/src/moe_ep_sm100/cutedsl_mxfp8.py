@@ -3,8 +3,8 @@
 Warning:
     No launch path; never run on a GPU (see docs/backends.md). What exists and is tested on
     CPU: config validation, availability, weight preparation and input staging
-    (`mxfp8_args`, `mxfp8_layout`), and a compile-only check of the kernel for sm_100a built from
-    the same argument builder a launch would use (`compile_check`).
+    (`mxfp8_layout`), and the kernel's arguments built from shapes (`mxfp8_args`), compiled
+    for sm_100a by `compile_check` exactly as a launch would build them.
 """
 
 from __future__ import annotations
