@@ -28,6 +28,7 @@ __all__ = [
     "read_env",
     "single_gpu_gloo",
     "timeout_s",
+    "torchelastic_agent_store",
     "torchrun_rank",
     "torchrun_world_size",
 ]
@@ -75,6 +76,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "integers (0 <= RANK < WORLD_SIZE)",
         "torchrun's global rank and world size; when set they must agree with "
         "`BootstrapConfig.rank` / `world_size` if moe-ep initialises torch.distributed.",
+    ),
+    EnvVar(
+        "TORCHELASTIC_USE_AGENT_STORE",
+        "True or False (set by torchrun)",
+        "True: torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT; moe-ep joins it "
+        "as a client instead of hosting one on rank 0.",
     ),
     EnvVar(
         "CUDA_VISIBLE_DEVICES",
@@ -137,6 +144,19 @@ def single_gpu_gloo(env: Mapping[str, str] | None = None) -> bool:
     if raw == "1":
         return True
     raise MoeEpUsageError(f"environment variable MEGA_SINGLE_GPU_GLOO must be 0 or 1, got {raw!r}")
+
+
+def torchelastic_agent_store(env: Mapping[str, str] | None = None) -> bool:
+    """TORCHELASTIC_USE_AGENT_STORE: True for "True" (torch's own spelling), False for
+    "False" or unset; anything else is an error."""
+    raw = _raw(env, "TORCHELASTIC_USE_AGENT_STORE")
+    if raw is None or raw == "False":
+        return False
+    if raw == "True":
+        return True
+    raise MoeEpUsageError(
+        f"environment variable TORCHELASTIC_USE_AGENT_STORE must be True or False, got {raw!r}"
+    )
 
 
 def timeout_s(env: Mapping[str, str] | None = None) -> float | None:

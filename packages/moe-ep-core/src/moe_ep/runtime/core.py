@@ -10,7 +10,6 @@ hang.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import threading
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from moe_ep.runtime.nvshmem_init import (
     init_nvshmem,
     nvshmem_unavailable_reason,
 )
-from moe_ep.runtime.store import CLOSING_KEY, create_store, host_store, store_barrier
+from moe_ep.runtime.store import create_store, host_store, store_barrier
 
 
 @dataclass
@@ -55,6 +54,7 @@ class _State:
 
 _lock = threading.RLock()
 _state: _State | None = None
+_lifetimes = 0  # torch.distributed bootstraps moe-ep has done in this process
 
 
 def active_refcount() -> int:
@@ -232,9 +232,6 @@ def _teardown(state: _State) -> None:
             if dist.is_initialized():
                 dist.destroy_process_group()
         if not errors:
-            # Before anyone can leave the last barrier and bootstrap again on this port.
-            with contextlib.suppress(Exception):  # a dead store fails the barrier below
-                state.store.set(CLOSING_KEY, b"1")
             try:
                 store_barrier(
                     state.store,
@@ -385,7 +382,9 @@ def _bootstrap(
             "set auto_bootstrap=True"
         )
     backend = "gloo" if res.ordinal is None or fold else "nccl"
-    store, host_desc = create_store(config, timeout_s)
+    global _lifetimes
+    _lifetimes += 1  # every rank counts its bootstraps alike: the store is namespaced by it
+    store, host_desc = create_store(config, timeout_s, _lifetimes)
     common: dict[str, Any] = {
         "rank": config.rank,
         "world_size": config.world_size,

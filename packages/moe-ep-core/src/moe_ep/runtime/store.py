@@ -21,7 +21,7 @@ from moe_ep.config import BootstrapConfig
 from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError, MoeEpUsageError
 
 __all__ = [
-    "CLOSING_KEY",
+    "LIFETIME_KEY",
     "STORE_HOST",
     "create_store",
     "host_store",
@@ -191,45 +191,58 @@ def port_open(host: str, port: int, deadline: float) -> bool:
             time.sleep(0.05)
 
 
-CLOSING_KEY = "moe_ep/closing"  # set in a store moe-ep is about to close
+LIFETIME_KEY = "moe_ep/lifetime"  # which runtime lifetime the store's keys belong to
 
 
-def create_store(config: BootstrapConfig, timeout_s: float) -> tuple[Any, str]:
+def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> tuple[Any, str]:
     """Host (rank 0) or join the rendezvous TCPStore, within `timeout_s`.
 
-    A rank that bootstraps again right after a teardown can reach the previous store on the
-    same port before rank 0 has closed it; such a store carries `CLOSING_KEY`, and the rank
-    drops it and retries until rank 0's new store answers.
+    Returns the store with every key under `moe_ep/life-<lifetime>/`, and a description of
+    who hosts it. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True at MASTER_ADDR:PORT)
+    the elastic agent already serves a store there, so every rank is a client of it, as
+    torch's own env:// rendezvous does.
+
+    Rank 0 writes `LIFETIME_KEY` = `lifetime` into the store; other ranks accept a store only
+    once it shows their lifetime. So a rank that bootstraps again right after a teardown,
+    and reaches the previous store on the same port before rank 0 has closed it, waits
+    (reconnecting when that store goes away) instead of joining a stale store.
     """
     host, port = rendezvous_url(config)
-    desc = f"rank {STORE_HOST} at {host}:{port}"
+    agent = _env.torchelastic_agent_store() and _env.master_addr_port() == (host, port)
+    is_rank0 = config.rank == STORE_HOST
+    serve = is_rank0 and not agent
+    desc = f"the torchelastic agent at {host}:{port}" if agent else f"rank 0 at {host}:{port}"
     deadline = time.monotonic() + timeout_s
-    is_host = config.rank == STORE_HOST
+    want = str(lifetime).encode()
+    store: Any = None
     last_error: BaseException | None = None
     while True:
-        if not is_host and not port_open(host, port, deadline):
-            break
-        timeout = datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
         try:
-            store = dist.TCPStore(
-                host, port, config.world_size, is_host, timeout, wait_for_workers=False
-            )
-            if is_host or not store.check([CLOSING_KEY]):
-                return store, desc
-            del store
+            if store is None:
+                if not serve and not port_open(host, port, deadline):
+                    break
+                timeout = datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
+                store = dist.TCPStore(
+                    host, port, config.world_size, serve, timeout, wait_for_workers=False
+                )
+                if is_rank0:
+                    store.set(LIFETIME_KEY, want)
+            if is_rank0 or (store.check([LIFETIME_KEY]) and store.get(LIFETIME_KEY) == want):
+                return dist.PrefixStore(f"moe_ep/life-{lifetime}", store), desc
         except Exception as exc:
-            if is_host:
+            if serve:
                 raise MoeEpPeerError(
                     f"bootstrap: rank 0 could not host the rendezvous store on {host}:{port}: {exc}"
                 ) from exc
-            last_error = exc
+            last_error, store = exc, None
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)
     raise MoeEpTimeoutError(
         f"bootstrap: rank(s) [0] did not arrive: rank {config.rank} could not reach the "
-        f"rendezvous store hosted by {desc} within {timeout_s:g} s (world size "
-        f"{config.world_size})" + (f": {last_error}" if last_error else "")
+        f"rendezvous store hosted by {desc} (or it never showed lifetime {lifetime}) within "
+        f"{timeout_s:g} s (world size {config.world_size})"
+        + (f": {last_error}" if last_error else "")
     ) from last_error
 
 
