@@ -35,6 +35,19 @@ def test_results_in_rank_order_with_torchrun_env() -> None:
     assert not multiprocessing.active_children()
 
 
+def _start_grandchild(rank: int, world_size: int) -> int:
+    import multiprocessing as mp
+
+    proc = mp.get_context("spawn").Process(target=os.getpid)
+    proc.start()
+    proc.join()
+    return int(proc.exitcode or 0)
+
+
+def test_a_rank_may_start_its_own_processes() -> None:
+    assert spawn_local(_start_grandchild, 1, timeout_s=60) == [0]
+
+
 def _raise_on_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
         raise KeyError(f"boom from rank {rank}")

@@ -115,7 +115,9 @@ def spawn_local(
                 target=_child,
                 args=(fn, rank, world_size, args, environ, writer),
                 name=f"moe-ep-rank{rank}",
-                daemon=True,
+                # not daemonic: a rank may need its own child processes (compile workers);
+                # the `finally` below kills every rank whatever happens
+                daemon=False,
             )
             proc.start()
             writer.close()
