@@ -148,6 +148,8 @@ def store_barrier(
 
 
 def rendezvous_url(config: BootstrapConfig) -> tuple[str, int]:
+    """(host, port) of the store: `config.init_method` wins, else MASTER_ADDR/MASTER_PORT
+    (whose RANK / WORLD_SIZE, when set, must agree with the config); else a usage error."""
     if config.init_method is not None:
         parsed = urlparse(config.init_method)
         if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
