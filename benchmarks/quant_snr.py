@@ -45,9 +45,7 @@ FORMATS: dict[str, Roundtrip] = {
     ),
     "mxfp8 e4m3 ceil": lambda x: q.dequantize_mxfp8(*q.quantize_mxfp8(x)),
     "mxfp8 e4m3 ocp": lambda x: q.dequantize_mxfp8(*q.quantize_mxfp8(x, rule="ocp")),
-    "mxfp8 e5m2 ceil": lambda x: q.dequantize_mxfp8(
-        *q.quantize_mxfp8(x, dtype=torch.float8_e5m2)
-    ),
+    "mxfp8 e5m2 ceil": lambda x: q.dequantize_mxfp8(*q.quantize_mxfp8(x, dtype=torch.float8_e5m2)),
     "nvfp4 (global scale)": _nvfp4,
     "nvfp4 (norm_const=1)": lambda x: q.dequantize_nvfp4(*q.quantize_nvfp4(x)),
     "mxfp4 ceil": lambda x: q.dequantize_mxfp4(*q.quantize_mxfp4(x)),
