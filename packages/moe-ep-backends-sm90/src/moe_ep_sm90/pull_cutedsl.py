@@ -125,6 +125,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
             intermediate_size=w2.shape[-1],
         )
         self._pool_key: tuple[Any, ...] | None = None
+        self._compiled: _Compiled | None = None
         self.prepared = prepare_pull_weights(w13.to(runtime.device), w2.to(runtime.device))
         self._destroyed = False
 
@@ -180,6 +181,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
             self.runtime.barrier()
             _POOL.release(self._pool_key)
             self._pool_key = None
+            self._compiled = None
 
     # -- internals ----------------------------------------------------------------------
     def _ensure_geometry(self, top_k: int) -> PullGeometry:
@@ -202,8 +204,11 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
         return g
 
     def _entry(self) -> _Compiled:
+        """This layer's pooled compiled kernel + workspaces; compiles on first use."""
         if self._destroyed:
             raise MoeEpUsageError("this kernel was destroyed; build a new layer")
+        if self._compiled is not None:
+            return self._compiled
         ok, why = self.availability()
         if not ok:
             raise MoeEpUnavailableError(f"{self.kernel_name} cannot run here: {why}")
@@ -214,12 +219,9 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
                 "inputs first"
             )
         key = (self.cfg, g, str(self.runtime.device))
-        entry = _POOL.acquire(key, lambda: self._compile(g))
-        if self._pool_key is None:
-            self._pool_key = key
-        else:
-            _POOL.release(key)  # keep exactly one reference per layer
-        return entry
+        self._compiled = _POOL.acquire(key, lambda: self._compile(g))
+        self._pool_key = key
+        return self._compiled
 
     def _compile(self, g: PullGeometry) -> _Compiled:
         import cuda.bindings.driver as cuda

@@ -1,0 +1,157 @@
+"""Lifecycle of the pull kernel wrapper on CPU, with the GPU-only pieces replaced by fakes.
+
+`_compile` (cutlass, NVSHMEM) and `_launch` are swapped for fakes that record calls, so what
+is tested is our own logic: one compiled kernel + workspaces per (config, geometry, device)
+shared by layers, ref-counted release with the free on the last `destroy()`, staging into the
+pooled buffers, output copy-out, and the errors. The real launch has never run on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import moe_ep_sm90.pull_cutedsl as pull
+from moe_ep.errors import MoeEpUsageError
+from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig as Config
+from moe_ep_sm90.pull_args import tensor_specs
+
+H, I, E = 256, 128, 4  # noqa: E741 - the glossary names (I = intermediate)
+
+
+@dataclass
+class FakeRuntime:
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    barriers: int = 0
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    compiled: list[object] = []
+    freed: list[object] = []
+    launches: list[object] = []
+
+    def fake_compile(self, g):
+        staging = {
+            s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype))
+            for s in tensor_specs(g)
+            if s.name in ("activation", "activation_sf", "topk_idx", "topk_weights")
+            or s.name == "output_activation"
+        }
+        entry = pull._Compiled(None, torch.zeros(1), torch.zeros(1), staging, None, {})
+        compiled.append(entry)
+        return entry
+
+    def fake_launch(self, entry):
+        launches.append(entry)
+        # Stand-in for the kernel: output row r = r + 1 in every column.
+        rows = torch.arange(entry.staging["output_activation"].shape[0]) + 1.0
+        entry.staging["output_activation"].copy_(
+            rows[:, None].expand_as(entry.staging["output_activation"])
+        )
+
+    monkeypatch.setattr(
+        pull.Sm90Fp8Fp8Bf16PullCutedslKernel, "availability", classmethod(lambda cls: (True, ""))
+    )
+    monkeypatch.setattr(pull.Sm90Fp8Fp8Bf16PullCutedslKernel, "_compile", fake_compile)
+    monkeypatch.setattr(pull.Sm90Fp8Fp8Bf16PullCutedslKernel, "_launch", fake_launch)
+    monkeypatch.setattr(pull._POOL, "free", freed.append)
+    return compiled, freed, launches
+
+
+def _kernel(config=None, hidden=H, runtime=None):
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(E, 2 * I, hidden, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(E, hidden, I, generator=g).to(torch.bfloat16)
+    return pull.Sm90Fp8Fp8Bf16PullCutedslKernel(
+        config=config or Config(top_k=2),
+        fleet=FleetParams(num_experts=E, max_tokens_per_rank=8, hidden_size=hidden),
+        runtime=runtime or FakeRuntime(),
+        weights=MoEWeightPack(w13=w13, w2=w2),
+    )
+
+
+def _tensors(n=3, k=2, hidden=H):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, E, (n, k), generator=g)
+    ids[0, 1] = -1
+    return MoEEpTensors(
+        hidden_states=torch.randn(n, hidden, generator=g).to(torch.bfloat16),
+        topk_ids=ids,
+        topk_weights=torch.rand(n, k, generator=g),
+    )
+
+
+def test_layers_of_one_geometry_share_one_compile_and_free_on_last_destroy(fakes):
+    compiled, freed, _ = fakes
+    a, b = _kernel(), _kernel()
+    other = _kernel(hidden=2 * H)
+    for k in (a, b, other):
+        k.warmup()
+    assert len(compiled) == 2  # a and b share; other has another geometry
+    a.destroy()
+    assert freed == []
+    b.destroy()
+    assert freed == [compiled[0]]
+    b.destroy()  # idempotent: no second free
+    assert freed == [compiled[0]]
+    other.destroy()
+    assert freed == compiled
+    with pytest.raises(MoeEpUsageError, match="destroyed"):
+        a.stage_inputs(tensors=_tensors(), output=torch.empty(3, H, dtype=torch.bfloat16))
+
+
+def test_staging_lands_in_the_pooled_buffers_and_output_rows_are_copied(fakes):
+    compiled, _, launches = fakes
+    k = _kernel()
+    t = _tensors(n=3)
+    out = torch.zeros(3, H, dtype=torch.bfloat16)
+    staged = k.stage_inputs(tensors=t, output=out)
+    buf = compiled[0].staging
+    want = pull.stage_pull_inputs(t.hidden_states, t.topk_ids, t.topk_weights, max_tokens=8)
+    assert torch.equal(buf["activation"].view(torch.uint8), want.activation.view(torch.uint8))
+    assert torch.equal(buf["activation_sf"], want.activation_scales)
+    assert torch.equal(buf["topk_idx"], want.topk_ids)
+    assert torch.equal(buf["topk_weights"], want.topk_weights)
+    got = k.compute_staged(staged=staged)
+    assert got is out and len(launches) == 1
+    assert torch.equal(out[:, 0], torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16))
+    k.destroy()
+
+
+def test_top_k_comes_from_config_or_first_inputs_and_must_not_change(fakes):
+    compiled, _, _ = fakes
+    lazy = _kernel(config=Config())
+    lazy.warmup()  # top_k unknown: nothing compiled yet, but the barrier still runs
+    assert compiled == [] and lazy.runtime.barriers == 1
+    lazy.stage_inputs(tensors=_tensors(k=2), output=torch.empty(3, H, dtype=torch.bfloat16))
+    assert len(compiled) == 1
+    with pytest.raises(MoeEpUsageError, match="top_k=2"):
+        lazy.stage_inputs(tensors=_tensors(k=3), output=torch.empty(3, H, dtype=torch.bfloat16))
+    fixed = _kernel(config=Config(top_k=4))
+    with pytest.raises(MoeEpUsageError, match="top_k"):
+        fixed.stage_inputs(tensors=_tensors(k=2), output=torch.empty(3, H, dtype=torch.bfloat16))
+    lazy.destroy()
+    fixed.destroy()
+
+
+def test_unavailable_kernel_raises_before_compiling(monkeypatch):
+    monkeypatch.setattr(
+        pull.Sm90Fp8Fp8Bf16PullCutedslKernel,
+        "availability",
+        classmethod(lambda cls: (False, "no CUDA device visible")),
+    )
+    k = _kernel()
+    from moe_ep.errors import MoeEpUnavailableError
+
+    with pytest.raises(MoeEpUnavailableError, match="no CUDA device visible"):
+        k.warmup()
+    k.destroy()
