@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LAUNCH_NOT_WRITTEN", "UnlaunchedKernel"]
 
-LAUNCH_NOT_WRITTEN = "moe_ep_sm100 has no launch path for this kernel yet (registration only)"
+LAUNCH_NOT_WRITTEN = "moe_ep_sm100 has no launch path for this kernel yet"
 
 
 class UnlaunchedKernel(MegaKernel):
