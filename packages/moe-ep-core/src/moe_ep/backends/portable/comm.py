@@ -176,19 +176,31 @@ def return_rows(
 
 
 def combine(
-    y_home: torch.Tensor, plan: DispatchPlan, topk_weights: torch.Tensor, output: torch.Tensor
+    y_home: torch.Tensor,
+    plan: DispatchPlan,
+    topk_weights: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`output[t] = bf16(sum_j w[t, j] * y[t, j])`, fp32, slots in increasing order.
 
+    `y_home [P, H]` holds pair p's row at `p` (send order), or at `rows[p]` when given.
     Padded slots have no pair and add nothing; a token with no valid slot gets exact zeros.
     """
     n, k = int(topk_weights.shape[0]), int(topk_weights.shape[1])
-    acc = torch.zeros((n, output.shape[1]), dtype=torch.float32, device=output.device)
+    dev = output.device
+    where = torch.arange(int(plan.pair_token.numel()), device=dev) if rows is None else rows
+    pos = torch.zeros((n, k), dtype=torch.int64, device=dev)
+    valid = torch.zeros((n, k), dtype=torch.bool, device=dev)
+    pos[plan.pair_token, plan.pair_slot] = where
+    valid[plan.pair_token, plan.pair_slot] = True
+    if y_home.shape[0] == 0 or n == 0:
+        return output.zero_()
+    # Padded slots read row 0 with weight 0: they add +-0, i.e. exactly nothing (y finite).
+    w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
+    acc = torch.zeros((n, output.shape[1]), dtype=torch.float32, device=dev)
     for j in range(k):
-        sel = (plan.pair_slot == j).nonzero().squeeze(1)
-        if sel.numel() == 0:
-            continue
-        tok = plan.pair_token[sel]
-        acc.index_add_(0, tok, y_home[sel].float() * topk_weights[tok, j].unsqueeze(1))
+        acc.addcmul_(y_home.index_select(0, pos[:, j]), w[:, j : j + 1])
     output.copy_(acc)
     return output

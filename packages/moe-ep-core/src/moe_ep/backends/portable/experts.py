@@ -50,18 +50,21 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.
 
 
 def run_experts(
-    x: torch.Tensor,
+    xs: list[torch.Tensor],
     counts: torch.Tensor,
     weights: PreparedWeights,
     requantize: Callable[[torch.Tensor], torch.Tensor],
     swiglu_clamp: float | None,
 ) -> torch.Tensor:
-    """`x [m, H]` (compute dtype, grouped by expert) -> `y [m, H]` bf16.
+    """`xs = [x]`, `x [m, H]` (compute dtype, grouped by expert) -> `y [m, H]` bf16.
+
+    x is popped from `xs` and freed after FC1 (a list, so the caller holds no reference).
 
     `[g; u] = x @ w13t`, `h = silu(g) * u` in fp32 (per-expert alpha13 applied to g and u
     first; clamp: g <= c, |u| <= c), FC2 input = `requantize(h)`, `y = h @ w2t` (times
     alpha2), cast to bf16.
     """
+    x = xs.pop()
     m = int(x.shape[0])
     hidden = int(weights.w2t.shape[2])
     inter = int(weights.w2t.shape[1])
@@ -71,7 +74,9 @@ def run_experts(
     if weights.alpha13 is not None or weights.alpha2 is not None:
         row_expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
     gu = grouped_mm(x, weights.w13t, counts)
-    h = torch.empty((m, inter), dtype=weights.w2t.dtype, device=x.device)
+    device = x.device
+    del x
+    h = torch.empty((m, inter), dtype=weights.w2t.dtype, device=device)
     for s in range(0, m, _SWIGLU_CHUNK_ROWS):
         e = min(m, s + _SWIGLU_CHUNK_ROWS)
         g = gu[s:e, :inter].float()

@@ -146,12 +146,15 @@ class PortableTorchKernel(MegaKernel):
         order = torch.sort(recv.pair_expert, stable=True).indices
         counts = torch.bincount(recv.pair_expert, minlength=self.e_local)
         rows = self.recipe.unpack(recv.rows, hidden)
-        x = rows.index_select(0, recv.pair_row[order])
-        del rows
+        xs = [rows.index_select(0, recv.pair_row[order])]
+        del rows, recv.rows
         y_sorted = run_experts(
-            x, counts, self.prepared, self.recipe.requantize, self.pconfig.swiglu_clamp
+            xs, counts, self.prepared, self.recipe.requantize, self.pconfig.swiglu_clamp
         )
-        del x
+        if ws == 1:  # no return trip: combine reads the expert-sorted rows in place
+            where = torch.empty_like(order)
+            where[order] = torch.arange(order.numel(), device=order.device)
+            return comm.combine(y_sorted, st.plan, st.topk_weights, st.output, rows=where)
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
         del y_sorted
