@@ -376,3 +376,22 @@ def test_e8m0_scale_dtype_option() -> None:
     assert torch.equal(q.dequantize_mxfp8(d, s), q.dequantize_mxfp8(d2, s2))
     p, s = q.quantize_mxfp4(x, scale_dtype=torch.float8_e8m0fnu)
     assert torch.equal(q.dequantize_mxfp4(p, s), q.dequantize_mxfp4(*q.quantize_mxfp4(x)))
+
+
+def test_inputs_are_never_modified() -> None:
+    # The quantizers work in place on a private float32 copy; a float32 input must survive.
+    x = torch.randn(4, 256) * 3
+    keep = x.clone()
+    for fn in (
+        q.quantize_fp8_per_tensor,
+        q.quantize_fp8_per_row,
+        q.quantize_fp8_blockwise,
+        lambda t: q.quantize_fp8_blockwise(t, block=(128, 128)),
+        q.quantize_mxfp8,
+        q.quantize_mxfp4,
+        q.quantize_nvfp4,
+        lambda t: q.quantize_nvfp4(t, norm_const=q.nvfp4_global_scale(t)),
+        q.round_to_e2m1_codes,
+    ):
+        fn(x)
+        assert torch.equal(x, keep)

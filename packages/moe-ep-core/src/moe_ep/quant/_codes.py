@@ -45,12 +45,22 @@ def fp8_dtype_info(dtype: torch.dtype, *, arg: str = "dtype") -> tuple[float, in
     return FP8_MAX[dtype], FP8_EMAX[dtype]
 
 
+def owned_float32(x: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of `x` that the quantizer may overwrite (in-place ops avoid allocating,
+    and on CPU a fresh large allocation costs about as much as the arithmetic)."""
+    return x.to(torch.float32, copy=True)
+
+
+def abs_max(xv: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    """amax of |xv| over `dim` (kept) without writing |xv|; NaN and inf propagate."""
+    return torch.maximum(xv.amax(dim, keepdim=True), xv.amin(dim, keepdim=True).neg_())
+
+
 def block_amax(xv: torch.Tensor) -> torch.Tensor:
     """amax of |xv| over the last dim, kept as size 1; zeros when xv is empty."""
     if xv.numel() == 0:
         return xv.new_zeros((*xv.shape[:-1], 1))
-    # max(amax, -amin) skips writing |xv| (a full pass); NaN and inf still propagate.
-    return torch.maximum(xv.amax(-1, keepdim=True), xv.amin(-1, keepdim=True).neg_())
+    return abs_max(xv, -1)
 
 
 def exact_ceil_log2_ratio(amax: torch.Tensor, fmax: float) -> torch.Tensor:
@@ -114,9 +124,9 @@ def as_scale_dtype(bytes_: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tens
     return bytes_ if scale_dtype == torch.uint8 else bytes_.view(torch.float8_e8m0fnu)
 
 
-# e2m1 rounding thresholds on magnitudes: code = number of thresholds strictly below |v|.
-# The ties at 0.75, 1.75 and 3.5 go up to the even code, so their thresholds sit one fp32 ulp
-# below the midpoint; the ties at 0.25, 1.25, 2.5 and 5 go down (the lower code is even).
+# e2m1 rounding thresholds on magnitudes (documentation and tests): code = number of thresholds
+# strictly below |v|. The ties at 0.75, 1.75 and 3.5 go up to the even code, so their
+# thresholds sit one fp32 ulp below the midpoint; the ties at 0.25, 1.25, 2.5 and 5 go down.
 def _e2m1_thresholds() -> list[float]:
     import struct
 
@@ -129,18 +139,39 @@ def _e2m1_thresholds() -> list[float]:
 
 E2M1_THRESHOLDS = tuple(_e2m1_thresholds())
 
+# e2m1 is e4m3 with the two low mantissa bits zero and the exponent bias moved by 6: the e2m1
+# value of code c, times 2**-6, is the e4m3 value of byte 4 * c (subnormal 0.5 included).
+E2M1_TO_E4M3_SHIFT = 2.0**-6
+_BIASED_EXP_1 = (127 - 6) << 23  # fp32 exponent field of 1.0 * 2**-6
+_BIASED_EXP_4 = (127 - 6 + 2) << 23  # ... of 4.0 * 2**-6
+
+
+def e2m1_codes_from_shifted(y: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (uint8) of float32 `y = v * 2**-6`: RNE on |v|, saturating at 6.
+
+    The caller folds the 2**-6 into its own scaling (exact: a power of two). `y` is consumed
+    (overwritten). Rounding: adding and subtracting C = 2**(e+22), with e the exponent of |y|
+    clamped to the e2m1 bands [1, 2), [2, 4), [4, 8), rounds |y| to the band's e2m1 step with
+    IEEE ties-to-even (the subnormal step 0.5 reuses the [1, 2) band); the exact result is then
+    encoded by torch's e4m3 cast and shifted down.
+    """
+    sign = torch.signbit(y).view(torch.uint8)
+    mag = y.abs_()
+    c = (mag.view(torch.int32) & 0x7F800000).clamp_(_BIASED_EXP_1, _BIASED_EXP_4)
+    c = c.add_(22 << 23).view(torch.float32)
+    rounded = mag.add_(c).sub_(c)
+    code = rounded.to(torch.float8_e4m3fn).view(torch.uint8)
+    # > 6 rounds to 8 (byte 0x20) or, far out of range, casts to 0x7E / 0x7F: all clamp to 7.
+    code = code.bitwise_right_shift_(2).clamp_max_(7)
+    return code.add_(sign.bitwise_left_shift_(3))
+
 
 def round_to_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Round float32 values to e2m1 codes (uint8, 0..15): RNE on magnitudes, saturate at 6.
 
     The sign bit follows `signbit(v)`, so -0.0 and negatives that round to zero give code 8.
     """
-    mag = v.abs()
-    # Seven compare-and-add passes on uint8 beat torch.bucketize's binary search on CPU (~3x).
-    code = torch.signbit(v).to(torch.uint8).mul_(8)
-    for threshold in E2M1_THRESHOLDS:
-        code += mag > threshold
-    return code
+    return e2m1_codes_from_shifted(v.float() * E2M1_TO_E4M3_SHIFT)
 
 
 def e2m1_codes_to_float32(codes: torch.Tensor) -> torch.Tensor:
@@ -154,7 +185,7 @@ def e2m1_codes_to_float32(codes: torch.Tensor) -> torch.Tensor:
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Pack codes [..., K] (K even) two per byte, even element in the low nibble -> [..., K/2]."""
     pairs = codes.view(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    return (pairs[..., 1] << 4).bitwise_or_(pairs[..., 0])
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:

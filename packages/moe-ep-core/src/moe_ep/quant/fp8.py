@@ -17,10 +17,12 @@ import torch
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.quant._codes import (
+    abs_max,
     block_amax,
     e8m0_to_float32,
     exact_ceil_log2_ratio,
     fp8_dtype_info,
+    owned_float32,
     pow2_from_exponent,
 )
 from moe_ep.quant._validate import (
@@ -78,12 +80,12 @@ def quantize_fp8_per_tensor(
     """
     check_high_precision(x)
     fmax, _ = fp8_dtype_info(dtype)
-    xf = x.float()
-    amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+    xf = owned_float32(x)
+    amax = torch.maximum(xf.amax(), xf.amin().neg_()) if xf.numel() else xf.new_zeros(())
     if check_finite:
         check_finite_amax(amax)
     scale = _fp32_scale(amax, fmax)
-    return _cast(xf / scale, fmax, dtype), scale
+    return _cast(xf.div_(scale), fmax, dtype), scale
 
 
 def dequantize_fp8_per_tensor(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -106,15 +108,12 @@ def quantize_fp8_per_row(
     """
     check_high_precision(x)
     fmax, _ = fp8_dtype_info(dtype)
-    xf = x.float()
-    if xf.shape[-1] == 0:
-        amax = xf.new_zeros((*xf.shape[:-1], 1))
-    else:
-        amax = xf.abs().amax(-1, keepdim=True)
+    xf = owned_float32(x)
+    amax = block_amax(xf)
     if check_finite:
         check_finite_amax(amax)
     scale = _fp32_scale(amax, fmax)
-    return _cast(xf / scale, fmax, dtype), scale
+    return _cast(xf.div_(scale), fmax, dtype), scale
 
 
 def dequantize_fp8_per_row(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -177,7 +176,7 @@ def quantize_fp8_blockwise(
             f"x.shape[-1] (K) must be divisible by the fp8 block K of {bk}, got K={k} "
             f"(shape {tuple(x.shape)})"
         )
-    xf = x.float()
+    xf = owned_float32(x)
     if bn == 1:
         xv = xf.view(*xf.shape[:-1], k // bk, bk)
         amax = block_amax(xv)
@@ -188,13 +187,13 @@ def quantize_fp8_blockwise(
             xf = torch.nn.functional.pad(xf, (0, 0, 0, n_pad - n))
         xv = xf.view(*xf.shape[:-2], n_pad // bn, bn, k // bk, bk)
         if xv.numel():
-            amax = xv.abs().amax(dim=(-3, -1), keepdim=True)
+            amax = abs_max(xv, (-3, -1))
         else:
             amax = xv.new_zeros((*xv.shape[:-3], 1, k // bk, 1))
     if check_finite:
         check_finite_amax(amax)
     scale = _ue8m0_scale(amax, fmax) if scale_format == "ue8m0" else _fp32_scale(amax, fmax)
-    data = _cast(xv / scale, fmax, dtype)
+    data = _cast(xv.div_(scale), fmax, dtype)
     if bn == 1:
         return data.view(x.shape), scale.view(*x.shape[:-1], k // bk)
     data = data.view(*xf.shape)[..., : x.shape[-2], :]

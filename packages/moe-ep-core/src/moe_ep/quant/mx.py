@@ -26,17 +26,19 @@ from moe_ep.errors import MoeEpUsageError
 from moe_ep.quant._codes import (
     E2M1_EMAX,
     E2M1_MAX,
+    E2M1_TO_E4M3_SHIFT,
     as_scale_dtype,
     block_amax,
+    e2m1_codes_from_shifted,
     e2m1_codes_to_float32,
     e8m0_exponent_to_bytes,
     e8m0_to_float32,
     exact_ceil_log2_ratio,
     floor_log2,
     fp8_dtype_info,
+    owned_float32,
     pack_e2m1,
     pow2_from_exponent,
-    round_to_e2m1_codes,
     unpack_e2m1,
 )
 from moe_ep.quant._validate import (
@@ -83,7 +85,7 @@ def mx_block_exponents(
 def _blocks(x: torch.Tensor, fmt: str, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
     check_high_precision(x)
     nb = check_block_divides(x, MX_BLOCK, fmt=fmt)
-    xv = x.float().view(*x.shape[:-1], nb, MX_BLOCK)
+    xv = owned_float32(x).view(*x.shape[:-1], nb, MX_BLOCK)
     amax = block_amax(xv)
     if check_finite:
         check_finite_amax(amax)
@@ -113,7 +115,7 @@ def quantize_mxfp8(
     fmax, emax = fp8_dtype_info(dtype)
     xv, amax = _blocks(x, "mxfp8", check_finite)
     exp, byte = mx_block_exponents(amax, fmax=fmax, emax=emax, rule=rule)
-    data = (xv * pow2_from_exponent(-exp)).clamp_(-fmax, fmax).to(dtype)
+    data = xv.mul_(pow2_from_exponent(-exp)).clamp_(-fmax, fmax).to(dtype)
     return data.view(x.shape), as_scale_dtype(
         byte.view(*x.shape[:-1], x.shape[-1] // MX_BLOCK), scale_dtype
     )
@@ -153,7 +155,8 @@ def quantize_mxfp4(
     """
     xv, amax = _blocks(x, "mxfp4", check_finite)
     exp, byte = mx_block_exponents(amax, fmax=E2M1_MAX, emax=E2M1_EMAX, rule=rule)
-    codes = round_to_e2m1_codes(xv * pow2_from_exponent(-exp))
+    # 2**-e * 2**-6 >= 2**-133 is still exact in fp32 (subnormal); see e2m1_codes_from_shifted.
+    codes = e2m1_codes_from_shifted(xv.mul_(pow2_from_exponent(-exp) * E2M1_TO_E4M3_SHIFT))
     packed = pack_e2m1(codes.view(x.shape))
     return packed, as_scale_dtype(byte.view(*x.shape[:-1], x.shape[-1] // MX_BLOCK), scale_dtype)
 

@@ -19,10 +19,12 @@ import torch
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.quant._codes import (
     E2M1_MAX,
+    E2M1_TO_E4M3_SHIFT,
     block_amax,
+    e2m1_codes_from_shifted,
     e2m1_codes_to_float32,
+    owned_float32,
     pack_e2m1,
-    round_to_e2m1_codes,
     unpack_e2m1,
 )
 from moe_ep.quant._validate import (
@@ -129,7 +131,7 @@ def quantize_nvfp4(
     check_high_precision(x)
     nb = check_block_divides(x, NVFP4_BLOCK, fmt="nvfp4")
     nc = _norm_const(norm_const, x)
-    xv = x.float().view(*x.shape[:-1], nb, NVFP4_BLOCK)
+    xv = owned_float32(x).view(*x.shape[:-1], nb, NVFP4_BLOCK)
     amax = block_amax(xv)
     if check_finite:
         check_finite_amax(amax)
@@ -137,8 +139,11 @@ def quantize_nvfp4(
     sf = scale.float()
     # A zero scale would divide to inf / NaN; dividing by inf stores a (signed) zero instead.
     sf = torch.where(sf == 0, torch.full_like(sf, float("inf")), sf)
-    scaled = xv * nc if not (isinstance(nc, float) and nc == 1.0) else xv
-    codes = round_to_e2m1_codes(scaled / sf)
+    scaled = xv.mul_(nc) if not (isinstance(nc, float) and nc == 1.0) else xv
+    # Dividing by scale * 64 is the exact division followed by the exact 2**-6 shift that
+    # e2m1_codes_from_shifted expects (a power of two changes no rounding above fp32 subnormals,
+    # and values that small round to zero either way).
+    codes = e2m1_codes_from_shifted(scaled.div_(sf * (1.0 / E2M1_TO_E4M3_SHIFT)))
     return pack_e2m1(codes.view(x.shape)), scale.view(*x.shape[:-1], nb)
 
 
