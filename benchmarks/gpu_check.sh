@@ -10,8 +10,9 @@
 #      hatchling + editables (to install our packages), nvidia-cutlass-dsl (pull kernel),
 #      nvshmem4py-cu13 (pull kernel), cuda-bindings, apache-tvm-ffi (push nvcc check);
 #      a package neither present nor carried is reported, and the tests needing it skip;
-#   3. installs moe-ep-core, moe-ep-backends-sm90 and the two sm90 drops editable, --no-deps
-#      (the drops' src/ must travel with the tree: carry vendor/sm90_*/src);
+#   3. installs moe-ep-core, both backend packages and the three drops editable, --no-deps
+#      (the test files import both backends; the sm90 drops' src/ must travel with the tree:
+#      carry vendor/sm90_pull_cutedsl/src and vendor/sm90_push_cuda/src);
 #   4. runs the backend tests: the CPU ones plus those marked sm90 (pytest -m);
 #   5. times one forward of the pull kernel against the portable fp8 backend at EP1.
 # Logs go to OUT_DIR (default $OUT, else ./gpu_check_out). Exit status: pytest's.
@@ -62,8 +63,9 @@ done
 
 say "3/5 moe-ep packages (editable, --no-deps)"
 if ! "$PY" -m pip install -q --no-deps --no-build-isolation \
-    -e packages/moe-ep-core -e packages/moe-ep-backends-sm90 \
-    -e vendor/sm90_pull_cutedsl -e vendor/sm90_push_cuda >>"$OUT_DIR/pip.log" 2>&1; then
+    -e packages/moe-ep-core -e packages/moe-ep-backends-sm90 -e packages/moe-ep-backends-sm100 \
+    -e vendor/sm90_pull_cutedsl -e vendor/sm90_push_cuda -e vendor/sm100_cutedsl_megamoe \
+    >>"$OUT_DIR/pip.log" 2>&1; then
   say "editable install failed (hatchling/editables missing?); see pip.log"; exit 3
 fi
 "$PY" - <<'EOF' 2>&1 | tee -a "$OUT_DIR/summary.txt"
@@ -73,9 +75,9 @@ for k in available_kernels():
         print(f"  {k.name}: available={k.available} {k.reason}")
 EOF
 
-say "4/5 tests (CPU + sm90), timeout 420 s"
+say "4/5 tests (CPU + gpu + sm90; sm100 skips), timeout 420 s"
 export CUTE_DSL_CACHE_DIR="$OUT_DIR/cute_cache"
-timeout 420 "$PY" -m pytest tests/backends -m "sm90 or not (gpu or slow)" -q -rs \
+timeout 420 "$PY" -m pytest tests/backends -m "not (slow or sm100)" -q -rs \
   -p no:cacheprovider --timeout 300 2>&1 | tee "$OUT_DIR/pytest.log"
 RC=${PIPESTATUS[0]}
 say "pytest exit status $RC"

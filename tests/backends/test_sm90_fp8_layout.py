@@ -268,6 +268,10 @@ def test_recipe_matches_the_pull_drops_own_host_quantizers():
     why = PULL_DROP.reason()
     if why:
         pytest.skip(why)
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is None:
+        pytest.skip("nvidia-cutlass-dsl is not installed (the drop's modules import cutlass)")
     out = subprocess.run(
         [sys.executable, "-c", _CROSS_CHECK], capture_output=True, text=True, timeout=180
     )
