@@ -3,6 +3,9 @@
 Blocks run along the last dim (K); every function accepts any leading shape and works on CPU
 and CUDA tensors alike. Dequantizers return float32. Non-finite input is rejected with
 `MoeEpUsageError` (see docs/quant.md for the exact rounding, exponent and NaN rules).
+
+Warning: so far only run on CPU; tests/quant/test_quant_cuda.py checks CUDA against CPU
+bit-exactly wherever a GPU is present, and has not run yet.
 """
 
 from __future__ import annotations
