@@ -96,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     names = [r[0] for r in results]
     pos = range(len(names))
     ax.barh([p + 0.2 for p in pos], [r[1] for r in results], height=0.4, label="Gaussian")
-    ax.barh([p - 0.2 for p in pos], [r[2] for r in results], height=0.4, label="+ outliers")
+    ax.barh(
+        [p - 0.2 for p in pos],
+        [r[2] for r in results],
+        height=0.4,
+        label="others, 1 outlier (100 sigma) per 128",
+    )
     ax.set_yticks(list(pos), names)
     ax.invert_yaxis()
     ax.set_xlabel("SNR (dB)")
