@@ -10,6 +10,8 @@ this dtype `float8_e8m0fnu`; here scale planes are uint8 unless asked otherwise.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moe_ep.errors import MoeEpUsageError
@@ -70,7 +72,7 @@ def exact_ceil_log2_ratio(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     E - F plus one when m > f. Only defined for amax > 0; callers mask the zero blocks.
     """
     m, e = torch.frexp(amax.float())
-    f_m, f_e = _frexp_py(fmax)
+    f_m, f_e = math.frexp(fmax)
     return (e - f_e + (m > f_m).to(torch.int32)).to(torch.int32)
 
 
@@ -78,13 +80,6 @@ def floor_log2(amax: torch.Tensor) -> torch.Tensor:
     """floor(log2(amax)) for amax > 0, exact (fp32 subnormals included), int32."""
     _, e = torch.frexp(amax.float())
     return (e - 1).to(torch.int32)
-
-
-def _frexp_py(v: float) -> tuple[float, int]:
-    import math
-
-    m, e = math.frexp(v)
-    return m, e
 
 
 def e8m0_exponent_to_bytes(exp: torch.Tensor, zero_block: torch.Tensor) -> torch.Tensor:
@@ -123,21 +118,6 @@ def as_scale_dtype(bytes_: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tens
         )
     return bytes_ if scale_dtype == torch.uint8 else bytes_.view(torch.float8_e8m0fnu)
 
-
-# e2m1 rounding thresholds on magnitudes (documentation and tests): code = number of thresholds
-# strictly below |v|. The ties at 0.75, 1.75 and 3.5 go up to the even code, so their
-# thresholds sit one fp32 ulp below the midpoint; the ties at 0.25, 1.25, 2.5 and 5 go down.
-def _e2m1_thresholds() -> list[float]:
-    import struct
-
-    def below(v: float) -> float:
-        bits = struct.unpack("<I", struct.pack("<f", v))[0]
-        return float(struct.unpack("<f", struct.pack("<I", bits - 1))[0])
-
-    return [0.25, below(0.75), 1.25, below(1.75), 2.5, below(3.5), 5.0]
-
-
-E2M1_THRESHOLDS = tuple(_e2m1_thresholds())
 
 # e2m1 is e4m3 with the two low mantissa bits zero and the exponent bias moved by 6: the e2m1
 # value of code c, times 2**-6, is the e4m3 value of byte 4 * c (subnormal 0.5 included).
