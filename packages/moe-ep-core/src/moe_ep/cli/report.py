@@ -67,10 +67,16 @@ def print_info(console: Console | None = None) -> None:
 
 
 def kernel_table() -> Table:
+    infos = available_kernels()
     table = Table(title="moe-ep kernels")
-    for col in ("kernel", "available", "reason", "deprecated aliases", "from"):
-        table.add_column(col)
-    for info in available_kernels():
+    # Names never wrap or truncate: they are what users copy into --kernel.
+    width = max((len(info.name) for info in infos), default=6)
+    table.add_column("kernel", no_wrap=True, min_width=width)
+    table.add_column("available", no_wrap=True)
+    table.add_column("reason", ratio=1)
+    table.add_column("deprecated aliases")
+    table.add_column("from")
+    for info in infos:
         table.add_row(
             info.name,
             "yes" if info.available else "no",
