@@ -10,7 +10,7 @@ import platform
 from rich.console import Console
 from rich.table import Table
 
-from moe_ep.registry import available_kernels
+from moe_ep.registry import KernelInfo, available_kernels
 
 __all__ = ["environment_report", "kernel_table", "print_info", "print_kernels"]
 
@@ -66,21 +66,19 @@ def print_info(console: Console | None = None) -> None:
     console.print(table)
 
 
-def kernel_table() -> Table:
-    infos = available_kernels()
+def kernel_table(infos: list[KernelInfo]) -> Table:
+    """One row per canonical kernel; the reasons of unavailable ones go below the table."""
     table = Table(title="moe-ep kernels")
     # Names never wrap or truncate: they are what users copy into --kernel.
     width = max((len(info.name) for info in infos), default=6)
     table.add_column("kernel", no_wrap=True, min_width=width)
     table.add_column("available", no_wrap=True)
-    table.add_column("reason", ratio=1)
     table.add_column("deprecated aliases")
     table.add_column("from")
     for info in infos:
         table.add_row(
             info.name,
-            "yes" if info.available else "no",
-            info.reason,
+            "yes" if info.available else "no (see below)",
             ", ".join(info.deprecated_aliases),
             info.source,
         )
@@ -91,4 +89,9 @@ def print_kernels(*, as_json: bool, console: Console | None = None) -> None:
     if as_json:
         print(json.dumps([info.to_json() for info in available_kernels()], indent=2))
         return
-    (console or Console()).print(kernel_table())
+    console = console or Console()
+    infos = available_kernels()
+    console.print(kernel_table(infos))
+    for info in infos:
+        if not info.available:
+            console.print(f"[bold]{info.name}[/bold]: {info.reason}", highlight=False)
