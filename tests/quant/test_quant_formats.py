@@ -26,7 +26,7 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 MANTISSA_BITS = {"e4m3": 3, "e5m2": 2, "e2m1": 1}
 MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16, "e2m1": 0.5}
 SETTINGS = settings(
-    max_examples=25,
+    max_examples=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
