@@ -18,12 +18,41 @@ from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError
 __all__ = [
     "DispatchPlan",
     "Received",
+    "Workspace",
     "combine",
     "exchange",
     "local_received",
     "plan_dispatch",
     "return_rows",
 ]
+
+
+class Workspace:
+    """Receive buffers reused across forwards (grown on demand, never shrunk).
+
+    Fresh buffers each forward would pay a page fault per 4 KiB on first touch, which on
+    CPU costs as much as the transfer itself.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialised `[*shape]` tensor; valid until the next `get` of `name`."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            self._bufs[name] = buf
+        return buf[:nbytes].view(dtype).view(shape)
+
+    def clear(self) -> None:
+        self._bufs.clear()
 
 
 @dataclass
@@ -123,7 +152,13 @@ def _a2a(
 
 
 def exchange(
-    plan: DispatchPlan, payload: torch.Tensor, *, group: object, rank: int, world_size: int
+    plan: DispatchPlan,
+    payload: torch.Tensor,
+    *,
+    group: object,
+    rank: int,
+    world_size: int,
+    workspace: Workspace | None = None,
 ) -> Received:
     """Counts exchange, then payload rows and pair metadata (three `all_to_all_single`s)."""
     dev = payload.device
@@ -133,7 +168,8 @@ def exchange(
     _a2a(recv_counts, counts, [1] * world_size, [1] * world_size, group, "dispatch counts", rank)
     rc = recv_counts.cpu()
     recv_rows_n, recv_pairs_n = rc[:, 0].tolist(), rc[:, 1].tolist()
-    rows = payload.new_empty((sum(recv_rows_n), payload.shape[1]))
+    ws_ = workspace or Workspace()
+    rows = ws_.get("recv_rows", (sum(recv_rows_n), int(payload.shape[1])), payload.dtype, dev)
     _a2a(rows, payload, recv_rows_n, plan.row_counts, group, "dispatch payload", rank)
     meta = plan.pair_meta.new_empty((sum(recv_pairs_n), 2))
     _a2a(meta, plan.pair_meta, recv_pairs_n, plan.pair_counts, group, "dispatch metadata", rank)
@@ -158,11 +194,13 @@ def return_rows(
     group: object,
     rank: int,
     world_size: int,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Send `y [P_recv, H]` (received pair order) back; returns `[P, H]` in send order."""
     if world_size == 1:
         return y
-    out = y.new_empty((sum(plan.pair_counts), y.shape[1]))
+    shape = (sum(plan.pair_counts), int(y.shape[1]))
+    out = (workspace or Workspace()).get("returned", shape, y.dtype, y.device)
     _a2a(
         out.view(torch.uint8),
         y.contiguous().view(torch.uint8),
@@ -182,6 +220,7 @@ def combine(
     output: torch.Tensor,
     *,
     rows: torch.Tensor | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """`output[t] = bf16(sum_j w[t, j] * y[t, j])`, fp32, slots in increasing order.
 
@@ -199,8 +238,12 @@ def combine(
         return output.zero_()
     # Padded slots read row 0 with weight 0: they add +-0, i.e. exactly nothing (y finite).
     w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
-    acc = torch.zeros((n, output.shape[1]), dtype=torch.float32, device=dev)
+    wsp = workspace or Workspace()
+    hidden = int(output.shape[1])
+    acc = wsp.get("combine_acc", (n, hidden), torch.float32, dev).zero_()
+    rows_j = wsp.get("combine_rows", (n, hidden), y_home.dtype, dev)
     for j in range(k):
-        acc.addcmul_(y_home.index_select(0, pos[:, j]), w[:, j : j + 1])
+        torch.index_select(y_home, 0, pos[:, j], out=rows_j)
+        acc.addcmul_(rows_j, w[:, j : j + 1])
     output.copy_(acc)
     return output

@@ -120,6 +120,7 @@ class PortableTorchKernel(MegaKernel):
             )  # type: ignore[arg-type]
         )
         self.prepared = self.recipe.prepare(moved)
+        self.workspace = comm.Workspace()
 
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
         """Plan routing and quantize this rank's tokens into the dispatch payload."""
@@ -140,7 +141,14 @@ class PortableTorchKernel(MegaKernel):
         if ws == 1:
             recv = comm.local_received(st.payload, st.plan)
         else:
-            recv = comm.exchange(st.plan, st.payload, group=rt.group, rank=rank, world_size=ws)
+            recv = comm.exchange(
+                st.plan,
+                st.payload,
+                group=rt.group,
+                rank=rank,
+                world_size=ws,
+                workspace=self.workspace,
+            )
         st.payload = st.payload[:0]  # the send buffer is no longer needed
         hidden = self.fleet.hidden_size
         order = torch.sort(recv.pair_expert, stable=True).indices
@@ -154,12 +162,20 @@ class PortableTorchKernel(MegaKernel):
         if ws == 1:  # no return trip: combine reads the expert-sorted rows in place
             where = torch.empty_like(order)
             where[order] = torch.arange(order.numel(), device=order.device)
-            return comm.combine(y_sorted, st.plan, st.topk_weights, st.output, rows=where)
+            return comm.combine(
+                y_sorted, st.plan, st.topk_weights, st.output, rows=where, workspace=self.workspace
+            )
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
         del y_sorted
-        y_home = comm.return_rows(y, recv, st.plan, group=rt.group, rank=rank, world_size=ws)
-        return comm.combine(y_home, st.plan, st.topk_weights, st.output)
+        y_home = comm.return_rows(
+            y, recv, st.plan, group=rt.group, rank=rank, world_size=ws, workspace=self.workspace
+        )
+        return comm.combine(y_home, st.plan, st.topk_weights, st.output, workspace=self.workspace)
+
+    def destroy(self) -> None:
+        """Drop the receive buffers (idempotent)."""
+        self.workspace.clear()
 
 
 @register_mega_kernel("any_bf16_bf16_bf16_torch")
