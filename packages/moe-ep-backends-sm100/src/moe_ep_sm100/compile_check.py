@@ -24,11 +24,10 @@ from moe_ep_sm100.configs import (
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
 )
-from moe_ep_sm100.drops import CUTEDSL_DROP, drop_src_module
+from moe_ep_sm100.drops import load_mxfp8_api, load_nvfp4_api
 from moe_ep_sm100.nvfp4_args import (
     ArgSpec,
     Geometry,
-    Nvfp4KernelApi,
     call_args,
     kernel_ctor_kwargs,
 )
@@ -52,22 +51,6 @@ DEFAULT_GEOMETRY = Geometry(
     hidden_size=1024,
     intermediate_size=512,
 )
-
-
-def load_nvfp4_api() -> Nvfp4KernelApi:
-    """The nvfp4 kernel class and ABI constants, through the drop's shim (imports cutlass)."""
-    kernel = drop_src_module(CUTEDSL_DROP, "moe_nvfp4_swapab.megamoe_kernel")
-    epilogue = drop_src_module(CUTEDSL_DROP, "moe_nvfp4_swapab.epilogue_refactor")
-    consts = drop_src_module(CUTEDSL_DROP, "common.megamoe_constants")
-    comm = drop_src_module(CUTEDSL_DROP, "src.token_comm")
-    sym = drop_src_module(CUTEDSL_DROP, "src.sym_buffer")
-    return Nvfp4KernelApi(
-        kernel=kernel.Sm100MegaMoEKernel,
-        token_padding_block=int(epilogue.SwapABSwigluFp4Epilogue._EpilogueTokenTileSize),
-        sf_padding_block=int(consts.SfPaddingBlock),
-        combine_format_bf16=comm.CombineFormat.parse("bf16"),
-        sym_buffer_host=sym.SymBufferHost,
-    )
 
 
 def _check_arch(arch: str) -> None:
@@ -158,25 +141,6 @@ def compile_nvfp4(
     start = time.perf_counter()
     cute.compile(kernel, **args, options=f"--gpu-arch {arch}")
     return time.perf_counter() - start
-
-
-def load_mxfp8_api() -> mxfp8_args.Mxfp8KernelApi:
-    """The mxfp8 kernel class and ABI constants, through the drop's shim (imports cutlass)."""
-    kernel = drop_src_module(CUTEDSL_DROP, "moe_mxfp8_glu.megamoe_kernel_mxfp8")
-    epilogue = drop_src_module(CUTEDSL_DROP, "moe_nvfp4_swapab.epilogue")
-    consts = drop_src_module(CUTEDSL_DROP, "common.megamoe_constants")
-    sym = drop_src_module(CUTEDSL_DROP, "src.sym_buffer")
-    if int(consts.Mxfp8BlockSize) != mxfp8_args.MXFP8_BLOCK:
-        raise RuntimeError(
-            f"the drop's Mxfp8BlockSize is {consts.Mxfp8BlockSize}, moe_ep_sm100 assumes "
-            f"{mxfp8_args.MXFP8_BLOCK}"
-        )
-    return mxfp8_args.Mxfp8KernelApi(
-        kernel=kernel.Sm100MegaMoEMxfp8Kernel,
-        token_padding_block=int(epilogue.EpilogueTokenTile),
-        sf_padding_block=int(consts.SfPaddingBlock),
-        sym_buffer_host=sym.SymBufferHost,
-    )
 
 
 def compile_mxfp8(

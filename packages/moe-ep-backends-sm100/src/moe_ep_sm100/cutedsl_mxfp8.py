@@ -1,42 +1,121 @@
 """`sm100_mxfp8_mxfp8_bf16_cutedsl`: the Blackwell CuTe DSL mxfp8 mega-MoE (2-CTA) kernel.
 
 Warning:
-    No launch path; never run on a GPU (see docs/backends.md). What exists and is tested on
-    CPU: config validation, availability, weight preparation and input staging
-    (`mxfp8_layout`), and the kernel's arguments built from shapes (`mxfp8_args`), compiled
-    for sm_100a by `compile_check` exactly as a launch would build them.
+    The launch path (`cutedsl_launch`) has NEVER RUN ON A GPU (no Blackwell machine was
+    available). What is tested on CPU: config validation, availability, weight preparation
+    and input staging (`mxfp8_layout`), the lifecycle with compile/launch faked, and that
+    the kernel compiles for sm_100a with the arguments `mxfp8_args` builds
+    (`compile_check`), the same functions the launch uses.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.registry import register_mega_kernel
+from moe_ep_sm100 import mxfp8_args
 from moe_ep_sm100._hardware import check_availability
-from moe_ep_sm100._unlaunched import LAUNCH_NOT_WRITTEN, UnlaunchedKernel
 from moe_ep_sm100.configs import Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
-from moe_ep_sm100.cutedsl_nvfp4 import CUTEDSL_PACKAGES
-from moe_ep_sm100.drops import CUTEDSL_DROP
+from moe_ep_sm100.cutedsl_launch import CutedslMegaKernel, StagedBuffers
+from moe_ep_sm100.cutedsl_nvfp4 import CUTEDSL_PACKAGES, _max_active_clusters
+from moe_ep_sm100.drops import CUTEDSL_DROP, load_mxfp8_api
+from moe_ep_sm100.mxfp8_layout import Mxfp8Weights, prepare_mxfp8_weights, stage_mxfp8_inputs
+from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
+
+if TYPE_CHECKING:
+    import torch
+
+    from moe_ep.layer.params import MoEEpTensors, MoEWeightPack
 
 __all__ = ["Sm100Mxfp8Mxfp8Bf16CutedslKernel"]
 
 
 @register_mega_kernel("sm100_mxfp8_mxfp8_bf16_cutedsl", deprecated_aliases=("mxfp8_cutedsl",))
-class Sm100Mxfp8Mxfp8Bf16CutedslKernel(UnlaunchedKernel):
-    """Fused dispatch + mxfp8 FC1 + SwiGLU + FC2 + combine (2-CTA MMA), NVSHMEM peers."""
+class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
+    """Fused dispatch + mxfp8 FC1 + SwiGLU + FC2 + combine (2-CTA MMA), NVSHMEM peers.
+
+    Weights are quantized once (`prepare_mxfp8_weights`: E8M0 per 32 along K, gate/up
+    interleaved by 32, K-major, 128x4-swizzled scales); activations per call.
+    """
 
     config_cls: ClassVar[type[Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig]] = (
         Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
     )
-    requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        _, why = check_availability(
+        return check_availability(
             capability=(10, 0),
             arch_label="Blackwell B200/GB200, sm_100a",
             packages=CUTEDSL_PACKAGES,
             drop=CUTEDSL_DROP,
         )
-        return False, "; ".join([*([why] if why else []), LAUNCH_NOT_WRITTEN])
+
+    def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Mxfp8Weights:
+        s13, s2 = weights.w13_scale, weights.w2_scale
+        return prepare_mxfp8_weights(
+            weights.w13.to(device),
+            weights.w2.to(device),
+            None if s13 is None else s13.to(device),
+            None if s2 is None else s2.to(device),
+        )
+
+    def _stage(self, tensors: MoEEpTensors, max_tokens: int) -> StagedBuffers:
+        return stage_mxfp8_inputs(
+            tensors.hidden_states, tensors.topk_ids, tensors.topk_weights, max_tokens=max_tokens
+        )
+
+    def _tensor_specs(self, g: Geometry) -> tuple[ArgSpec, ...]:
+        return mxfp8_args.tensor_specs(g)
+
+    def _weight_tensors(self) -> dict[str, torch.Tensor]:
+        p = self.prepared
+        return {
+            "fc1_weight": p.w13,
+            "fc1_weight_sf": p.w13_scales,
+            "fc2_weight": p.w2,
+            "fc2_weight_sf": p.w2_scales,
+        }
+
+    def _make_kernel(self, g: Geometry) -> tuple[Any, Any, int]:
+        import cutlass
+
+        api = load_mxfp8_api()
+        cm, cn, _ = mxfp8_args.CLUSTER_SHAPE_MNK
+        clusters = _max_active_clusters(cm * cn)
+        kwargs = mxfp8_args.kernel_ctor_kwargs(
+            self.cfg, g, api=api, ab_dtype=cutlass.Float8E4M3FN, max_active_clusters=clusters
+        )
+        return api.kernel(**kwargs), api, clusters
+
+    def _call_args(
+        self,
+        g: Geometry,
+        *,
+        tensor: Callable[[ArgSpec], Any],
+        workspaces: tuple[torch.Tensor, torch.Tensor],
+        peer_map: Any,
+        stream: Any,
+        max_active_clusters: int,
+    ) -> dict[str, Any]:
+        import cutlass.torch as cutlass_torch
+
+        local, shared = workspaces
+
+        def workspace(name: str) -> Any:
+            # The drop's runner: static layout for the local workspace, dynamic for the shared.
+            if name == "local_workspace":
+                return cutlass_torch.from_dlpack(local, assumed_align=16)
+            return cutlass_torch.from_dlpack(shared, assumed_align=16).mark_layout_dynamic(
+                leading_dim=0
+            )
+
+        return mxfp8_args.call_args(
+            g,
+            tensor=tensor,
+            workspace=workspace,
+            peer_map=peer_map,
+            stream=stream,
+            max_active_clusters=max_active_clusters,
+        )

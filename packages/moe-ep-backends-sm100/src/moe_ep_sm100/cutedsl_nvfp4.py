@@ -1,22 +1,31 @@
 """`sm100_nvfp4_nvfp4_bf16_cutedsl`: the Blackwell CuTe DSL nvfp4 mega-MoE kernel.
 
 Warning:
-    No launch path; never run on a GPU (see docs/backends.md). What exists and is tested on
-    CPU: config validation, availability, weight preparation and input staging
-    (`nvfp4_layout`), and the kernel's arguments built from shapes (`nvfp4_args`), compiled
-    for sm_100a by `compile_check` exactly as a launch would build them.
+    The launch path (`cutedsl_launch`) has NEVER RUN ON A GPU (no Blackwell machine was
+    available). What is tested on CPU: config validation, availability, weight preparation
+    and input staging (`nvfp4_layout`), the lifecycle with compile/launch faked, and that
+    the kernel compiles for sm_100a with the arguments `nvfp4_args` builds
+    (`compile_check`), the same functions the launch uses.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.registry import register_mega_kernel
+from moe_ep_sm100 import nvfp4_args
 from moe_ep_sm100._hardware import check_availability
-from moe_ep_sm100._unlaunched import LAUNCH_NOT_WRITTEN, UnlaunchedKernel
 from moe_ep_sm100.configs import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
-from moe_ep_sm100.drops import CUTEDSL_DROP
+from moe_ep_sm100.cutedsl_launch import CutedslMegaKernel, StagedBuffers
+from moe_ep_sm100.drops import CUTEDSL_DROP, load_nvfp4_api
+from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
+from moe_ep_sm100.nvfp4_layout import Nvfp4Weights, prepare_nvfp4_weights, stage_nvfp4_inputs
+
+if TYPE_CHECKING:
+    import torch
+
+    from moe_ep.layer.params import MoEEpTensors, MoEWeightPack
 
 __all__ = ["CUTEDSL_PACKAGES", "Sm100Nvfp4Nvfp4Bf16CutedslKernel"]
 
@@ -28,21 +37,111 @@ CUTEDSL_PACKAGES = (
 )
 
 
+def _max_active_clusters(cluster_size: int) -> int:
+    import cutlass.utils as utils
+
+    return int(utils.HardwareInfo().get_max_active_clusters(cluster_size))
+
+
 @register_mega_kernel("sm100_nvfp4_nvfp4_bf16_cutedsl", deprecated_aliases=("nvfp4_cutedsl",))
-class Sm100Nvfp4Nvfp4Bf16CutedslKernel(UnlaunchedKernel):
-    """Fused dispatch + nvfp4 FC1 + SwiGLU + FC2 + combine (swap-AB), NVSHMEM peers."""
+class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
+    """Fused dispatch + nvfp4 FC1 + SwiGLU + FC2 + combine (swap-AB), NVSHMEM peers.
+
+    Weights are quantized once (`prepare_nvfp4_weights`: per-expert global scales, gate/up
+    interleaved by 16, K-major, 128x4-swizzled e4m3 scales); activations per call with the
+    config's static `input_norm_const`.
+    """
 
     config_cls: ClassVar[type[Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig]] = (
         Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
     )
-    requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
+    packed_fp4: ClassVar[bool] = True
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        _, why = check_availability(
+        return check_availability(
             capability=(10, 0),
             arch_label="Blackwell B200/GB200, sm_100a",
             packages=CUTEDSL_PACKAGES,
             drop=CUTEDSL_DROP,
         )
-        return False, "; ".join([*([why] if why else []), LAUNCH_NOT_WRITTEN])
+
+    def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Nvfp4Weights:
+        def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return prepare_nvfp4_weights(
+            weights.w13.to(device),
+            weights.w2.to(device),
+            input_norm_const=self.cfg.input_norm_const,
+            hidden_norm_const=self.cfg.hidden_norm_const,
+            w13_scale=dev(weights.w13_scale),
+            w2_scale=dev(weights.w2_scale),
+            w13_global_scale=dev(weights.w13_global_scale),
+            w2_global_scale=dev(weights.w2_global_scale),
+        )
+
+    def _stage(self, tensors: MoEEpTensors, max_tokens: int) -> StagedBuffers:
+        return stage_nvfp4_inputs(
+            tensors.hidden_states,
+            tensors.topk_ids,
+            tensors.topk_weights,
+            max_tokens=max_tokens,
+            input_norm_const=self.cfg.input_norm_const,
+        )
+
+    def _tensor_specs(self, g: Geometry) -> tuple[ArgSpec, ...]:
+        return nvfp4_args.tensor_specs(g)
+
+    def _weight_tensors(self) -> dict[str, torch.Tensor]:
+        p = self.prepared
+        return {
+            "fc1_weight": p.w13,
+            "fc1_weight_sf": p.w13_scales,
+            "fc2_weight": p.w2,
+            "fc2_weight_sf": p.w2_scales,
+            "fc1_alpha": p.fc1_alpha,
+            "fc2_alpha": p.fc2_alpha,
+            "fc1_norm_const": p.fc1_norm_const,
+        }
+
+    def _make_kernel(self, g: Geometry) -> tuple[Any, Any, int]:
+        import cutlass
+
+        api = load_nvfp4_api()
+        cm, cn, _ = nvfp4_args.CLUSTER_SHAPE_MNK
+        clusters = _max_active_clusters(cm * cn)
+        kwargs = nvfp4_args.kernel_ctor_kwargs(
+            self.cfg, g, api=api, fc2_output_dtype=cutlass.BFloat16, max_active_clusters=clusters
+        )
+        return api.kernel(**kwargs), api, clusters
+
+    def _call_args(
+        self,
+        g: Geometry,
+        *,
+        tensor: Callable[[ArgSpec], Any],
+        workspaces: tuple[torch.Tensor, torch.Tensor],
+        peer_map: Any,
+        stream: Any,
+        max_active_clusters: int,
+    ) -> dict[str, Any]:
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.typing import AddressSpace
+
+        by_name = {"local_workspace": workspaces[0], "shared_workspace": workspaces[1]}
+
+        def pointer(name: str) -> Any:
+            return cute.runtime.make_ptr(
+                cutlass.Uint8, by_name[name].data_ptr(), AddressSpace.gmem, assumed_align=16
+            )
+
+        return nvfp4_args.call_args(
+            g,
+            tensor=tensor,
+            pointer=pointer,
+            peer_map=peer_map,
+            stream=stream,
+            max_active_clusters=max_active_clusters,
+        )

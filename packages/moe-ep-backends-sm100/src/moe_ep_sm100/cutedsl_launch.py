@@ -1,0 +1,427 @@
+"""Launch path shared by the two sm100 CuTe DSL kernels (nvfp4, mxfp8).
+
+Warning:
+    NEVER RUN ON A GPU (no Blackwell machine was available). `_compile` and `_launch` (CuTe
+    DSL compile, NVSHMEM symmetric buffers, peer offsets, the launch itself) have only been
+    read against the drop's own runners; the rest of the lifecycle (pooling, ref-counted
+    release, staging copies, output copy-out, errors) is tested on CPU with `_compile` and
+    `_launch` replaced by fakes (`tests/backends/test_sm100_lifecycle.py`).
+
+Lifecycle (the pattern of `moe_ep_sm90.pull_cutedsl`): weights are prepared once in
+`__init__`; the first `warmup()` (with `config.top_k` set) or the first forward compiles the
+kernel for (config, geometry, device) and allocates its workspaces, symmetric staging
+buffers and output buffer; layers of identical geometry share that entry through a
+ref-counted `WorkspacePool`; the last `destroy()` frees the symmetric buffers after a
+barrier. The kernel's constructor and call arguments come from `nvfp4_args` / `mxfp8_args`,
+the functions the compile-only check uses too.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from moe_ep.backends.base import MegaKernel, RuntimeRequirements
+from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
+from moe_ep_sm100.pool import WorkspacePool
+
+if TYPE_CHECKING:
+    import torch
+
+    from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+    from moe_ep.runtime import Runtime
+
+__all__ = [
+    "SYMMETRIC_INPUTS",
+    "CompiledEntry",
+    "CutedslMegaKernel",
+    "StagedBuffers",
+    "check_sm100_pack",
+    "storage_tensor",
+]
+
+# Staging buffers peers read (dispatch pulls them), so they live on the symmetric heap. The
+# output is local: with the separate top-k reduce, peers write the kernel's own staging in
+# the shared workspace, and the local reduce writes `output_activation` (the drop's runners
+# do the same).
+SYMMETRIC_INPUTS = ("activation", "activation_sf", "topk_idx", "topk_weights")
+_STAGED = (*SYMMETRIC_INPUTS, "output_activation")
+
+
+class StagedBuffers(Protocol):
+    """What `stage_nvfp4_inputs` / `stage_mxfp8_inputs` return."""
+
+    @property
+    def activation(self) -> torch.Tensor: ...
+    @property
+    def activation_scales(self) -> torch.Tensor: ...
+    @property
+    def topk_ids(self) -> torch.Tensor: ...
+    @property
+    def topk_weights(self) -> torch.Tensor: ...
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return {
+        "fp4": torch.float4_e2m1fn_x2,
+        "fp8_e4m3": torch.float8_e4m3fn,
+        "e8m0": torch.float8_e8m0fnu,
+        "float32": torch.float32,
+        "int64": torch.int64,
+        "bfloat16": torch.bfloat16,
+    }[name]
+
+
+def storage_tensor(spec: ArgSpec, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """A zeroed buffer for `spec`: `alloc(nbytes)` uint8 bytes viewed as the storage dtype.
+
+    fp4 specs count logical elements; their storage packs two per byte along the leading
+    dim (`float4_e2m1fn_x2`), as the drop's runners allocate them. NVSHMEM tensors support
+    only a few dtypes, hence the byte allocation.
+    """
+    dtype = _torch_dtype(spec.dtype)
+    shape = list(spec.shape)
+    if spec.dtype == "fp4":
+        shape[spec.leading_dim] //= 2
+    numel = 1
+    for d in shape:
+        numel *= d
+    raw = alloc(numel * dtype.itemsize)
+    raw.zero_()
+    return raw.view(dtype).reshape(shape)
+
+
+def as_kernel_dtype(t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
+    """`t` reinterpreted (same bytes, same strides) as the kernel's dtype for `spec`."""
+    dtype = _torch_dtype(spec.dtype)
+    if t.dtype == dtype:
+        return t
+    if t.dtype.itemsize != dtype.itemsize:
+        raise MoeEpUsageError(
+            f"{spec.name}: cannot reinterpret {t.dtype} as {dtype} (element sizes differ)"
+        )
+    return t.view(dtype)
+
+
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    import torch
+
+    if dst.dtype.itemsize == 1 and src.dtype.itemsize == 1:
+        dst.view(torch.uint8).copy_(src.view(torch.uint8))
+    else:
+        dst.copy_(src)
+
+
+@dataclass
+class CompiledEntry:
+    """One compiled kernel with its workspaces and staging buffers (pooled across layers).
+
+    `staging`: the symmetric `SYMMETRIC_INPUTS` and the local `output_activation`, in the
+    kernel's dtypes; `symmetric`: the NVSHMEM tensors to free (staging inputs + the shared
+    workspace).
+    """
+
+    compiled: Any
+    local_workspace: torch.Tensor
+    shared_workspace: torch.Tensor
+    staging: dict[str, torch.Tensor]
+    symmetric: tuple[torch.Tensor, ...]
+    launch_args: dict[str, Any]
+
+
+def _free(entry: CompiledEntry) -> None:
+    import nvshmem.core
+
+    for t in entry.symmetric:
+        nvshmem.core.free_tensor(t)
+
+
+POOL: WorkspacePool[CompiledEntry] = WorkspacePool(free=_free)
+
+
+def check_sm100_pack(
+    kernel: str, weights: Any, fleet: Any, world_size: int, config: Any, *, packed_fp4: bool
+) -> int:
+    """Shape checks of a `MoEWeightPack` before any collective; returns I.
+
+    `w13 [E_local, 2I, H]` / `w2 [E_local, H, I]` with `E_local = E / world_size` (last dims
+    halved for packed nvfp4 payloads when `packed_fp4` and scales are given), and the
+    geometry must pass `config.check_problem` (top_k from the config, else 1).
+    """
+    w13, w2 = weights.w13, weights.w2
+    packed = packed_fp4 and getattr(weights, "w13_scale", None) is not None
+    div = 2 if packed else 1
+    e_expected = fleet.num_experts // world_size if world_size else 0
+    e, two_i, h_cols = w13.shape
+    h = h_cols * div
+    if e != e_expected or h != fleet.hidden_size or two_i % 2:
+        raise MoeEpUsageError(
+            f"{kernel}: weights.w13 must be [E_local={e_expected}, 2I, "
+            f"{'H/2' if packed else 'H'}] with H={fleet.hidden_size}, got {tuple(w13.shape)}"
+        )
+    i = two_i // 2
+    if tuple(w2.shape) != (e, h, i // div):
+        raise MoeEpUsageError(
+            f"{kernel}: weights.w2 must be [{e}, {h}, {i // div}] to match w13 "
+            f"{tuple(w13.shape)}, got {tuple(w2.shape)}"
+        )
+    config.check_problem(
+        hidden_size=h,
+        intermediate_size=i,
+        top_k=getattr(config, "top_k", None) or 1,
+        num_experts=fleet.num_experts,
+        world_size=world_size,
+        max_tokens_per_rank=fleet.max_tokens_per_rank,
+    )
+    return i
+
+
+class CutedslMegaKernel(MegaKernel):
+    """Base of the two sm100 CuTe DSL kernels: lifecycle, pooling, staging, launch.
+
+    Subclasses provide the weight preparation, the input stager, the tensor specs and the
+    kernel construction (`_make_kernel`, `_workspace_arg`).
+    """
+
+    requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
+    packed_fp4: ClassVar[bool] = False
+
+    @classmethod
+    def validate_weights(
+        cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
+    ) -> None:
+        """Local checks before any collective: pack shapes and geometry."""
+        check_sm100_pack(
+            cls.kernel_name, weights, fleet, world_size, config, packed_fp4=cls.packed_fp4
+        )
+
+    def __init__(
+        self,
+        *,
+        config: Any,
+        fleet: FleetParams,
+        runtime: Runtime,
+        weights: MoEWeightPack,
+    ) -> None:
+        if not isinstance(config, self.config_cls):
+            raise MoeEpUsageError(
+                f"config must be a {self.config_cls.__name__}, got {type(config).__name__}"
+            )
+        super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
+        self.cfg: Any = config
+        i = check_sm100_pack(
+            self.kernel_name,
+            weights,
+            fleet,
+            runtime.world_size,
+            config,
+            packed_fp4=self.packed_fp4,
+        )
+        self.geometry = Geometry(
+            world_size=runtime.world_size,
+            rank=runtime.rank,
+            max_tokens_per_rank=fleet.max_tokens_per_rank,
+            top_k=getattr(config, "top_k", None) or 0,
+            num_experts=fleet.num_experts,
+            hidden_size=fleet.hidden_size,
+            intermediate_size=i,
+        )
+        self.prepared = self._prepare_weights(weights, runtime.device)
+        self._pool_key: tuple[Any, ...] | None = None
+        self._entry_cache: CompiledEntry | None = None
+        self._destroyed = False
+
+    # -- subclass hooks -----------------------------------------------------------------
+    @abstractmethod
+    def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Any:
+        """Kernel-ready weights on `device` (the layout module's dataclass)."""
+
+    @abstractmethod
+    def _stage(self, tensors: MoEEpTensors, max_tokens: int) -> StagedBuffers:
+        """Quantized, padded inputs of T rows (the layout module's stager)."""
+
+    @abstractmethod
+    def _tensor_specs(self, g: Geometry) -> tuple[ArgSpec, ...]:
+        """The kernel's tensor arguments (`nvfp4_args` / `mxfp8_args.tensor_specs`)."""
+
+    @abstractmethod
+    def _weight_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensor arguments that are not staging buffers, by argument name."""
+
+    @abstractmethod
+    def _make_kernel(self, g: Geometry) -> tuple[Any, Any, int]:
+        """(drop kernel instance, drop api, max active clusters); imports cutlass."""
+
+    @abstractmethod
+    def _call_args(
+        self,
+        g: Geometry,
+        *,
+        tensor: Callable[[ArgSpec], Any],
+        workspaces: tuple[torch.Tensor, torch.Tensor],
+        peer_map: Any,
+        stream: Any,
+        max_active_clusters: int,
+    ) -> dict[str, Any]:
+        """Keyword arguments of the kernel's `__call__` via the args module."""
+
+    # -- MegaKernel ---------------------------------------------------------------------
+    def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
+        """Quantize this rank's inputs and copy them into the pooled symmetric buffers."""
+        g = self._ensure_geometry(tensors.topk_ids.shape[1])
+        staged = self._stage(tensors, g.max_tokens_per_rank)
+        buf = self._entry().staging
+        _copy_bytes(buf["activation"], staged.activation)
+        _copy_bytes(buf["activation_sf"], staged.activation_scales)
+        buf["topk_idx"].copy_(staged.topk_ids)
+        buf["topk_weights"].copy_(staged.topk_weights)
+        return _Staged(staged.num_tokens, output)
+
+    def compute_staged(self, *, staged: Any) -> torch.Tensor:
+        """Launch on the staged buffers; copies the live rows of the output out."""
+        entry = self._entry()
+        self._launch(entry)
+        n = staged.num_tokens
+        staged.output[:n].copy_(entry.staging["output_activation"][:n])
+        return staged.output
+
+    def warmup(self) -> None:
+        """Collective: compile (first layer of this geometry) and allocate the buffers.
+
+        Needs `config.top_k`; without it the compile happens at the first forward.
+        """
+        if self.geometry.top_k:
+            self._ensure_geometry(self.geometry.top_k)
+            self._entry()
+        self.runtime.barrier()
+
+    def destroy(self) -> None:
+        """Collective, idempotent: drop this layer's reference to the pooled entry.
+
+        The last layer of a geometry frees the symmetric buffers (an NVSHMEM collective), so
+        every rank must call it.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._pool_key is not None:
+            self.runtime.barrier()
+            POOL.release(self._pool_key)
+            self._pool_key = None
+            self._entry_cache = None
+
+    # -- internals ----------------------------------------------------------------------
+    def _ensure_geometry(self, top_k: int) -> Geometry:
+        g = self.geometry
+        if g.top_k == 0:
+            g = replace(g, top_k=top_k)
+            self.geometry = g
+        elif top_k != g.top_k:
+            raise MoeEpUsageError(
+                f"topk_ids has k={top_k} columns but this kernel was built for top_k={g.top_k}"
+            )
+        self.cfg.check_problem(
+            hidden_size=g.hidden_size,
+            intermediate_size=g.intermediate_size,
+            top_k=g.top_k,
+            num_experts=g.num_experts,
+            world_size=g.world_size,
+            max_tokens_per_rank=g.max_tokens_per_rank,
+        )
+        return g
+
+    def _entry(self) -> CompiledEntry:
+        if self._destroyed:
+            raise MoeEpUsageError("this kernel was destroyed; build a new layer")
+        if self._entry_cache is not None:
+            return self._entry_cache
+        ok, why = self.availability()
+        if not ok:
+            raise MoeEpUnavailableError(f"{self.kernel_name} cannot run here: {why}")
+        g = self.geometry
+        if g.top_k == 0:
+            raise MoeEpUsageError(
+                "top_k is unknown: set the config's top_k to compile in warmup(), or stage "
+                "inputs first"
+            )
+        key = (self.kernel_name, self.cfg, g, str(self.runtime.device))
+        self._entry_cache = POOL.acquire(key, lambda: self._compile(g))
+        self._pool_key = key
+        return self._entry_cache
+
+    def _compile(self, g: Geometry) -> CompiledEntry:
+        """Build, allocate and compile (GPU only; never run)."""
+        import cuda.bindings.driver as cuda
+        import cutlass.cute as cute
+        import cutlass.torch as cutlass_torch
+        import nvshmem.core
+        import torch
+
+        dev = self.runtime.device
+        kernel, api, clusters = self._make_kernel(g)
+        local_bytes, shared_bytes = kernel.get_workspace_sizes()
+        local_ws = torch.zeros((local_bytes,), dtype=torch.uint8, device=dev)
+        shared_ws = nvshmem.core.tensor((shared_bytes,), dtype=torch.uint8)
+        shared_ws.zero_()
+        symmetric = [shared_ws]
+
+        def sym_alloc(nbytes: int) -> torch.Tensor:
+            t = nvshmem.core.tensor((nbytes,), dtype=torch.uint8)
+            symmetric.append(t)
+            return t
+
+        def local_alloc(nbytes: int) -> torch.Tensor:
+            return torch.empty((nbytes,), dtype=torch.uint8, device=dev)
+
+        specs = {s.name: s for s in self._tensor_specs(g)}
+        staging = {
+            name: storage_tensor(
+                specs[name], sym_alloc if name in SYMMETRIC_INPUTS else local_alloc
+            )
+            for name in _STAGED
+        }
+        staging["topk_idx"].fill_(-1)
+        weights = self._weight_tensors()
+        base = int(shared_ws.data_ptr())
+        offsets = tuple(
+            0
+            if peer == g.rank
+            else int(nvshmem.core.get_peer_tensor(shared_ws, peer).data_ptr()) - base
+            for peer in range(g.world_size)
+        )
+        peer_map = api.sym_buffer_host(
+            base_addr=base, offsets=offsets, rank_idx=g.rank, num_max_ranks=g.world_size
+        )
+
+        def tensor(spec: ArgSpec) -> Any:
+            t = staging[spec.name] if spec.name in staging else weights[spec.name]
+            ct = cutlass_torch.from_dlpack(as_kernel_dtype(t, spec), assumed_align=spec.align)
+            return ct.mark_layout_dynamic(leading_dim=spec.leading_dim)
+
+        args = self._call_args(
+            g,
+            tensor=tensor,
+            workspaces=(local_ws, shared_ws),
+            peer_map=peer_map,
+            stream=cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
+            max_active_clusters=clusters,
+        )
+        compiled = cute.compile(kernel, **args)
+        launch_args = {k: v for k, v in args.items() if k != "max_active_clusters"}
+        return CompiledEntry(compiled, local_ws, shared_ws, staging, tuple(symmetric), launch_args)
+
+    def _launch(self, entry: CompiledEntry) -> None:
+        entry.compiled(**entry.launch_args)
+
+
+@dataclass
+class _Staged:
+    num_tokens: int
+    output: torch.Tensor

@@ -1,0 +1,208 @@
+"""Lifecycle of the sm100 CuTe DSL kernel wrappers on CPU, GPU-only pieces faked.
+
+`_compile` (cutlass, NVSHMEM) and `_launch` are replaced by fakes; the staging buffers are
+built by the real `storage_tensor` from the real `tensor_specs`, so what is tested is our
+own logic: pooling per (kernel, config, geometry, device), ref-counted release, staging
+into the kernel's dtypes, output copy-out, errors, and that the prepared weights match the
+argument specs the compiled kernel was built for. The real launch has never run on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import moe_ep_sm100.cutedsl_launch as launch
+from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+from moe_ep_sm100 import (
+    Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
+    Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
+)
+from moe_ep_sm100.cutedsl_mxfp8 import Sm100Mxfp8Mxfp8Bf16CutedslKernel
+from moe_ep_sm100.cutedsl_nvfp4 import Sm100Nvfp4Nvfp4Bf16CutedslKernel
+from moe_ep_sm100.mxfp8_layout import stage_mxfp8_inputs
+from moe_ep_sm100.nvfp4_layout import stage_nvfp4_inputs
+
+H, I, E, T = 256, 128, 4, 8  # noqa: E741 - the glossary names (I = intermediate)
+
+KINDS = {
+    "nvfp4": (Sm100Nvfp4Nvfp4Bf16CutedslKernel, Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig),
+    "mxfp8": (Sm100Mxfp8Mxfp8Bf16CutedslKernel, Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig),
+}
+
+
+@dataclass
+class FakeRuntime:
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    barriers: int = 0
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+
+@pytest.fixture(params=sorted(KINDS))
+def kind(request, monkeypatch):
+    cls, cfg = KINDS[request.param]
+    compiled: list[launch.CompiledEntry] = []
+    freed: list[launch.CompiledEntry] = []
+    launches: list[launch.CompiledEntry] = []
+
+    def fake_compile(self, g):
+        specs = {s.name: s for s in self._tensor_specs(g)}
+        staging = {
+            name: launch.storage_tensor(specs[name], lambda n: torch.empty(n, dtype=torch.uint8))
+            for name in (*launch.SYMMETRIC_INPUTS, "output_activation")
+        }
+        staging["topk_idx"].fill_(-1)
+        entry = launch.CompiledEntry(None, torch.zeros(1), torch.zeros(1), staging, (), {})
+        compiled.append(entry)
+        return entry
+
+    def fake_launch(self, entry):
+        launches.append(entry)
+        out = entry.staging["output_activation"]
+        out.copy_((torch.arange(out.shape[0]) + 1.0)[:, None].expand_as(out))
+
+    monkeypatch.setattr(cls, "availability", classmethod(lambda c: (True, "")))
+    monkeypatch.setattr(cls, "_compile", fake_compile)
+    monkeypatch.setattr(cls, "_launch", fake_launch)
+    monkeypatch.setattr(launch.POOL, "free", freed.append)
+    return request.param, cls, cfg, compiled, freed, launches
+
+
+def _kernel(cls, config, hidden=H, runtime=None):
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(E, 2 * I, hidden, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(E, hidden, I, generator=g).to(torch.bfloat16)
+    return cls(
+        config=config,
+        fleet=FleetParams(num_experts=E, max_tokens_per_rank=T, hidden_size=hidden),
+        runtime=runtime or FakeRuntime(),
+        weights=MoEWeightPack(w13=w13, w2=w2),
+    )
+
+
+def _tensors(n=3, k=2, hidden=H):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, E, (n, k), generator=g)
+    ids[0, 1] = -1
+    return MoEEpTensors(
+        hidden_states=torch.randn(n, hidden, generator=g).to(torch.bfloat16),
+        topk_ids=ids,
+        topk_weights=torch.rand(n, k, generator=g),
+    )
+
+
+def test_layers_share_one_compile_per_geometry_and_free_on_last_destroy(kind):
+    _, cls, cfg, compiled, freed, _ = kind
+    a, b = _kernel(cls, cfg(top_k=2)), _kernel(cls, cfg(top_k=2))
+    other = _kernel(cls, cfg(top_k=2), hidden=2 * H)
+    for k in (a, b, other):
+        k.warmup()
+    assert len(compiled) == 2
+    a.destroy()
+    assert freed == []
+    b.destroy()
+    assert freed == [compiled[0]]
+    b.destroy()
+    assert freed == [compiled[0]]
+    other.destroy()
+    assert freed == compiled
+    with pytest.raises(MoeEpUsageError, match="destroyed"):
+        a.stage_inputs(tensors=_tensors(), output=torch.empty(3, H, dtype=torch.bfloat16))
+
+
+def test_nvfp4_and_mxfp8_of_one_geometry_do_not_share(kind, monkeypatch):
+    name, cls, cfg, compiled, _, _ = kind
+    other_name = "mxfp8" if name == "nvfp4" else "nvfp4"
+    other_cls, other_cfg = KINDS[other_name]
+    monkeypatch.setattr(other_cls, "availability", classmethod(lambda c: (True, "")))
+    monkeypatch.setattr(other_cls, "_compile", cls._compile)
+    a, b = _kernel(cls, cfg(top_k=2)), _kernel(other_cls, other_cfg(top_k=2))
+    a.warmup()
+    b.warmup()
+    assert len(compiled) == 2 and compiled[0] is not compiled[1]
+    a.destroy()
+    b.destroy()
+
+
+def test_staging_in_kernel_dtypes_and_output_copy_out(kind):
+    name, cls, cfg, compiled, _, launches = kind
+    k = _kernel(cls, cfg(top_k=2))
+    t = _tensors(n=3)
+    out = torch.zeros(3, H, dtype=torch.bfloat16)
+    staged = k.stage_inputs(tensors=t, output=out)
+    buf = compiled[0].staging
+    if name == "nvfp4":
+        want = stage_nvfp4_inputs(t.hidden_states, t.topk_ids, t.topk_weights, max_tokens=T)
+        assert buf["activation"].dtype == torch.float4_e2m1fn_x2
+        assert buf["activation_sf"].dtype == torch.float8_e4m3fn
+        assert tuple(buf["activation"].shape) == (T, H // 2)
+    else:
+        want = stage_mxfp8_inputs(t.hidden_states, t.topk_ids, t.topk_weights, max_tokens=T)
+        assert buf["activation"].dtype == torch.float8_e4m3fn
+        assert buf["activation_sf"].dtype == torch.float8_e8m0fnu
+        assert tuple(buf["activation"].shape) == (T, H)
+    u8 = lambda x: x.view(torch.uint8)  # noqa: E731
+    assert torch.equal(u8(buf["activation"]), u8(want.activation))
+    assert torch.equal(u8(buf["activation_sf"]), u8(want.activation_scales))
+    assert torch.equal(buf["topk_idx"], want.topk_ids)
+    assert buf["topk_idx"].dtype == torch.int64 and int(buf["topk_idx"][3:].max()) == -1
+    assert torch.equal(buf["topk_weights"], want.topk_weights)
+    got = k.compute_staged(staged=staged)
+    assert got is out and len(launches) == 1
+    assert torch.equal(out[:, 5], torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16))
+    k.destroy()
+
+
+def test_prepared_weights_match_the_compiled_argument_specs(kind):
+    """Every weight argument, reinterpreted as the launch does, has the spec's storage shape
+    and stride 1 on the spec's leading dim (what `mark_layout_dynamic` is told)."""
+    _, cls, cfg, _, _, _ = kind
+    k = _kernel(cls, cfg(top_k=2))
+    weights = k._weight_tensors()
+    specs = {s.name: s for s in k._tensor_specs(k.geometry)}
+    assert set(weights) < set(specs)
+    for name, tensor in weights.items():
+        spec = specs[name]
+        t = launch.as_kernel_dtype(tensor, spec)
+        shape = list(spec.shape)
+        if spec.dtype == "fp4":
+            shape[spec.leading_dim] //= 2
+        assert list(t.shape) == shape, name
+        assert t.stride(spec.leading_dim) == 1, name
+        assert t.data_ptr() % spec.align == 0, name
+    k.destroy()
+
+
+def test_top_k_from_config_or_first_inputs(kind):
+    _, cls, cfg, compiled, _, _ = kind
+    lazy = _kernel(cls, cfg())
+    lazy.warmup()
+    assert compiled == [] and lazy.runtime.barriers == 1
+    lazy.stage_inputs(tensors=_tensors(k=2), output=torch.empty(3, H, dtype=torch.bfloat16))
+    assert len(compiled) == 1
+    with pytest.raises(MoeEpUsageError, match="top_k=2"):
+        lazy.stage_inputs(tensors=_tensors(k=3), output=torch.empty(3, H, dtype=torch.bfloat16))
+    lazy.destroy()
+
+
+def test_bad_pack_and_unavailable(kind, monkeypatch):
+    _, cls, cfg, _, _, _ = kind
+    with pytest.raises(MoeEpUsageError, match="w2 must be"):
+        cls(
+            config=cfg(top_k=2),
+            fleet=FleetParams(num_experts=E, max_tokens_per_rank=T, hidden_size=H),
+            runtime=FakeRuntime(),
+            weights=MoEWeightPack(w13=torch.zeros(E, 2 * I, H), w2=torch.zeros(E, H, I + 64)),
+        )
+    monkeypatch.setattr(cls, "availability", classmethod(lambda c: (False, "no CUDA device")))
+    k = _kernel(cls, cfg(top_k=2))
+    with pytest.raises(MoeEpUnavailableError, match="no CUDA device"):
+        k.warmup()
+    k.destroy()
