@@ -34,14 +34,17 @@ PREFILL = {"T": 4096, "H": 2048, "I": 1024, "E": 16, "k": 4}
 DECODE = {"T": 64, "H": 2048, "I": 1024, "E": 64, "k": 8}
 
 
-def best_of(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up
-    times = []
+def best_of(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Minimum time of each fn, measured round-robin so load drifts hit all alike."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for j, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[j] = min(best[j], time.perf_counter() - start)
+    return best
 
 
 def problem(shape: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -108,37 +111,45 @@ def peak_rss_during(fn: Callable[[], object]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--plot", action="store_true", help="write benchmarks/out/layer_speed.png")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads (1: on a shared box, spinning OpenMP threads distort timings)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     console = Console()
     rows = []
     mem: tuple[int, int] | None = None
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("layer_speed", total=7)
+        task = progress.add_task("layer_speed", total=8)
         for name, shape in (("prefill", PREFILL), ("decode", DECODE)):
             p = problem(shape)
             layer = make_layer(p, shape)
             tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
-            progress.update(task, description=f"{name}: layer")
-            t_layer = best_of(lambda: layer(tensors), args.reps)  # noqa: B023
-            progress.advance(task)
+            pairs = shape["T"] * shape["k"]
+            xd = torch.randn(pairs, shape["H"]).bfloat16()
+            hd = torch.randn(pairs, shape["I"]).bfloat16()
+            w13d = p["w13"][0].t()  # the same K-major weight layout the layer uses
+            w2d = p["w2"][0].t()
+            progress.update(task, description=f"{name}: layer / dense / naive, round-robin")
+            t_layer, t_dense, t_naive = best_of(
+                [
+                    lambda: layer(tensors),  # noqa: B023
+                    lambda: (xd @ w13d, hd @ w2d),  # noqa: B023
+                    lambda: naive_forward(p),  # noqa: B023
+                ],
+                args.reps,
+            )
+            progress.advance(task, 3)
             if name == "prefill":
                 gc_free = peak_rss_during(lambda: layer(tensors))  # noqa: B023
                 t, h, k = shape["T"], shape["H"], shape["k"]
                 reference = 2 * t * h + 2 * t * h + 2 * t * k * h + 12 * t * k
                 mem = (gc_free, reference)
-            progress.update(task, description=f"{name}: dense")
-            pairs = shape["T"] * shape["k"]
-            xd = torch.randn(pairs, shape["H"]).bfloat16()
-            hd = torch.randn(pairs, shape["I"]).bfloat16()
-            w13d = p["w13"][0].t().contiguous()
-            w2d = p["w2"][0].t().contiguous()
-            t_dense = best_of(lambda: (xd @ w13d, hd @ w2d), args.reps)  # noqa: B023
-            progress.advance(task)
-            progress.update(task, description=f"{name}: naive loop")
-            t_naive = best_of(lambda: naive_forward(p), args.reps)  # noqa: B023
-            progress.advance(task)
             same = torch.equal(layer(tensors), layer(tensors))
             layer.destroy()
             flops = 6 * pairs * shape["H"] * shape["I"]

@@ -79,3 +79,19 @@ def test_run_exits_1_when_the_check_fails(
     assert main(["run", "--check", *TINY]) == 1
     captured = capsys.readouterr().out
     assert "FAIL" in captured and "check failed" in captured
+
+
+@pytest.mark.multirank
+def test_demo_checks_every_portable_format(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "moe-ep environment" in out and "EP2" in out
+    for kernel in (
+        "any_bf16_bf16_bf16_torch",
+        "any_fp8_fp8_bf16_torch",
+        "any_mxfp8_mxfp8_bf16_torch",
+        "any_nvfp4_nvfp4_bf16_torch",
+        "any_fp8_fp4_bf16_torch",
+    ):
+        line = next(row for row in out.splitlines() if kernel in row)
+        assert " ok " in line, line

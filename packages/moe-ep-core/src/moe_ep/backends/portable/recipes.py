@@ -41,8 +41,9 @@ __all__ = [
 class PreparedWeights:
     """Weights laid out for `torch._grouped_mm` (`mat_b [E_local, K, N]`), made once.
 
-    w13t: `[E_local, H, 2I]` compute dtype (gate columns first).
-    w2t: `[E_local, I, H]` compute dtype.
+    w13t: `[E_local, H, 2I]` compute dtype (gate columns first), a transposed view of K-major
+        `[E_local, 2I, H]` storage.
+    w2t: `[E_local, I, H]` compute dtype, likewise.
     alpha13 / alpha2: `[E_local]` fp32 per-expert GEMM epilogue factors, or None.
     """
 
@@ -130,8 +131,10 @@ def _float_weights(weights: MoEWeightPack, fmt: str) -> tuple[torch.Tensor, torc
 
 def _layout(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return (
-        w13.to(dtype).transpose(1, 2).contiguous(),
-        w2.to(dtype).transpose(1, 2).contiguous(),
+        # [E, K, N] views of K-contiguous [E, N, K] storage: oneDNN's fast layout (and the
+        # one CUDA grouped GEMMs want). bf16 weights already on the device are not copied.
+        w13.to(dtype).contiguous().transpose(1, 2),
+        w2.to(dtype).contiguous().transpose(1, 2),
     )
 
 
