@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_ep_sm90.drops import PULL_DROP, PUSH_DROP
+from moe_ep_sm90.drops import PULL_DROP
 
 
 def _require_drop(drop) -> None:
@@ -73,37 +73,63 @@ def test_pull_kernel_swap_ab_compiles_for_sm90a(tmp_path):
     assert result["ok"], result
 
 
-def _push_include_dirs() -> tuple[Path, ...] | str:
-    """Headers the push drop needs but does not ship, or the reason they are missing."""
-    try:
-        import tvm_ffi  # type: ignore[import-not-found]
-    except ImportError:
-        return "needs the apache-tvm-ffi headers (pip package apache-tvm-ffi<0.2, not in uv.lock)"
-    tvm_inc = Path(tvm_ffi.__file__).parent / "include"
-    dlpack = Path(tvm_ffi.__file__).parent / "3rdparty" / "dlpack" / "include"
-    csrc = os.environ.get("MOE_EP_FLASHINFER_CSRC")
-    if not csrc or not (Path(csrc) / "tvm_ffi_utils.h").is_file():
-        return (
-            "needs FlashInfer's tvm_ffi_utils.h (outside the drop): set MOE_EP_FLASHINFER_CSRC "
-            "to the flashinfer/data/csrc directory of the flashinfer-python wheel"
-        )
-    # tvm_ffi_utils.h includes <flashinfer/layout.cuh> from the sibling data/include.
-    return (tvm_inc, dlpack, Path(csrc), Path(csrc).parent / "include")
+def _require_push() -> None:
+    from moe_ep.errors import MoeEpUnavailableError
+    from moe_ep_sm90 import push_build
 
-
-def test_push_a2a_unit_compiles_for_sm90a(tmp_path):
-    _require_drop(PUSH_DROP)
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
+    if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
-    includes = _push_include_dirs()
-    if isinstance(includes, str):
-        pytest.skip(includes)
-    from moe_ep_sm90.compile_check import compile_push_a2a
+    try:
+        push_build.find_sources()
+    except MoeEpUnavailableError as exc:
+        pytest.skip(str(exc))
 
-    cubin, _ = compile_push_a2a(tmp_path, include_dirs=includes, nvcc=nvcc)
+
+def _elf_sm(cubin: Path) -> int:
     data = cubin.read_bytes()
     assert data[:4] == b"\x7fELF"
     # ELF e_flags (offset 48, little endian): the SM number sits in bits 8..15.
-    flags = int.from_bytes(data[48:52], "little")
-    assert (flags >> 8) & 0xFF == 90
+    return (int.from_bytes(data[48:52], "little") >> 8) & 0xFF
+
+
+def test_push_a2a_unit_compiles_for_sm90a(tmp_path):
+    _require_push()
+    from moe_ep_sm90.compile_check import compile_push
+
+    cubin, result = compile_push(tmp_path, "a2a")
+    assert _elf_sm(cubin) == 90 and result.arch == "sm_90a"
+
+
+@pytest.mark.slow
+def test_push_binding_unit_compiles_for_sm90a(tmp_path):
+    # The TVM-FFI binding + TRT-LLM fp8 block-scale GEMM unit (~60-90 s on 2 cores).
+    _require_push()
+    from moe_ep_sm90.compile_check import compile_push
+
+    cubin, _ = compile_push(tmp_path, "binding")
+    assert _elf_sm(cubin) == 90
+    build_config = (tmp_path / "generated" / "fp8_moe_build_config.h").read_text()
+    assert "FLASHINFER_SM90_PUSH_FP8_MOE_SOURCE_DIGEST" in build_config
+
+
+def test_push_a2a_refuses_without_its_headers(tmp_path):
+    # The check means something: without the deps drop's include dirs the unit does not
+    # compile (tvm_ffi_utils.h lives outside the push drop).
+    _require_push()
+    from moe_ep_sm90 import push_build
+
+    s = push_build.find_sources()
+    cmd = push_build.a2a_cubin_command(s, tmp_path / "x.cubin")
+    deps = str(s.deps_src)
+    cut: list[str] = []
+    skip = False
+    for i, arg in enumerate(cmd):
+        if skip:
+            skip = False
+        elif arg == "-isystem" and cmd[i + 1].startswith(deps):
+            skip = True
+        elif not arg.startswith(f"-I{deps}"):
+            cut.append(arg)
+    assert len(cut) < len(cmd)
+    with pytest.raises(RuntimeError, match=r"tvm_ffi_utils\.h"):
+        push_build.run(cut)

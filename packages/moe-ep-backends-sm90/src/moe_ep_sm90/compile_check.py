@@ -1,11 +1,12 @@
-"""Compile-only checks (no GPU): the pull kernel with CuTe DSL, the push a2a unit with nvcc.
+"""Compile-only checks (no GPU): the pull kernel with CuTe DSL, the push units with nvcc.
 
 The pull check builds the kernel exactly as the launch path does (`pull_args`), with fake
 global-memory tensors instead of CUDA tensors, and compiles it for `sm_90a`. Run it in a
 fresh process (the drop owns generic top-level module names, and the CuTe DSL reads the
 target arch from the environment at import):
 
-    CUTE_DSL_ARCH=sm_90a python -m moe_ep_sm90.compile_check pull --arch sm_90a [--json]
+    CUTE_DSL_ARCH=sm_90a python -m moe_ep_sm90.compile_check pull --arch sm_90a
+    python -m moe_ep_sm90.compile_check push-a2a      # or push-binding (~60 s)
 
 Exit code 0 and a JSON line with the compile time on success.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ __all__ = [
     "DEFAULT_PULL_GEOMETRY",
     "CompileResult",
     "compile_pull",
-    "compile_push_a2a",
+    "compile_push",
     "main",
 ]
 
@@ -146,39 +146,32 @@ def compile_pull(
     return CompileResult("sm90_fp8_fp8_bf16_pull_cutedsl", arch, seconds, type(compiled).__name__)
 
 
-def compile_push_a2a(
-    out_dir: Path,
-    *,
-    include_dirs: tuple[Path, ...],
-    arch: str = "sm_90a",
-    nvcc: str = "nvcc",
+def compile_push(
+    out_dir: Path, unit: str = "a2a", *, arch: str = "sm_90a"
 ) -> tuple[Path, CompileResult]:
-    """`nvcc -cubin` of the push drop's all-to-all unit for `arch` (device code only).
+    """`nvcc -cubin` of one push drop unit for `arch` (device code only; no GPU needed).
 
-    `include_dirs` must supply what the drop does not ship: the apache-tvm-ffi headers
-    (`tvm/ffi/...`, `dlpack/dlpack.h`) and FlashInfer's `tvm_ffi_utils.h`.
+    `unit`: "a2a" (`a2a/sm90_push_a2a_ops.cu`, ~4 s) or "binding"
+    (`fp8_gemm/fp8_moe_binding.cu`, ~60 s). Headers come from the `sm90_push_cuda_deps` drop,
+    apache-tvm-ffi and the nvidia-* wheels (`push_build.find_sources`).
     """
-    from moe_ep_sm90.drops import PUSH_DROP
+    from moe_ep_sm90 import push_build
 
-    drop = PUSH_DROP.module()
-    src = drop.src_dir() / "a2a" / "sm90_push_a2a_ops.cu"
-    out = out_dir / "sm90_push_a2a_ops.cubin"
-    cmd = [nvcc, "-std=c++17", f"-arch={arch}", "-cubin", "-o", str(out), str(src)]
-    for inc in include_dirs:
-        cmd.insert(1, f"-I{inc}")
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
-        )
-    return out, CompileResult("sm90_fp8_fp8_bf16_push_cuda:a2a", arch, seconds)
+    s = push_build.find_sources()
+    out = out_dir / f"sm90_push_{unit}.cubin"
+    if unit == "a2a":
+        cmd = push_build.a2a_cubin_command(s, out, arch=arch)
+    elif unit == "binding":
+        cmd = push_build.binding_cubin_command(s, out_dir / "generated", out, arch=arch)
+    else:
+        raise ValueError(f"unit must be 'a2a' or 'binding', got {unit!r}")
+    seconds = push_build.run(cmd)
+    return out, CompileResult(f"sm90_fp8_fp8_bf16_push_cuda:{unit}", arch, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_ep_sm90.compile_check")
-    parser.add_argument("kernel", choices=["pull"])
+    parser.add_argument("kernel", choices=["pull", "push-a2a", "push-binding"])
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--swap-ab", action="store_true", help="compile the swap-AB layout")
     args = parser.parse_args(argv)
@@ -188,7 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         else Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig()
     )
     try:
-        result = compile_pull(config, arch=args.arch)
+        if args.kernel == "pull":
+            result = compile_pull(config, arch=args.arch)
+        else:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                _, result = compile_push(Path(tmp), args.kernel[5:], arch=args.arch)
     except Exception as exc:
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:4000]}))
         return 1

@@ -1,11 +1,13 @@
 """`sm90_fp8_fp8_bf16_push_cuda`: the Hopper push-style CUDA mega-MoE (fp8 blockwise).
 
 Warning:
-    Only weight preparation and input staging exist (`fp8_layout`, tested on CPU) and the
-    drop's all-to-all translation unit is compiled for sm_90a with nvcc in the tests. The
-    launch path (building the TVM-FFI bindings, symmetric peer buffers, the run-time nvcc /
-    NVRTC kernel generation) is NOT WRITTEN: `availability()` says so and `compute_staged`
-    raises `MoeEpUnavailableError`.
+    What exists: weight preparation and input staging (`fp8_layout`, tested on CPU); both
+    translation units compile for sm_90a with nvcc (`push_build`, `compile_check`; the a2a
+    unit in the default test run, the binding unit as a `slow` test); the build of the two
+    TVM-FFI modules and their loading (`push_build.build_modules` / `load_modules`), written
+    but NEVER RUN. The launch path (the symmetric peer window, the push protocol's rounds:
+    dispatch, compact, FC1 / FC2 GEMMs, combine, acks) is NOT WRITTEN: `availability()` says
+    so and `compute_staged` raises `MoeEpUnavailableError`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from moe_ep_sm90.fp8_layout import (
     prepare_push_weights,
     stage_push_inputs,
 )
+from moe_ep_sm90.push_build import PUSH_DEPS_DROP
 
 if TYPE_CHECKING:
     import torch
@@ -36,8 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["LAUNCH_NOT_WRITTEN", "Sm90Fp8Fp8Bf16PushCudaKernel"]
 
 LAUNCH_NOT_WRITTEN = (
-    "moe_ep_sm90's launch path for the push-style CUDA drop is not written yet (weights and "
-    "staging only)"
+    "moe_ep_sm90's launch path for the push-style CUDA drop is not written yet (weights, "
+    "staging and the module build exist; the push protocol rounds do not)"
 )
 _PACKAGES = (("tvm_ffi", "apache-tvm-ffi"),)
 
@@ -67,6 +70,9 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
             capability=(9, 0), arch_label="Hopper, sm_90a", packages=_PACKAGES, drop=PUSH_DROP
         )
         reasons = [why] if why else []
+        deps = PUSH_DEPS_DROP.reason()
+        if deps:
+            reasons.append(deps)
         if shutil.which("nvcc") is None:
             reasons.append("nvcc is not on PATH (the drop compiles its FC1 kernel at run time)")
         reasons.append(LAUNCH_NOT_WRITTEN)

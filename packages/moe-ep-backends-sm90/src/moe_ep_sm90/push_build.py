@@ -1,0 +1,306 @@
+"""Build the push drop's two TVM-FFI modules with nvcc, and the compile-only checks.
+
+Inputs: the `sm90_push_cuda` drop (a2a + fp8 GEMM sources), the `sm90_push_cuda_deps` drop
+(FlashInfer / TRT-LLM / CUTLASS headers and the five common sources the GEMM module links),
+the `apache-tvm-ffi` headers, and cublasLt.h / nvrtc.h from torch's `nvidia-*` wheels (or
+the CUDA toolkit). Flags and include directories follow FlashInfer's own JIT spec for these
+modules (`push_style_megamoe/shim/{jit,gemm}.py` in the wheel).
+
+Two uses:
+- compile-only checks (no GPU): `a2a_cubin_command` / `binding_cubin_command` (device code,
+  `-cubin`), run by `compile_check` and the tests;
+- `build_modules` (shared libraries into a content-addressed cache dir) and `load_modules`
+  (`tvm_ffi.load_module`). Warning: `build_modules` / `load_modules` have NEVER RUN (the full
+  host build needs `curand_kernel.h` and `libcuda`, which this machine lacks, and loading
+  needs a GPU); only the cubin commands were run, on CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_ep.errors import MoeEpUnavailableError
+from moe_ep_sm90._hardware import DropRef
+
+__all__ = [
+    "COMMON_SOURCES",
+    "PUSH_DEPS_DROP",
+    "BuiltModules",
+    "PushSources",
+    "a2a_cubin_command",
+    "binding_cubin_command",
+    "build_modules",
+    "find_sources",
+    "load_modules",
+    "module_flags",
+    "run",
+    "source_digest",
+]
+
+PUSH_DEPS_DROP = DropRef(
+    import_name="moe_ep_drop_sm90_push_cuda_deps", dist="moe-ep-drop-sm90-push-cuda-deps"
+)
+
+# FlashInfer's sm90a flags plus the GEMM module's own (shim/gemm.py `_module_flags`).
+_SM90A = (
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
+    "-DFLASHINFER_ENABLE_FP8_E8M0",
+    "-DFLASHINFER_ENABLE_FP4_E2M1",
+)
+_GEMM_DEFINES = (
+    "-DCOMPILE_HOPPER_TMA_GEMMS",
+    "-DENABLE_BF16",
+    "-DENABLE_FP8",
+    "-DENABLE_FP8_BLOCK_SCALE",
+    "-DCUTLASS_ENABLE_GDC_FOR_SM90=1",
+)
+_COMMON_CUDA = ("-std=c++17", "--compiler-options=-fPIC", "--expt-relaxed-constexpr")
+# Sources under the deps drop's csrc/ linked into the GEMM module.
+COMMON_SOURCES = (
+    "nv_internal/cpp/common/envUtils.cpp",
+    "nv_internal/cpp/common/logger.cpp",
+    "nv_internal/cpp/common/stringUtils.cpp",
+    "nv_internal/cpp/common/tllmException.cpp",
+    "nv_internal/cpp/common/memoryUtils.cu",
+)
+_GEMM_SOURCES = (
+    "fp8_moe_binding.cu",
+    "fp8_moe_fc1_fused.cuh",
+    "fp8_moe_jit.cuh",
+    "fp8_moe_launcher.cuh",
+    "fp8_moe_scheduler.cuh",
+)
+
+
+@dataclass(frozen=True)
+class PushSources:
+    """Where everything the push modules compile from lives on this machine."""
+
+    drop_src: Path
+    deps_src: Path
+    tvm_include: Path
+    tvm_lib_dir: Path
+    cuda_wheel_include: Path | None
+    """`nvidia/cu13/include` of torch's CUDA wheels (cublasLt.h, nvrtc.h), if present."""
+    cuda_wheel_lib: Path | None
+
+    @property
+    def csrc(self) -> Path:
+        return self.deps_src / "csrc"
+
+    def gemm_include_dirs(self, gen_dir: Path) -> list[Path]:
+        """-I dirs of the GEMM module, in FlashInfer's order (gen dir first)."""
+        c = self.csrc
+        trt = c / "nv_internal" / "tensorrt_llm"
+        return [
+            gen_dir,
+            self.drop_src / "fp8_gemm",
+            c,
+            c / "nv_internal",
+            c / "nv_internal" / "include",
+            trt,
+            trt / "cutlass_extensions" / "include",
+            trt / "kernels" / "cutlass_kernels" / "include",
+            trt / "kernels" / "cutlass_kernels",
+        ]
+
+    def system_include_dirs(self) -> list[Path]:
+        dirs = [self.tvm_include, self.deps_src / "include", self.csrc]
+        dirs.append(self.deps_src / "cutlass" / "include")
+        if self.cuda_wheel_include is not None:
+            dirs.append(self.cuda_wheel_include)
+        return dirs
+
+    def jit_include_dirs(self, gen_dir: Path) -> list[Path]:
+        """Include dirs the run-time FC1 nvcc / FC2 NVRTC compiles need (the module's
+        `set_deepgemm_jit_include_dirs`): the generated sources and `nv_internal/tensorrt_llm`.
+        """
+        return [gen_dir, self.csrc / "nv_internal" / "tensorrt_llm"]
+
+
+def find_sources() -> PushSources:
+    """Locate the drops, tvm-ffi and the CUDA wheel headers; `MoeEpUnavailableError` naming
+    what is missing."""
+    from moe_ep_sm90.drops import PUSH_DROP
+
+    reasons = [r for r in (PUSH_DROP.reason(), PUSH_DEPS_DROP.reason()) if r]
+    try:
+        import tvm_ffi
+    except ImportError:
+        reasons.append("python package 'apache-tvm-ffi' (import tvm_ffi) is not installed")
+    if reasons:
+        raise MoeEpUnavailableError("; ".join(reasons))
+    tvm_root = Path(tvm_ffi.__file__).parent
+    wheel_inc: Path | None = None
+    wheel_lib: Path | None = None
+    try:
+        import nvidia
+
+        for root in map(Path, nvidia.__path__):
+            if (root / "cu13" / "include" / "cublasLt.h").is_file():
+                wheel_inc, wheel_lib = root / "cu13" / "include", root / "cu13" / "lib"
+    except ImportError:
+        pass
+    return PushSources(
+        drop_src=PUSH_DROP.module().src_dir(),
+        deps_src=PUSH_DEPS_DROP.module().src_dir(),
+        tvm_include=Path(tvm_ffi.libinfo.find_include_path()),
+        tvm_lib_dir=tvm_root / "lib",
+        cuda_wheel_include=wheel_inc,
+        cuda_wheel_lib=wheel_lib,
+    )
+
+
+def module_flags(arch: str = "sm_90a") -> list[str]:
+    """nvcc flags of the GEMM module for `arch` (FlashInfer's, with the arch substituted)."""
+    gencode = f"-gencode=arch=compute_{arch[3:]},code={arch}"
+    return [*_COMMON_CUDA, gencode, *_SM90A[1:], *_GEMM_DEFINES]
+
+
+def source_digest(s: PushSources, flags: list[str]) -> str:
+    """sha256 over the GEMM sources, the deps drop's files and the flags (cache key; also
+    the `FLASHINFER_SM90_PUSH_FP8_MOE_SOURCE_DIGEST` the run-time FC1 cache is keyed by)."""
+    h = hashlib.sha256()
+    files = [s.drop_src / "fp8_gemm" / n for n in _GEMM_SOURCES]
+    files += [s.drop_src / "a2a" / n for n in ("sm90_push_a2a_ops.cu", "sm90_push_a2a.cuh")]
+    files += sorted(p for p in s.deps_src.rglob("*") if p.is_file())
+    for path in files:
+        h.update(str(path.relative_to(path.parents[1])).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    h.update(json.dumps(flags).encode())
+    return h.hexdigest()
+
+
+def write_build_config(gen_dir: Path, digest: str) -> Path:
+    """The one-line generated header the GEMM sources require."""
+    gen_dir.mkdir(parents=True, exist_ok=True)
+    path = gen_dir / "fp8_moe_build_config.h"
+    text = f'#pragma once\n\n#define FLASHINFER_SM90_PUSH_FP8_MOE_SOURCE_DIGEST "{digest[:20]}"\n'
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
+
+def _includes(s: PushSources, local: list[Path]) -> list[str]:
+    out = [f"-I{d}" for d in local]
+    for d in s.system_include_dirs():
+        out += ["-isystem", str(d)]
+    return out
+
+
+def a2a_cubin_command(s: PushSources, out: Path, *, arch: str = "sm_90a", nvcc: str = "nvcc"):
+    """`nvcc -cubin` of `a2a/sm90_push_a2a_ops.cu` (device code only)."""
+    src = s.drop_src / "a2a" / "sm90_push_a2a_ops.cu"
+    flags = ["-std=c++17", f"-arch={arch}", *_SM90A[1:]]
+    return [nvcc, *flags, *_includes(s, [src.parent]), "-cubin", "-o", str(out), str(src)]
+
+
+def binding_cubin_command(
+    s: PushSources, gen_dir: Path, out: Path, *, arch: str = "sm_90a", nvcc: str = "nvcc"
+) -> list[str]:
+    """`nvcc -cubin` of `fp8_gemm/fp8_moe_binding.cu` with the module's flags (~60 s)."""
+    flags = module_flags(arch)
+    write_build_config(gen_dir, source_digest(s, flags))
+    src = s.drop_src / "fp8_gemm" / "fp8_moe_binding.cu"
+    cuda = [f for f in flags if not f.startswith("-gencode")] + [f"-arch={arch}"]
+    return [
+        nvcc,
+        *cuda,
+        *_includes(s, s.gemm_include_dirs(gen_dir)),
+        "-cubin",
+        "-o",
+        str(out),
+        str(src),
+    ]
+
+
+def run(cmd: list[str], *, timeout: float = 600) -> float:
+    """Run one compiler command; seconds taken. `RuntimeError` with its output on failure."""
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
+            f"{proc.stderr[-8000:]}"
+        )
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class BuiltModules:
+    """The two shared libraries and the run-time JIT include dirs."""
+
+    a2a: Path
+    gemm: Path
+    jit_include_dirs: tuple[Path, ...]
+
+
+def default_cache_dir() -> Path:
+    """`$MOE_EP_PUSH_CACHE` or `~/.cache/moe-ep/sm90_push`."""
+    env = os.environ.get("MOE_EP_PUSH_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "moe-ep" / "sm90_push"
+
+
+def build_modules(
+    s: PushSources, cache_dir: Path | None = None, *, nvcc: str | None = None
+) -> BuiltModules:
+    """Compile and link both modules into `cache_dir/<digest>/` (reused when present).
+
+    Warning: NEVER RUN. The host build needs the CUDA toolkit's `curand_kernel.h` (for
+    `memoryUtils.cu`) and `libcuda` / `libcudart` to link, as on a GPU machine.
+    """
+    nvcc = nvcc or shutil.which("nvcc") or "nvcc"
+    flags = module_flags()
+    digest = source_digest(s, flags)
+    root = (cache_dir or default_cache_dir()) / digest[:20]
+    gen = root / "generated"
+    built = BuiltModules(
+        root / "sm90_push_a2a.so",
+        root / "sm90_push_fp8_moe_gemm.so",
+        tuple(s.jit_include_dirs(gen)),
+    )
+    if built.a2a.is_file() and built.gemm.is_file():
+        return built
+    root.mkdir(parents=True, exist_ok=True)
+    write_build_config(gen, digest)
+    # The run-time FC1 compile includes the GEMM headers from the generated dir.
+    for name in _GEMM_SOURCES[1:]:
+        shutil.copyfile(s.drop_src / "fp8_gemm" / name, gen / name)
+    link = ["-shared", f"-L{s.tvm_lib_dir}", "-ltvm_ffi", "-lcudart", "-lcuda", "-lnvrtc"]
+    if s.cuda_wheel_lib is not None:
+        link.insert(1, f"-L{s.cuda_wheel_lib}")
+    a2a_src = s.drop_src / "a2a" / "sm90_push_a2a_ops.cu"
+    a2a_flags = [*_COMMON_CUDA, *_SM90A]
+    tmp = built.a2a.with_suffix(".tmp.so")
+    run([nvcc, *a2a_flags, *_includes(s, [a2a_src.parent]), str(a2a_src), *link, "-o", str(tmp)])
+    tmp.replace(built.a2a)
+    objs = []
+    sources = [s.drop_src / "fp8_gemm" / "fp8_moe_binding.cu"]
+    sources += [s.csrc / c for c in COMMON_SOURCES]
+    for src in sources:
+        obj = root / (src.name + ".o")
+        run([nvcc, *flags, *_includes(s, s.gemm_include_dirs(gen)), "-c", str(src), "-o", str(obj)])
+        objs.append(str(obj))
+    tmp = built.gemm.with_suffix(".tmp.so")
+    run([nvcc, *flags[:2], _SM90A[0], *objs, *link, "-o", str(tmp)])
+    tmp.replace(built.gemm)
+    return built
+
+
+def load_modules(built: BuiltModules) -> tuple[object, object]:
+    """(a2a module, GEMM module) through `tvm_ffi.load_module`; points the GEMM module's
+    run-time JIT at its include dirs. Warning: NEVER RUN (needs a GPU)."""
+    import tvm_ffi
+
+    a2a = tvm_ffi.load_module(str(built.a2a))
+    gemm = tvm_ffi.load_module(str(built.gemm))
+    gemm.set_deepgemm_jit_include_dirs([str(d) for d in built.jit_include_dirs])
+    return a2a, gemm
