@@ -114,8 +114,14 @@ def make_problem(spec: JobSpec) -> dict[str, Any]:
     return {"x": x, "ids": ids, "topk_weights": weights, "w13": w13, "w2": w2}
 
 
-def run_job(rank: int, world_size: int, spec: JobSpec) -> list[dict[str, Any]]:
-    """One rank's work (top level so it can be spawned): every kernel of `spec`, in order."""
+def run_job(
+    rank: int, world_size: int, spec: JobSpec, gather: bool = False
+) -> list[dict[str, Any]]:
+    """One rank's work (top level so it can be spawned): every kernel of `spec`, in order.
+
+    Returns this rank's rows, or with `gather` every rank's rows (all_gather_object over the
+    EP group, used under torchrun) as a list per rank.
+    """
     import torch
 
     from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
@@ -165,6 +171,12 @@ def run_job(rank: int, world_size: int, spec: JobSpec) -> list[dict[str, Any]]:
                 report = compare_to_oracle(out.cpu(), ref)
                 row.update(ratio=report.max_ratio, ok=report.ok, detail=str(report))
             rows.append(row)
+        if gather:
+            import torch.distributed as dist
+
+            everyone: list[Any] = [None] * world_size
+            dist.all_gather_object(everyone, rows, group=keep.group)
+            return everyone
         return rows
     finally:
         keep.release()
@@ -186,25 +198,18 @@ def preflight(spec: JobSpec) -> None:
             make_recipe(config).check_dims(spec.hidden, spec.intermediate)
 
 
-def execute(spec: JobSpec) -> list[dict[str, Any]]:
+def execute(spec: JobSpec) -> tuple[JobSpec, list[dict[str, Any]]]:
     """Run `spec` on local spawned ranks, or in-process under torchrun; merged per kernel.
 
-    Under torchrun every rank returns the merged rows (gathered with all_gather_object).
+    Under torchrun the launcher's world size wins over `spec.world_size` (the spec actually
+    run is returned) and every rank gets the merged rows of all ranks.
     """
+    if _under_torchrun():
+        rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        spec = JobSpec(**{**asdict(spec), "world_size": ws, "kernels": spec.kernels})
     preflight(spec)
     if _under_torchrun():
-        import torch.distributed as dist
-
-        rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if ws != spec.world_size:
-            spec = JobSpec(**{**asdict(spec), "world_size": ws, "kernels": spec.kernels})
-            spec.validate()
-        mine = run_job(rank, ws, spec)
-        per_rank: list[Any] = [None] * ws
-        if dist.is_initialized():
-            dist.all_gather_object(per_rank, mine)
-        else:  # the runtime tore its group down; ranks report their own rows
-            per_rank = [mine]
+        per_rank: list[Any] = run_job(rank, ws, spec, True)
     else:
         from moe_ep.errors import MoeEpPeerError
         from moe_ep.launch import spawn_local
@@ -228,7 +233,7 @@ def execute(spec: JobSpec) -> list[dict[str, Any]]:
                 "detail": f"rank {worst['rank']}: {worst.get('detail', '')}",
             }
         )
-    return merged
+    return spec, merged
 
 
 def _table(spec: JobSpec, merged: list[dict[str, Any]], device: str) -> Any:
@@ -341,7 +346,7 @@ def run_command(args: argparse.Namespace) -> int:
         from moe_ep.cli.report import print_info
 
         print_info()
-        return _report(spec, execute(spec), info=False)
+        return _report(*execute(spec), info=False)
     if args.command == "run":
         from moe_ep.registry import resolve_kernel_name
 
@@ -364,5 +369,5 @@ def run_command(args: argparse.Namespace) -> int:
         )
         if spec.check:
             oracle_format(kernel)
-        return _report(spec, execute(spec), info=False)
+        return _report(*execute(spec), info=False)
     raise MoeEpUsageError(f"unknown command {args.command!r}")
