@@ -8,14 +8,23 @@
 #   1. checks the GPU (compute capability 9.0) and python3's torch sees it;
 #   2. installs what python3 lacks from the wheels in $MOE_EP_WHEELS (pip --no-index), for:
 #      hatchling + editables (to install our packages), nvidia-cutlass-dsl (pull kernel),
-#      nvshmem4py-cu13 (pull kernel), cuda-bindings, apache-tvm-ffi (push nvcc check);
-#      a package neither present nor carried is reported, and the tests needing it skip;
-#   3. installs moe-ep-core, both backend packages and the three drops editable, --no-deps
-#      (the test files import both backends; the sm90 drops' src/ must travel with the tree:
-#      carry vendor/sm90_pull_cutedsl/src and vendor/sm90_push_cuda/src);
-#   4. runs the backend tests: the CPU ones plus those marked sm90 (pytest -m);
-#   5. times one forward of the pull kernel against the portable fp8 backend at EP1.
+#      nvshmem4py-cu13 (pull kernel), cuda-bindings, apache-tvm-ffi (push nvcc checks and
+#      module loading); a package neither present nor carried is reported, and the tests
+#      needing it skip;
+#   3. installs moe-ep-core, both backend packages and the four drops editable, --no-deps
+#      (the test files import both backends; the drops' src/ must travel with the tree:
+#      carry vendor/sm90_pull_cutedsl/src, vendor/sm90_push_cuda/src and
+#      vendor/sm90_push_cuda_deps/src; the sm100 drop's src/ is optional: its compile checks
+#      skip without it);
+#   4. runs the backend tests: the CPU ones (layouts, lifecycles of the pull / nvfp4 / mxfp8
+#      launch paths with compile faked, the CuTe DSL and nvcc compile checks) plus those
+#      marked sm90 (pytest -m); sm100 GPU tests skip (Blackwell only);
+#   5. only with MOE_EP_PUSH_BUILD=1 (adds up to 240 s): builds and loads the push drop's two
+#      TVM-FFI modules (moe_ep_sm90.push_build; needs nvcc and curand headers on the image)
+#      and asks the a2a module whether GPU 0 has NVLink-native atomics to itself;
+#   6. times one forward of the pull kernel against the portable fp8 backend at EP1.
 # Logs go to OUT_DIR (default $OUT, else ./gpu_check_out). Exit status: pytest's.
+# Never run on a GPU yet (see docs/backends.md).
 #
 # Known limit (2026-11): the lent H200 image has no nvidia-cutlass-dsl, and its cu13 wheels
 # (nvidia-cutlass-dsl-libs-core / -cu13, about 92 MB each) exceed the device tool's 64 MiB
@@ -31,7 +40,7 @@ export PYTHONUNBUFFERED=1
 START=$(date +%s)
 say() { printf '[gpu_check %4ds] %s\n' "$(( $(date +%s) - START ))" "$*" | tee -a "$OUT_DIR/summary.txt"; }
 
-say "1/5 GPU"
+say "1/6 GPU"
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader \
   | tee -a "$OUT_DIR/summary.txt" || { say "nvidia-smi failed: no GPU here"; exit 2; }
 "$PY" - <<'EOF' || { say "python3's torch does not see a Hopper GPU"; exit 2; }
@@ -43,7 +52,7 @@ print(f"torch {torch.__version__}, cuda:0 {torch.cuda.get_device_name(0)} sm_{ca
 sys.exit(0 if cap == (9, 0) else 1)
 EOF
 
-say "2/5 python packages"
+say "2/6 python packages"
 MISSING=()
 for pair in hatchling:hatchling editables:editables cutlass:nvidia-cutlass-dsl \
             nvshmem:nvshmem4py-cu13 cuda.bindings:cuda-bindings tvm_ffi:apache-tvm-ffi; do
@@ -61,10 +70,11 @@ for pair in hatchling:hatchling editables:editables cutlass:nvidia-cutlass-dsl \
   fi
 done
 
-say "3/5 moe-ep packages (editable, --no-deps)"
+say "3/6 moe-ep packages (editable, --no-deps)"
 if ! "$PY" -m pip install -q --no-deps --no-build-isolation \
     -e packages/moe-ep-core -e packages/moe-ep-backends-sm90 -e packages/moe-ep-backends-sm100 \
-    -e vendor/sm90_pull_cutedsl -e vendor/sm90_push_cuda -e vendor/sm100_cutedsl_megamoe \
+    -e vendor/sm90_pull_cutedsl -e vendor/sm90_push_cuda -e vendor/sm90_push_cuda_deps \
+    -e vendor/sm100_cutedsl_megamoe \
     >>"$OUT_DIR/pip.log" 2>&1; then
   say "editable install failed (hatchling/editables missing?); see pip.log"; exit 3
 fi
@@ -75,14 +85,31 @@ for k in available_kernels():
         print(f"  {k.name}: available={k.available} {k.reason}")
 EOF
 
-say "4/5 tests (CPU + gpu + sm90; sm100 skips), timeout 420 s"
+say "4/6 tests (CPU + gpu + sm90; sm100 skips), timeout 420 s"
 export CUTE_DSL_CACHE_DIR="$OUT_DIR/cute_cache"
 timeout 420 "$PY" -m pytest tests/backends -m "not (slow or sm100)" -q -rs \
   -p no:cacheprovider --timeout 300 2>&1 | tee "$OUT_DIR/pytest.log"
 RC=${PIPESTATUS[0]}
 say "pytest exit status $RC"
 
-say "5/5 benchmark: one EP1 forward, pull kernel vs portable fp8 (120 s cap)"
+if [ "${MOE_EP_PUSH_BUILD:-0}" = "1" ]; then
+  say "5/6 push modules: nvcc build + tvm_ffi load (240 s cap)"
+  export MOE_EP_PUSH_CACHE="$OUT_DIR/push_cache"
+  timeout 240 "$PY" - <<'EOF' 2>&1 | tee "$OUT_DIR/push_build.txt"
+import time
+from moe_ep_sm90 import push_build
+start = time.perf_counter()
+s = push_build.find_sources()
+built = push_build.build_modules(s)
+print(f"built {built.a2a.name}, {built.gemm.name} in {time.perf_counter() - start:.1f} s")
+a2a, gemm = push_build.load_modules(built)
+print("loaded; sm90_push_p2p_native_atomics(0, 0) =", a2a.sm90_push_p2p_native_atomics(0, 0))
+EOF
+else
+  say "5/6 push module build skipped (set MOE_EP_PUSH_BUILD=1)"
+fi
+
+say "6/6 benchmark: one EP1 forward, pull kernel vs portable fp8 (120 s cap)"
 timeout 120 "$PY" - <<'EOF' 2>&1 | tee "$OUT_DIR/bench.txt"
 import os, torch
 from moe_ep.launch import spawn_local

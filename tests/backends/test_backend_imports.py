@@ -17,6 +17,7 @@ import pytest
 import moe_ep_sm90
 import moe_ep_sm100
 from moe_ep_sm90.pool import WorkspacePool
+from moe_ep_sm100.pool import WorkspacePool as Sm100WorkspacePool
 
 PACKAGES = [Path(moe_ep_sm90.__file__).parent, Path(moe_ep_sm100.__file__).parent]
 # Top-level names of the drops' src/ trees (both CuTe DSL drops).
@@ -62,7 +63,8 @@ def test_importing_the_packages_stays_light():
         "import sys, moe_ep_sm90, moe_ep_sm100\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in "
         "('cutlass', 'nvshmem', 'moe_ep_drop_sm90_pull', 'moe_ep_drop_sm90_push', "
-        "'moe_ep_drop_sm100_cutedsl', 'common', 'moe_hopper_fp8', 'deep_gemm', 'torch')]\n"
+        "'moe_ep_drop_sm90_push_cuda_deps', 'moe_ep_drop_sm100_cutedsl', 'common', "
+        "'moe_hopper_fp8', 'deep_gemm', 'tvm_ffi', 'torch')]\n"
         "print(sorted({m.split('.')[0] for m in heavy}))\n"
     )
     out = subprocess.run(
@@ -71,9 +73,10 @@ def test_importing_the_packages_stays_light():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_workspace_pool_shares_and_frees_on_last_release():
+@pytest.mark.parametrize("pool_cls", [WorkspacePool, Sm100WorkspacePool])
+def test_workspace_pool_shares_and_frees_on_last_release(pool_cls):
     freed: list[str] = []
-    pool: WorkspacePool[str] = WorkspacePool(free=freed.append)
+    pool = pool_cls(free=freed.append)
     made: list[int] = []
 
     def create() -> str:

@@ -133,3 +133,21 @@ def test_push_a2a_refuses_without_its_headers(tmp_path):
     assert len(cut) < len(cmd)
     with pytest.raises(RuntimeError, match=r"tvm_ffi_utils\.h"):
         push_build.run(cut)
+
+
+@pytest.mark.slow
+def test_push_a2a_module_builds_and_loads_with_tvm_ffi(tmp_path):
+    # Host + device build of the a2a TVM-FFI module (~40 s) and a load through tvm_ffi; the
+    # one call made is the device == peer shortcut, which touches no GPU.
+    _require_push()
+    import tvm_ffi
+
+    from moe_ep_sm90 import push_build
+
+    s = push_build.find_sources()
+    out = tmp_path / "sm90_push_a2a.so"
+    push_build.run(push_build.a2a_library_command(s, out))
+    module = tvm_ffi.load_module(str(out))
+    assert module.sm90_push_p2p_native_atomics(3, 3) is True
+    for name in ("sm90_push_bump_tag", "sm90_push_wait_acks", "sm90_push_combine_fp8_grouped"):
+        assert getattr(module, name) is not None

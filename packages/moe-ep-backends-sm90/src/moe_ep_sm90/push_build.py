@@ -10,9 +10,9 @@ Two uses:
 - compile-only checks (no GPU): `a2a_cubin_command` / `binding_cubin_command` (device code,
   `-cubin`), run by `compile_check` and the tests;
 - `build_modules` (shared libraries into a content-addressed cache dir) and `load_modules`
-  (`tvm_ffi.load_module`). Warning: `build_modules` / `load_modules` have NEVER RUN (the full
-  host build needs `curand_kernel.h` and `libcuda`, which this machine lacks, and loading
-  needs a GPU); only the cubin commands were run, on CPU.
+  (`tvm_ffi.load_module`). Warning: the GEMM module's build and any call into either module
+  have NEVER RUN (the GEMM host build needs `curand_kernel.h` and `libcuda`, which this
+  machine lacks; calls need a GPU). The a2a module builds and loads on CPU (`slow` test).
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ __all__ = [
     "BuiltModules",
     "PushSources",
     "a2a_cubin_command",
+    "a2a_library_command",
     "binding_cubin_command",
     "build_modules",
     "find_sources",
+    "gemm_commands",
     "load_modules",
     "module_flags",
     "run",
@@ -249,17 +251,61 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "moe-ep" / "sm90_push"
 
 
+def _link_flags(s: PushSources, *, driver: bool) -> list[str]:
+    flags = ["-shared", f"-L{s.tvm_lib_dir}", "-ltvm_ffi", "-lcudart"]
+    if driver:  # the GEMM module calls the driver API and NVRTC
+        nvcc_root = Path(shutil.which("nvcc") or "nvcc").resolve().parents[1]
+        flags += [f"-L{nvcc_root / 'lib64' / 'stubs'}", "-lcuda", "-lnvrtc"]
+    if s.cuda_wheel_lib is not None:
+        flags.insert(1, f"-L{s.cuda_wheel_lib}")
+    return flags
+
+
+def a2a_library_command(s: PushSources, out: Path, *, nvcc: str = "nvcc") -> list[str]:
+    """nvcc compile + link of the a2a module (host + sm_90a device code) into `out`."""
+    src = s.drop_src / "a2a" / "sm90_push_a2a_ops.cu"
+    return [
+        nvcc,
+        *_COMMON_CUDA,
+        *_SM90A,
+        *_includes(s, [src.parent]),
+        str(src),
+        *_link_flags(s, driver=False),
+        "-o",
+        str(out),
+    ]
+
+
+def gemm_commands(
+    s: PushSources, gen_dir: Path, build_dir: Path, out: Path, *, nvcc: str = "nvcc"
+) -> list[list[str]]:
+    """Compile commands of the GEMM module's six sources, then its link command."""
+    flags = module_flags()
+    write_build_config(gen_dir, source_digest(s, flags))
+    sources = [s.drop_src / "fp8_gemm" / "fp8_moe_binding.cu"]
+    sources += [s.csrc / c for c in COMMON_SOURCES]
+    includes = _includes(s, s.gemm_include_dirs(gen_dir))
+    cmds, objs = [], []
+    for src in sources:
+        obj = build_dir / (src.name + ".o")
+        cmds.append([nvcc, *flags, *includes, "-c", str(src), "-o", str(obj)])
+        objs.append(str(obj))
+    gencode = [f for f in flags if f.startswith("-gencode")]
+    cmds.append([nvcc, *gencode, *objs, *_link_flags(s, driver=True), "-o", str(out)])
+    return cmds
+
+
 def build_modules(
     s: PushSources, cache_dir: Path | None = None, *, nvcc: str | None = None
 ) -> BuiltModules:
     """Compile and link both modules into `cache_dir/<digest>/` (reused when present).
 
-    Warning: NEVER RUN. The host build needs the CUDA toolkit's `curand_kernel.h` (for
-    `memoryUtils.cu`) and `libcuda` / `libcudart` to link, as on a GPU machine.
+    Warning: the GEMM module's build has NEVER RUN: it needs the CUDA toolkit's
+    `curand_kernel.h` (for `memoryUtils.cu`) and `libcuda` to link, as on a GPU machine. The
+    a2a module's build runs on CPU in a `slow` test.
     """
     nvcc = nvcc or shutil.which("nvcc") or "nvcc"
-    flags = module_flags()
-    digest = source_digest(s, flags)
+    digest = source_digest(s, module_flags())
     root = (cache_dir or default_cache_dir()) / digest[:20]
     gen = root / "generated"
     built = BuiltModules(
@@ -270,27 +316,16 @@ def build_modules(
     if built.a2a.is_file() and built.gemm.is_file():
         return built
     root.mkdir(parents=True, exist_ok=True)
-    write_build_config(gen, digest)
+    gen.mkdir(parents=True, exist_ok=True)
     # The run-time FC1 compile includes the GEMM headers from the generated dir.
     for name in _GEMM_SOURCES[1:]:
         shutil.copyfile(s.drop_src / "fp8_gemm" / name, gen / name)
-    link = ["-shared", f"-L{s.tvm_lib_dir}", "-ltvm_ffi", "-lcudart", "-lcuda", "-lnvrtc"]
-    if s.cuda_wheel_lib is not None:
-        link.insert(1, f"-L{s.cuda_wheel_lib}")
-    a2a_src = s.drop_src / "a2a" / "sm90_push_a2a_ops.cu"
-    a2a_flags = [*_COMMON_CUDA, *_SM90A]
     tmp = built.a2a.with_suffix(".tmp.so")
-    run([nvcc, *a2a_flags, *_includes(s, [a2a_src.parent]), str(a2a_src), *link, "-o", str(tmp)])
+    run(a2a_library_command(s, tmp, nvcc=nvcc))
     tmp.replace(built.a2a)
-    objs = []
-    sources = [s.drop_src / "fp8_gemm" / "fp8_moe_binding.cu"]
-    sources += [s.csrc / c for c in COMMON_SOURCES]
-    for src in sources:
-        obj = root / (src.name + ".o")
-        run([nvcc, *flags, *_includes(s, s.gemm_include_dirs(gen)), "-c", str(src), "-o", str(obj)])
-        objs.append(str(obj))
     tmp = built.gemm.with_suffix(".tmp.so")
-    run([nvcc, *flags[:2], _SM90A[0], *objs, *link, "-o", str(tmp)])
+    for cmd in gemm_commands(s, gen, root, tmp, nvcc=nvcc):
+        run(cmd)
     tmp.replace(built.gemm)
     return built
 
