@@ -1,4 +1,6 @@
-"""Spawned workers of the sm90 GPU tests (top-level so they pickle). Never run on CPU."""
+"""Problems and spawned workers of the sm90 and sm100 GPU tests (top-level so they pickle).
+
+Never run on CPU (nor, yet, on a GPU)."""
 
 from __future__ import annotations
 
