@@ -240,10 +240,13 @@ def combine(
     w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
     wsp = workspace or Workspace()
     hidden = int(output.shape[1])
-    acc = wsp.get("combine_acc", (n, hidden), torch.float32, dev).zero_()
+    acc = wsp.get("combine_acc", (n, hidden), torch.float32, dev)
     rows_j = wsp.get("combine_rows", (n, hidden), y_home.dtype, dev)
     for j in range(k):
         torch.index_select(y_home, 0, pos[:, j], out=rows_j)
-        acc.addcmul_(rows_j, w[:, j : j + 1])
+        if j == 0:
+            torch.mul(rows_j, w[:, :1], out=acc)  # == 0 + w*y: the first term, exactly
+        else:
+            acc.addcmul_(rows_j, w[:, j : j + 1])
     output.copy_(acc)
     return output

@@ -80,14 +80,17 @@ def run_experts(
     for s in range(0, m, _SWIGLU_CHUNK_ROWS):
         e = min(m, s + _SWIGLU_CHUNK_ROWS)
         g = gu[s:e, :inter].float()
-        u = gu[s:e, inter:].float()
+        u = gu[s:e, inter:]
         if weights.alpha13 is not None and row_expert is not None:
             a = weights.alpha13[row_expert[s:e]].unsqueeze(1)
-            g, u = g * a, u * a
+            g.mul_(a)
+            u = u.float() * a
         if swiglu_clamp is not None:
-            g = g.clamp(max=swiglu_clamp)
-            u = u.clamp(-swiglu_clamp, swiglu_clamp)
-        h[s:e] = requantize(F.silu(g) * u)
+            g.clamp_(max=swiglu_clamp)
+            u = u.float().clamp(-swiglu_clamp, swiglu_clamp)
+        F.silu(g, inplace=True)
+        g.mul_(u)  # fp32 *= bf16/fp32, in place: h = silu(g) * u in fp32
+        h[s:e].copy_(requantize(g))  # copy_ rounds to h's dtype (RNE) where needed
     del gu
     y = grouped_mm(h, weights.w2t, counts)
     if weights.alpha2 is not None and row_expert is not None:

@@ -116,7 +116,8 @@ class Recipe(ABC):
 
     @abstractmethod
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
-        """FC2 input: `[m, I]` fp32 SwiGLU output -> `[m, I]` compute dtype (quantize-dequant)."""
+        """FC2 input: `[m, I]` fp32 SwiGLU output -> quantize-dequantized values (any float
+        dtype; the caller copies them into the compute-dtype FC2 input)."""
 
     @abstractmethod
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
@@ -152,7 +153,7 @@ class Bf16Recipe(Recipe):
         return payload.contiguous().view(torch.bfloat16)
 
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
-        return h.to(torch.bfloat16)
+        return h  # the caller's copy into the bf16 FC2 input rounds it (RNE)
 
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
         w13, w2 = _float_weights(weights, self.name)
