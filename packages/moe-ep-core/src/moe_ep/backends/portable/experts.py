@@ -5,6 +5,8 @@ Rows arrive grouped by local expert (`counts [E_local]`). GEMMs use `torch._grou
 `mm` loop elsewhere. An expert's rows are the same matrix at every world size, so the bf16
 result is bit-identical across world sizes given the same intra-op thread count (oneDNN may
 split K across threads for large K).
+
+The CUDA branch (`_grouped_mm` for bf16 on sm_90+) has never run on a GPU.
 """
 
 from __future__ import annotations

@@ -59,6 +59,8 @@ class PortableTorchKernel(MegaKernel):
 
     Duplicate expert ids within a row are legal: each slot is its own (token, slot) pair and
     the duplicates are summed like any other slots.
+
+    Warning: tested on CPU (gloo) only; the CUDA (NCCL) path has never run on a GPU.
     """
 
     config_cls: ClassVar[type[KernelConfig]] = PortableConfig
