@@ -16,12 +16,13 @@
 #      carry vendor/sm90_pull_cutedsl/src, vendor/sm90_push_cuda/src and
 #      vendor/sm90_push_cuda_deps/src; the sm100 drop's src/ is optional: its compile checks
 #      skip without it);
-#   4. runs the backend tests: the CPU ones (layouts, lifecycles of the pull / nvfp4 / mxfp8
-#      launch paths with compile faked, the CuTe DSL and nvcc compile checks) plus those
-#      marked sm90 (pytest -m); sm100 GPU tests skip (Blackwell only);
-#   5. only with MOE_EP_PUSH_BUILD=1 (adds up to 240 s): builds and loads the push drop's two
+#   4. only with MOE_EP_PUSH_BUILD=1 (adds up to 240 s): builds and loads the push drop's two
 #      TVM-FFI modules (moe_ep_sm90.push_build; needs nvcc and curand headers on the image)
-#      and asks the a2a module whether GPU 0 has NVLink-native atomics to itself;
+#      into $OUT_DIR/push_cache and asks the a2a module whether GPU 0 has NVLink-native
+#      atomics to itself; the push GPU tests of step 5 run only then (they reuse the cache);
+#   5. runs the backend tests: the CPU ones (layouts, lifecycles of the four launch paths with
+#      the GPU pieces faked, the CuTe DSL and nvcc compile checks) plus those marked sm90
+#      (pytest -m): pull (and push) against the oracle; sm100 GPU tests skip (Blackwell only);
 #   6. times one forward of the pull kernel against the portable fp8 backend at EP1.
 # Logs go to OUT_DIR (default $OUT, else ./gpu_check_out). Exit status: pytest's.
 # Never run on a GPU yet (see docs/backends.md).
@@ -85,15 +86,8 @@ for k in available_kernels():
         print(f"  {k.name}: available={k.available} {k.reason}")
 EOF
 
-say "4/6 tests (CPU + gpu + sm90; sm100 skips), timeout 420 s"
-export CUTE_DSL_CACHE_DIR="$OUT_DIR/cute_cache"
-timeout 420 "$PY" -m pytest tests/backends -m "not (slow or sm100)" -q -rs \
-  -p no:cacheprovider --timeout 300 2>&1 | tee "$OUT_DIR/pytest.log"
-RC=${PIPESTATUS[0]}
-say "pytest exit status $RC"
-
 if [ "${MOE_EP_PUSH_BUILD:-0}" = "1" ]; then
-  say "5/6 push modules: nvcc build + tvm_ffi load (240 s cap)"
+  say "4/6 push modules: nvcc build + tvm_ffi load (240 s cap)"
   export MOE_EP_PUSH_CACHE="$OUT_DIR/push_cache"
   timeout 240 "$PY" - <<'EOF' 2>&1 | tee "$OUT_DIR/push_build.txt"
 import time
@@ -106,8 +100,15 @@ a2a, gemm = push_build.load_modules(built)
 print("loaded; sm90_push_p2p_native_atomics(0, 0) =", a2a.sm90_push_p2p_native_atomics(0, 0))
 EOF
 else
-  say "5/6 push module build skipped (set MOE_EP_PUSH_BUILD=1)"
+  say "4/6 push module build skipped (set MOE_EP_PUSH_BUILD=1)"
 fi
+
+say "5/6 tests (CPU + gpu + sm90; sm100 skips), timeout 420 s"
+export CUTE_DSL_CACHE_DIR="$OUT_DIR/cute_cache"
+timeout 420 "$PY" -m pytest tests/backends -m "not (slow or sm100)" -q -rs \
+  -p no:cacheprovider --timeout 300 2>&1 | tee "$OUT_DIR/pytest.log"
+RC=${PIPESTATUS[0]}
+say "pytest exit status $RC"
 
 say "6/6 benchmark: one EP1 forward, pull kernel vs portable fp8 (120 s cap)"
 timeout 120 "$PY" - <<'EOF' 2>&1 | tee "$OUT_DIR/bench.txt"

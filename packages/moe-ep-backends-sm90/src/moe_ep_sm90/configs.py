@@ -37,6 +37,7 @@ _ACCUM_MODES = ("1xacc", "2xacc")
 _LOAD_BALANCE = ("static", "atomic_counter")
 # The push drop's combine keeps per-token route lists in registers (its kMaxTopK).
 _PUSH_MAX_TOP_K = 8
+_PUSH_TOP_K = (1, 2, 4, 6, 8)
 
 
 def check_clamp(value: float | None, *, field: str) -> None:
@@ -212,8 +213,13 @@ class Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(KernelConfig):
     """SwiGLU clamp: gate <= c, -c <= up <= c; None = no clamp."""
     use_ue8m0_scales: bool = False
     """Round fp8 scales up to powers of two (the DeepGEMM UE8M0 variant of the recipe)."""
+    top_k: int | None = None
+    """Routes per token, part of the window layout; set it so `warmup()` can build ahead,
+    else the first forward builds (collectively)."""
 
     def __post_init__(self) -> None:
+        if self.top_k is not None:
+            _check_int(self.top_k, field="top_k")
         check_clamp(self.gate_up_clamp, field="gate_up_clamp")
         if not isinstance(self.use_ue8m0_scales, bool):
             raise MoeEpUsageError(f"use_ue8m0_scales must be a bool, got {self.use_ue8m0_scales!r}")
@@ -241,4 +247,14 @@ class Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(KernelConfig):
         if top_k > _PUSH_MAX_TOP_K:
             raise MoeEpUsageError(
                 f"{self.kernel_name}: top_k must be <= {_PUSH_MAX_TOP_K}, got {top_k}"
+            )
+        if top_k not in _PUSH_TOP_K:
+            raise MoeEpUsageError(
+                f"{self.kernel_name}: top_k must be one of {_PUSH_TOP_K} (the drop's "
+                f"specializations), got {top_k}"
+            )
+        if self.top_k is not None and top_k != self.top_k:
+            raise MoeEpUsageError(
+                f"{self.kernel_name}: top_k of the inputs ({top_k}) differs from the config's "
+                f"top_k ({self.top_k})"
             )

@@ -320,13 +320,17 @@ def build_modules(
     # The run-time FC1 compile includes the GEMM headers from the generated dir.
     for name in _GEMM_SOURCES[1:]:
         shutil.copyfile(s.drop_src / "fp8_gemm" / name, gen / name)
-    tmp = built.a2a.with_suffix(".tmp.so")
+    # Ranks of one host may build at once: private objects and temporaries, atomic renames.
+    private = root / f"build.{os.getpid()}"
+    private.mkdir(exist_ok=True)
+    tmp = private / built.a2a.name
     run(a2a_library_command(s, tmp, nvcc=nvcc))
     tmp.replace(built.a2a)
-    tmp = built.gemm.with_suffix(".tmp.so")
-    for cmd in gemm_commands(s, gen, root, tmp, nvcc=nvcc):
+    tmp = private / built.gemm.name
+    for cmd in gemm_commands(s, gen, private, tmp, nvcc=nvcc):
         run(cmd)
     tmp.replace(built.gemm)
+    shutil.rmtree(private, ignore_errors=True)
     return built
 
 

@@ -1,19 +1,20 @@
 """`sm90_fp8_fp8_bf16_push_cuda`: the Hopper push-style CUDA mega-MoE (fp8 blockwise).
 
 Warning:
-    What exists: weight preparation and input staging (`fp8_layout`, tested on CPU); both
-    translation units compile for sm_90a with nvcc (`push_build`, `compile_check`; the a2a
-    unit in the default test run, the binding unit as a `slow` test); the build of the two
-    TVM-FFI modules and their loading (`push_build.build_modules` / `load_modules`), written
-    but NEVER RUN. The launch path (the symmetric peer window, the push protocol's rounds:
-    dispatch, compact, FC1 / FC2 GEMMs, combine, acks) is NOT WRITTEN: `availability()` says
-    so and `compute_staged` raises `MoeEpUnavailableError`.
+    The launch path (`push_build` module build and load, `push_launch.PushPipe`: the torch
+    symmetric-memory window, the protocol's rounds) has NEVER RUN ON A GPU. What is verified
+    on CPU: weight preparation and input staging (`fp8_layout`); both translation units
+    compile for sm_90a with nvcc (`compile_check`); the a2a module builds and loads through
+    `tvm_ffi` (`slow` test); the window layout; the order and arguments of one round's module
+    calls and this class's lifecycle (pooling, ref-counted release, staging, errors) with the
+    GPU pieces faked. The GEMM module's host build has never run (it needs the CUDA
+    toolkit's curand headers and libcuda).
 """
 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moe_ep.backends.base import MegaKernel, RuntimeRequirements
@@ -28,7 +29,10 @@ from moe_ep_sm90.fp8_layout import (
     prepare_push_weights,
     stage_push_inputs,
 )
+from moe_ep_sm90.pool import WorkspacePool
+from moe_ep_sm90.pull_args import PullGeometry as PushGeometry
 from moe_ep_sm90.push_build import PUSH_DEPS_DROP
+from moe_ep_sm90.push_launch import PushPipe, PushWeights
 
 if TYPE_CHECKING:
     import torch
@@ -36,13 +40,17 @@ if TYPE_CHECKING:
     from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
     from moe_ep.runtime import Runtime
 
-__all__ = ["LAUNCH_NOT_WRITTEN", "Sm90Fp8Fp8Bf16PushCudaKernel"]
+__all__ = ["Sm90Fp8Fp8Bf16PushCudaKernel"]
 
-LAUNCH_NOT_WRITTEN = (
-    "moe_ep_sm90's launch path for the push-style CUDA drop is not written yet (weights, "
-    "staging and the module build exist; the push protocol rounds do not)"
-)
 _PACKAGES = (("tvm_ffi", "apache-tvm-ffi"),)
+
+
+def _free(pipe: PushPipe) -> None:
+    # The symmetric window is released with its last reference (torch symmetric memory).
+    pipe.keepalive.clear()
+
+
+_POOL: WorkspacePool[PushPipe] = WorkspacePool(free=_free)
 
 
 @dataclass
@@ -51,12 +59,28 @@ class _Staged:
     output: torch.Tensor
 
 
+def check_launchable(config: Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig) -> None:
+    """Knobs the config accepts but the drop's launched configuration cannot honour."""
+    if config.gate_up_clamp is not None:
+        raise MoeEpUsageError(
+            "gate_up_clamp must be None for sm90_fp8_fp8_bf16_push_cuda: the drop's fused "
+            f"SwiGLU + quant kernel has no clamp, got {config.gate_up_clamp}"
+        )
+    if config.use_ue8m0_scales:
+        raise MoeEpUsageError(
+            "use_ue8m0_scales must be False for sm90_fp8_fp8_bf16_push_cuda: the drop's "
+            "dispatch quantizes with fp32 scales"
+        )
+
+
 @register_mega_kernel("sm90_fp8_fp8_bf16_push_cuda", deprecated_aliases=("sm90_push_fp8",))
 class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
     """Push-style dispatch (senders write into peers' buffers) + fp8 block-scale GEMMs.
 
-    Peer memory comes from the Python side (no NVSHMEM); FC1 is generated with nvcc on the
-    serving host at run time, so `nvcc` must be on PATH there.
+    Peer memory is a torch symmetric-memory window (no NVSHMEM); the two TVM-FFI modules are
+    built with nvcc on first use (cached by source digest), and FC1 / FC2 GEMM kernels are
+    generated at run time (nvcc / NVRTC), so `nvcc` must be on PATH. Layers of one config,
+    geometry and device share one pipe (window, scratch, GEMM buffers).
     """
 
     config_cls: ClassVar[type[Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig]] = (
@@ -74,9 +98,8 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
         if deps:
             reasons.append(deps)
         if shutil.which("nvcc") is None:
-            reasons.append("nvcc is not on PATH (the drop compiles its FC1 kernel at run time)")
-        reasons.append(LAUNCH_NOT_WRITTEN)
-        return False, "; ".join(reasons)
+            reasons.append("nvcc is not on PATH (the drop compiles its modules and FC1 kernel)")
+        return not reasons, "; ".join(reasons)
 
     @classmethod
     def validate_weights(
@@ -84,6 +107,7 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
     ) -> None:
         """Local checks before any collective: pack shapes, unquantized weights, geometry."""
         check_pack(cls.kernel_name, weights, fleet, world_size, config)
+        check_launchable(config)
 
     def __init__(
         self,
@@ -98,18 +122,129 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
                 f"config must be a {Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig.__name__}, "
                 f"got {type(config).__name__}"
             )
+        check_launchable(config)
         super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
-        self.prepared = prepare_push_weights(weights.w13, weights.w2)
+        self.cfg = config
+        dev = runtime.device
+        p = prepare_push_weights(weights.w13.to(dev), weights.w2.to(dev))
+        self.prepared = PushWeights(p.w13, p.w13_scales, p.w2, p.w2_scales)
+        self.geometry = PushGeometry(
+            world_size=runtime.world_size,
+            rank=runtime.rank,
+            max_tokens_per_rank=fleet.max_tokens_per_rank,
+            top_k=config.top_k or 0,
+            num_experts=fleet.num_experts,
+            hidden_size=fleet.hidden_size,
+            intermediate_size=weights.w2.shape[-1],
+        )
+        self._pool_key: tuple[Any, ...] | None = None
+        self._pipe: PushPipe | None = None
+        self._destroyed = False
 
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
-        """Pad inputs into bf16 / int32 staging buffers (`stage_push_inputs`)."""
+        """Pad inputs into bf16 / int32 staging buffers of T rows (`stage_push_inputs`)."""
+        g = self._ensure_geometry(tensors.topk_ids.shape[1])
         staged = stage_push_inputs(
             tensors.hidden_states,
             tensors.topk_ids,
             tensors.topk_weights,
-            max_tokens=self.fleet.max_tokens_per_rank,
+            max_tokens=g.max_tokens_per_rank,
         )
+        self._entry()
         return _Staged(staged, output)
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
-        raise MoeEpUnavailableError(LAUNCH_NOT_WRITTEN)
+        """One protocol round over all T staged rows; reduces the live rows into the output."""
+        pipe = self._entry()
+        s = staged.inputs
+        self._launch(pipe, s, staged.output)
+        return staged.output
+
+    def warmup(self) -> None:
+        """Collective: build/load the modules, create the pipe (window rendezvous), compile
+        the GEMMs. Needs `config.top_k`; without it the first forward does this."""
+        if self.geometry.top_k:
+            self._ensure_geometry(self.geometry.top_k)
+            self._entry()
+        self.runtime.barrier()
+
+    def destroy(self) -> None:
+        """Collective, idempotent: drop this layer's reference to the pooled pipe."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._pool_key is not None:
+            self.runtime.barrier()
+            _POOL.release(self._pool_key)
+            self._pool_key = None
+            self._pipe = None
+
+    # -- internals ----------------------------------------------------------------------
+    def _ensure_geometry(self, top_k: int) -> PushGeometry:
+        g = self.geometry
+        if g.top_k == 0:
+            g = replace(g, top_k=top_k)
+            self.geometry = g
+        elif top_k != g.top_k:
+            raise MoeEpUsageError(
+                f"topk_ids has k={top_k} columns but this kernel was built for top_k={g.top_k}"
+            )
+        self.cfg.check_problem(
+            hidden_size=g.hidden_size,
+            intermediate_size=g.intermediate_size,
+            top_k=g.top_k,
+            num_experts=g.num_experts,
+            world_size=g.world_size,
+            max_tokens_per_rank=g.max_tokens_per_rank,
+        )
+        return g
+
+    def _entry(self) -> PushPipe:
+        if self._destroyed:
+            raise MoeEpUsageError("this kernel was destroyed; build a new layer")
+        if self._pipe is not None:
+            return self._pipe
+        ok, why = self.availability()
+        if not ok:
+            raise MoeEpUnavailableError(f"{self.kernel_name} cannot run here: {why}")
+        g = self.geometry
+        if g.top_k == 0:
+            raise MoeEpUsageError(
+                "top_k is unknown: set the config's top_k to build in warmup(), or stage "
+                "inputs first"
+            )
+        key = (self.cfg, g, str(self.runtime.device))
+        self._pipe = _POOL.acquire(key, lambda: self._compile(g))
+        self._pool_key = key
+        return self._pipe
+
+    def _compile(self, g: PushGeometry) -> PushPipe:
+        """Build + load the modules, create the pipe, compile the GEMMs (GPU; never run)."""
+        from moe_ep_sm90 import push_build
+        from moe_ep_sm90.push_layout import push_layout
+
+        built = push_build.build_modules(push_build.find_sources())
+        a2a, gemm = push_build.load_modules(built)
+        layout = push_layout(
+            ep_size=g.world_size,
+            rank=g.rank,
+            num_local_experts=g.experts_per_rank,
+            hidden=g.hidden_size,
+            top_k=g.top_k,
+            token_capacity=g.max_tokens_per_rank,
+        )
+        pipe = PushPipe.create(
+            layout,
+            g.intermediate_size,
+            a2a=a2a,
+            gemm=gemm,
+            group=self.runtime.group,
+            device=self.runtime.device,
+        )
+        pipe.prepare_jit(self.prepared)
+        return pipe
+
+    def _launch(self, pipe: PushPipe, s: StagedInputs, output: torch.Tensor) -> None:
+        pipe.run_round(
+            s.activation, s.topk_ids, s.topk_weights, self.prepared, output, s.num_tokens
+        )
