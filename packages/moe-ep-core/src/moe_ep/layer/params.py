@@ -64,6 +64,9 @@ class MoEWeightPack:
     element in the low nibble, so the last dim is halved) and w13_scale / w2_scale the
     scales in the kernel's recipe (see the kernel's docs). nvfp4 also takes
     w13_global_scale / w2_global_scale `[E_local]` fp32 (the per-expert norm_const).
+
+    Warning: a kernel may use these tensors in place (e.g. contiguous bf16 weights already
+    on the layer's device are not copied): do not modify them while the layer lives.
     """
 
     w13: torch.Tensor
