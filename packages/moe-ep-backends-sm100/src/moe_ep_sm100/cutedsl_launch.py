@@ -415,6 +415,8 @@ class CutedslMegaKernel(MegaKernel):
         )
         compiled = cute.compile(kernel, **args)
         launch_args = {k: v for k, v in args.items() if k != "max_active_clusters"}
+        torch.cuda.synchronize(dev)
+        self.runtime.barrier()  # every rank's symmetric buffers are zeroed before any launch
         return CompiledEntry(compiled, local_ws, shared_ws, staging, tuple(symmetric), launch_args)
 
     def _launch(self, entry: CompiledEntry) -> None:

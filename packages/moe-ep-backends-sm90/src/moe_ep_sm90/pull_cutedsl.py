@@ -292,6 +292,8 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
         )
         compiled = cute.compile(kernel, **args)
         launch_args = {k: v for k, v in args.items() if k != "max_active_clusters"}
+        torch.cuda.synchronize(dev)
+        self.runtime.barrier()  # every rank's symmetric buffers are zeroed before any launch
         return _Compiled(compiled, local_ws, shared_ws, staging, peer_map, launch_args)
 
     def _launch(self, entry: _Compiled) -> None:

@@ -182,6 +182,8 @@ class PushPipe:
         workspace = torch.empty(max(int(ws_bytes), 1), dtype=torch.uint8, device=device)
         runner.configure_workspace(workspace)
         torch.cuda.synchronize(device)
+        # No peer may push into this window before every rank has zeroed its own.
+        torch.distributed.barrier(group=group)
         return cls(
             layout=layout,
             inter=inter,
