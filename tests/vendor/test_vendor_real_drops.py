@@ -27,6 +27,7 @@ DROPS = {
     "sm100_cutedsl_megamoe": ("moe_ep_drop_sm100_cutedsl", "moe-ep-drop-sm100-cutedsl-megamoe"),
     "sm90_pull_cutedsl": ("moe_ep_drop_sm90_pull", "moe-ep-drop-sm90-pull-cutedsl"),
     "sm90_push_cuda": ("moe_ep_drop_sm90_push", "moe-ep-drop-sm90-push-cuda"),
+    "sm90_push_cuda_deps": ("moe_ep_drop_sm90_push_cuda_deps", "moe-ep-drop-sm90-push-cuda-deps"),
 }
 
 
@@ -60,6 +61,7 @@ def test_sync_all_then_verify_all(synced: None) -> None:
         "sm100_cutedsl_megamoe": 61,
         "sm90_pull_cutedsl": 55,
         "sm90_push_cuda": 7,
+        "sm90_push_cuda_deps": 203,  # the nvcc -M closure of the push drop's includes
     }
     status = json.loads(_tool("status", "--json").stdout)
     for row in status:
