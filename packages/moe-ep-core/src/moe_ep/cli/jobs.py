@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moe_ep.errors import MoeEpUsageError
+from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 
 __all__ = ["JobSpec", "add_parsers", "run_command", "run_job"]
 
@@ -193,6 +195,9 @@ def preflight(spec: JobSpec) -> None:
     spec.validate()
     for kernel in spec.kernels:
         kernel_cls, config = resolve_backend(kernel)
+        ok, reason = kernel_cls.availability()
+        if not ok:  # before spawning: exit 3 with the reason, not a rank's traceback
+            raise MoeEpUnavailableError(f"kernel {kernel!r} cannot run here: {reason}")
         make_recipe = getattr(kernel_cls, "make_recipe", None)
         if make_recipe is not None:
             make_recipe(config).check_dims(spec.hidden, spec.intermediate)
@@ -351,9 +356,13 @@ def run_command(args: argparse.Namespace) -> int:
         from moe_ep.registry import resolve_kernel_name
 
         try:
-            kernel = resolve_kernel_name(args.kernel)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", DeprecationWarning)
+                kernel = resolve_kernel_name(args.kernel)
         except KeyError as exc:
             raise MoeEpUsageError(str(exc).strip("'\"")) from None
+        for warning in caught:  # a deprecated alias: say so, the CLI hides no warning
+            print(f"moe-ep: warning: {warning.message}", file=sys.stderr)
         spec = JobSpec(
             kernels=(kernel,),
             world_size=args.world_size,
