@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from moe_ep.backends.support.hardware import check_availability
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm100 import mxfp8_args
-from moe_ep_sm100._hardware import check_availability
 from moe_ep_sm100.configs import Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
 from moe_ep_sm100.cutedsl_launch import CutedslMegaKernel, StagedBuffers
 from moe_ep_sm100.cutedsl_nvfp4 import CUTEDSL_PACKAGES, _max_active_clusters

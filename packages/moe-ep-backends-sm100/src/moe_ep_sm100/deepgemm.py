@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 from moe_ep.backends.base import RuntimeRequirements
+from moe_ep.backends.support.hardware import check_availability
 from moe_ep.registry import register_mega_kernel
-from moe_ep_sm100._hardware import check_availability
 from moe_ep_sm100._unlaunched import LAUNCH_NOT_WRITTEN, UnlaunchedKernel
 from moe_ep_sm100.configs import Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig
 

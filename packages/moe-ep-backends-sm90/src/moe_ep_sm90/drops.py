@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from moe_ep.errors import MoeEpUnavailableError
-from moe_ep_sm90._hardware import DropRef
+from moe_ep.backends.support import drops as support_drops
+from moe_ep.backends.support.hardware import DropRef
 from moe_ep_sm90.pull_args import PullKernelApi
 
 __all__ = ["PULL_DROP", "PUSH_DROP", "drop_src_module", "load_pull_api"]
@@ -19,30 +19,10 @@ __all__ = ["PULL_DROP", "PUSH_DROP", "drop_src_module", "load_pull_api"]
 PULL_DROP = DropRef(import_name="moe_ep_drop_sm90_pull", dist="moe-ep-drop-sm90-pull-cutedsl")
 PUSH_DROP = DropRef(import_name="moe_ep_drop_sm90_push", dist="moe-ep-drop-sm90-push-cuda")
 
-# Names under which a drop shim may offer "import this module of my src/".
-_LOADERS = ("import_src_module", "load_module", "import_module", "load")
-
 
 def drop_src_module(drop: DropRef, name: str) -> ModuleType:
     """Module `name` of the drop's `src/`, imported by the drop's own shim loader."""
-    why = drop.reason()
-    if why:
-        raise MoeEpUnavailableError(why)
-    mod = drop.module()
-    for loader in _LOADERS:
-        fn = getattr(mod, loader, None)
-        if callable(fn):
-            loaded = fn(name)
-            if not isinstance(loaded, ModuleType):
-                raise MoeEpUnavailableError(
-                    f"{drop.import_name}.{loader}({name!r}) returned {type(loaded).__name__}, "
-                    "not a module"
-                )
-            return loaded
-    raise MoeEpUnavailableError(
-        f"drop package {drop.import_name} offers none of {_LOADERS} to import its src/ "
-        f"modules; moe_ep_sm90.drops needs one"
-    )
+    return support_drops.drop_src_module(drop, name, needed_by="moe_ep_sm90.drops")
 
 
 def load_pull_api() -> PullKernelApi:

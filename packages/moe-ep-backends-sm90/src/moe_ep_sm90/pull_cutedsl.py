@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moe_ep.backends.base import MegaKernel, RuntimeRequirements
+from moe_ep.backends.support.hardware import check_availability
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
-from moe_ep_sm90._hardware import check_availability
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 from moe_ep_sm90.drops import PULL_DROP, load_pull_api
 from moe_ep_sm90.fp8_layout import StagedInputs, check_pack, prepare_pull_weights, stage_pull_inputs

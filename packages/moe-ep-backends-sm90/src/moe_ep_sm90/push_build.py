@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_ep.backends.support.hardware import DropRef
 from moe_ep.errors import MoeEpUnavailableError
-from moe_ep_sm90._hardware import DropRef
 
 __all__ = [
     "COMMON_SOURCES",

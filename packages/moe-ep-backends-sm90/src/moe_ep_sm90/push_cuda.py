@@ -13,14 +13,13 @@ Warning:
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moe_ep.backends.base import MegaKernel, RuntimeRequirements
+from moe_ep.backends.support.hardware import check_availability, nvcc_reason
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
-from moe_ep_sm90._hardware import check_availability
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig
 from moe_ep_sm90.drops import PUSH_DROP
 from moe_ep_sm90.fp8_layout import (
@@ -97,8 +96,9 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
         deps = PUSH_DEPS_DROP.reason()
         if deps:
             reasons.append(deps)
-        if shutil.which("nvcc") is None:
-            reasons.append("nvcc is not on PATH (the drop compiles its modules and FC1 kernel)")
+        nvcc = nvcc_reason("the drop compiles its modules and FC1 kernel")
+        if nvcc:
+            reasons.append(nvcc)
         return not reasons, "; ".join(reasons)
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Why a kernel of this package can or cannot run here: GPU arch, packages, drops.
+"""Why a GPU backend's kernel can or cannot run here: GPU arch, packages, tools, drops.
 
 Nothing here imports cutlass, nvshmem or a drop's kernel sources; package presence is
 checked with `importlib.util.find_spec` and the drop through its package `__init__`.
@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import shutil
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["DropRef", "check_availability", "cuda_capability_reason", "missing_packages"]
+__all__ = [
+    "DropRef",
+    "check_availability",
+    "cuda_capability_reason",
+    "missing_packages",
+    "nvcc_reason",
+]
 
 
 def cuda_capability_reason(required: tuple[int, int], label: str) -> str:
@@ -48,6 +55,13 @@ def missing_packages(modules: tuple[tuple[str, str], ...]) -> list[str]:
         if not found:
             out.append(f"python package {pip_name!r} (import {import_name}) is not installed")
     return out
+
+
+def nvcc_reason(purpose: str) -> str:
+    """ "" if `nvcc` is on PATH, else why it is needed (`purpose`) and missing."""
+    if shutil.which("nvcc") is None:
+        return f"nvcc is not on PATH ({purpose})"
+    return ""
 
 
 @dataclass(frozen=True)
