@@ -1,15 +1,21 @@
 """Speed and memory of the portable bf16 layer at EP1 on CPU, as ratios from one run.
 
-    uv run python benchmarks/layer_speed.py [--reps 3] [--plot]
+    uv run python benchmarks/layer_speed.py [--reps 5] [--threads 1 2] [--plot]
 
 Compares one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) with
   - dense bf16 matmuls doing the same useful FLOPs (`[T*k, H] @ [H, 2I]` and
-    `[T*k, I] @ [I, H]`): the machine's limit; target layer / dense <= 1.3;
-  - a naive per-expert loop (gather, gate / up / down matmuls, index_add): target > 1x
-    speed-up, on the prefill shape and on a decode-like shape;
-and reports the peak resident memory added by a forward against inputs + outputs + one
-copy of the dispatched activations (target < 2x). Times are the minimum over `--reps`
-(the box is shared; the minimum is the least disturbed run).
+    `[T*k, I] @ [I, H]` into preallocated outputs): the machine's limit; target
+    layer / dense <= 1.3;
+  - a naive per-expert loop with the layer's math (gather, gate / up / down matmuls, SwiGLU
+    in fp32, weighted fp32 index_add): target > 1x speed-up, on the prefill shape and on a
+    decode-like shape;
+  - for reference, the same loop all in bf16 (SwiGLU, weighting and index_add in bf16, as
+    common eager MoE code does; fewer passes, less accurate);
+and reports the resident memory a forward adds against inputs + outputs + one copy of the
+dispatched activations (target < 2x), once for the first forward of a fresh layer (which
+allocates the reusable workspace) and once for a warm forward. Times are the minimum over
+`--reps` runs measured round-robin (the box is shared; the minimum is the least disturbed),
+for each intra-op thread count of `--threads` (default 1 and 2) in the same run.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ def problem(shape: dict[str, int]) -> dict[str, torch.Tensor]:
 
 
 def naive_forward(p: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The textbook loop: per expert gather, gate / up / down matmuls, weighted index_add."""
+    """The textbook loop with the layer's math: per expert gather, gate / up / down matmuls,
+    SwiGLU in fp32 (rounded once to bf16), weighted fp32 index_add."""
     x, ids, w = p["x"], p["ids"], p["w"]
     inter = p["w2"].shape[2]
     out = torch.zeros(x.shape, dtype=torch.float32)
@@ -74,6 +81,22 @@ def naive_forward(p: dict[str, torch.Tensor]) -> torch.Tensor:
         y = (F.silu(gate.float()) * up.float()).bfloat16() @ p["w2"][e].t()
         out.index_add_(0, tok, y.float() * w[tok, slot].unsqueeze(1))
     return out.bfloat16()
+
+
+def naive_bf16_forward(p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The same loop all in bf16 (SwiGLU, weighting, index_add), as in common eager code."""
+    x, ids, w = p["x"], p["ids"], p["w"]
+    inter = p["w2"].shape[2]
+    out = torch.zeros_like(x)
+    for e in range(p["w13"].shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]
+        h = F.silu(xe @ p["w13"][e, :inter].t()) * (xe @ p["w13"][e, inter:].t())
+        y = h @ p["w2"][e].t()
+        out.index_add_(0, tok, y * w[tok, slot].unsqueeze(1).bfloat16())
+    return out
 
 
 def make_layer(p: dict[str, torch.Tensor], shape: dict[str, int]) -> MoEEpLayer:
@@ -109,6 +132,52 @@ def peak_rss_during(fn: Callable[[], object]) -> int:
     return max(peak, rss_bytes()) - base
 
 
+def time_shape(shape: dict[str, int], reps: int) -> dict[str, float | bool]:
+    """Round-robin minimum times (s) of the layer and the baselines on one shape."""
+    p = problem(shape)
+    layer = make_layer(p, shape)
+    tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
+    pairs = shape["T"] * shape["k"]
+    h, i = shape["H"], shape["I"]
+    xd = torch.randn(pairs, h).bfloat16()
+    hd = torch.randn(pairs, i).bfloat16()
+    w13d = p["w13"][0].t()  # the same K-major weight layout the layer uses
+    w2d = p["w2"][0].t()
+    gu_d = torch.empty(pairs, 2 * i, dtype=torch.bfloat16)
+    y_d = torch.empty(pairs, h, dtype=torch.bfloat16)
+    t_layer, t_dense, t_naive, t_naive16 = best_of(
+        [
+            lambda: layer(tensors),
+            lambda: (torch.mm(xd, w13d, out=gu_d), torch.mm(hd, w2d, out=y_d)),
+            lambda: naive_forward(p),
+            lambda: naive_bf16_forward(p),
+        ],
+        reps,
+    )
+    same = torch.equal(layer(tensors), layer(tensors))
+    layer.destroy()
+    return {
+        "layer": t_layer,
+        "dense": t_dense,
+        "naive": t_naive,
+        "naive16": t_naive16,
+        "same": same,
+    }
+
+
+def memory(shape: dict[str, int]) -> tuple[int, int, int]:
+    """(bytes added by a fresh layer's first forward, by a warm forward, reference bytes)."""
+    p = problem(shape)
+    layer = make_layer(p, shape)
+    tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
+    first = peak_rss_during(lambda: layer(tensors))
+    warm = peak_rss_during(lambda: layer(tensors))
+    layer.destroy()
+    t, h, k = shape["T"], shape["H"], shape["k"]
+    reference = 2 * t * h + 2 * t * h + 2 * t * k * h + 12 * t * k
+    return first, warm, reference
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -116,75 +185,62 @@ def main() -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="intra-op threads (1: on a shared box, spinning OpenMP threads distort timings)",
+        nargs="+",
+        default=[1, 2],
+        help="intra-op thread counts to measure, each in the same run (default: 1 2)",
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     console = Console()
     rows = []
-    mem: tuple[int, int] | None = None
+    shapes = (("prefill", PREFILL), ("decode", DECODE))
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("layer_speed", total=8)
-        for name, shape in (("prefill", PREFILL), ("decode", DECODE)):
-            p = problem(shape)
-            layer = make_layer(p, shape)
-            tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
-            pairs = shape["T"] * shape["k"]
-            xd = torch.randn(pairs, shape["H"]).bfloat16()
-            hd = torch.randn(pairs, shape["I"]).bfloat16()
-            w13d = p["w13"][0].t()  # the same K-major weight layout the layer uses
-            w2d = p["w2"][0].t()
-            progress.update(task, description=f"{name}: layer / dense / naive, round-robin")
-            t_layer, t_dense, t_naive = best_of(
-                [
-                    lambda: layer(tensors),  # noqa: B023
-                    lambda: (xd @ w13d, hd @ w2d),  # noqa: B023
-                    lambda: naive_forward(p),  # noqa: B023
-                ],
-                args.reps,
-            )
-            progress.advance(task, 3)
-            if name == "prefill":
-                gc_free = peak_rss_during(lambda: layer(tensors))  # noqa: B023
-                t, h, k = shape["T"], shape["H"], shape["k"]
-                reference = 2 * t * h + 2 * t * h + 2 * t * k * h + 12 * t * k
-                mem = (gc_free, reference)
-            same = torch.equal(layer(tensors), layer(tensors))
-            layer.destroy()
-            flops = 6 * pairs * shape["H"] * shape["I"]
-            rows.append((name, shape, t_layer, t_dense, t_naive, flops, same))
-            progress.advance(task)
-    table = Table(title=f"portable bf16 layer, EP1, CPU, {torch.get_num_threads()} threads")
+        task = progress.add_task("layer_speed", total=len(args.threads) * len(shapes) + 1)
+        torch.set_num_threads(args.threads[0])
+        progress.update(task, description=f"memory, {args.threads[0]} thread(s)")
+        mem = memory(PREFILL)
+        progress.advance(task)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for name, shape in shapes:
+                progress.update(task, description=f"{name}, {threads} thread(s), round-robin")
+                rows.append((name, shape, threads, time_shape(shape, args.reps)))
+                progress.advance(task)
+    table = Table(title="portable bf16 layer, EP1, CPU (min over round-robin reps)")
     for col in (
         "shape",
+        "threads",
         "layer",
         "dense GEMMs",
         "naive loop",
         "layer/dense",
         "naive/layer",
+        "naive-bf16/layer",
         "layer TFLOP/s",
     ):
         table.add_column(col, justify="right")
-    for name, s, tl, td, tn, flops, _ in rows:
+    for name, sh, threads, r in rows:
+        flops = 6 * sh["T"] * sh["k"] * sh["H"] * sh["I"]
         table.add_row(
-            f"{name} T={s['T']} H={s['H']} I={s['I']} E={s['E']} k={s['k']}",
-            f"{tl * 1e3:.1f} ms",
-            f"{td * 1e3:.1f} ms",
-            f"{tn * 1e3:.1f} ms",
-            f"{tl / td:.2f}x (target <= 1.3)",
-            f"{tn / tl:.2f}x (target > 1)",
-            f"{flops / tl / 1e12:.2f}",
+            f"{name} T={sh['T']} H={sh['H']} I={sh['I']} E={sh['E']} k={sh['k']}",
+            str(threads),
+            f"{r['layer'] * 1e3:.1f} ms",
+            f"{r['dense'] * 1e3:.1f} ms",
+            f"{r['naive'] * 1e3:.1f} ms",
+            f"{r['layer'] / r['dense']:.2f}x (target <= 1.3)",
+            f"{r['naive'] / r['layer']:.2f}x (target > 1)",
+            f"{r['naive16'] / r['layer']:.2f}x",
+            f"{flops / r['layer'] / 1e12:.2f}",
         )
     console.print(table)
-    if mem is not None:
-        peak, ref = mem
-        console.print(
-            f"peak RSS added by a prefill forward: {peak / 2**20:.0f} MiB; inputs + outputs + "
-            f"one copy of dispatched activations: {ref / 2**20:.0f} MiB; ratio "
-            f"{peak / ref:.2f}x (target < 2x; RSS sampled every 0.2 ms, so approximate)"
-        )
-    console.print(f"bit-identical across two forwards: {all(r[6] for r in rows)}")
+    first, warm, ref = mem
+    console.print(
+        f"RSS added by a prefill forward ({args.threads[0]} thread(s)): first forward of a "
+        f"fresh layer (allocates the reusable workspace) {first / 2**20:.0f} MiB = "
+        f"{first / ref:.2f}x, warm forward {warm / 2**20:.0f} MiB = {warm / ref:.2f}x of inputs "
+        f"+ outputs + one copy of the dispatched activations ({ref / 2**20:.0f} MiB); target "
+        f"< 2x (RSS sampled every 0.2 ms, so approximate)"
+    )
+    console.print(f"bit-identical across two forwards: {all(r[3]['same'] for r in rows)}")
     if args.plot:
         import matplotlib
 
@@ -193,12 +249,13 @@ def main() -> None:
 
         out = Path(__file__).parent / "out"
         out.mkdir(exist_ok=True)
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        labels = [r[0] for r in rows]
-        for j, (label, idx) in enumerate((("layer", 2), ("dense GEMMs", 3), ("naive loop", 4))):
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        labels = [f"{r[0]}, {r[2]}t" for r in rows]
+        series = (("layer", "layer"), ("dense GEMMs", "dense"), ("naive loop", "naive"))
+        for j, (label, key) in enumerate(series):
             ax.bar(
                 [x + 0.27 * j for x in range(len(rows))],
-                [r[idx] * 1e3 for r in rows],
+                [float(r[3][key]) * 1e3 for r in rows],
                 width=0.27,
                 label=label,
             )

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError
 
 __all__ = [
+    "COMBINE_BYTES",
     "DispatchPlan",
     "Received",
     "Workspace",
@@ -213,6 +214,10 @@ def return_rows(
     return out
 
 
+COMBINE_BYTES = 1 << 20
+"""fp32 bytes of one token slice of the combine (`[c, k, H]`): stays in L2."""
+
+
 def combine(
     y_home: torch.Tensor,
     plan: DispatchPlan,
@@ -226,27 +231,40 @@ def combine(
 
     `y_home [P, H]` holds pair p's row at `p` (send order), or at `rows[p]` when given.
     Padded slots have no pair and add nothing; a token with no valid slot gets exact zeros.
+
+    Works on slices of `c` tokens: gather their `c * k` rows, widen to fp32, scale by the
+    weights, add the slots in order, round into the output; the slice stays in cache. Every
+    step is exact per element (copy, one fp32 product, fp32 adds in slot order, RNE), so a
+    token's result does not depend on the slicing (i.e. on how many tokens the rank holds).
     """
     n, k = int(topk_weights.shape[0]), int(topk_weights.shape[1])
     dev = output.device
+    if y_home.shape[0] == 0 or n == 0:
+        return output.zero_()
     where = torch.arange(int(plan.pair_token.numel()), device=dev) if rows is None else rows
     pos = torch.zeros((n, k), dtype=torch.int64, device=dev)
     valid = torch.zeros((n, k), dtype=torch.bool, device=dev)
     pos[plan.pair_token, plan.pair_slot] = where
     valid[plan.pair_token, plan.pair_slot] = True
-    if y_home.shape[0] == 0 or n == 0:
-        return output.zero_()
     # Padded slots read row 0 with weight 0: they add +-0, i.e. exactly nothing (y finite).
-    w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
+    w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights)).unsqueeze(2)
     wsp = workspace or Workspace()
     hidden = int(output.shape[1])
-    acc = wsp.get("combine_acc", (n, hidden), torch.float32, dev)
-    rows_j = wsp.get("combine_rows", (n, hidden), y_home.dtype, dev)
-    for j in range(k):
-        torch.index_select(y_home, 0, pos[:, j], out=rows_j)
-        if j == 0:
-            torch.mul(rows_j, w[:, :1], out=acc)  # == 0 + w*y: the first term, exactly
+    c = max(1, min(n, COMBINE_BYTES // (4 * k * hidden)))
+    gathered = wsp.get("combine_rows", (c * k, hidden), y_home.dtype, dev)
+    terms = wsp.get("combine_terms", (c, k, hidden), torch.float32, dev)
+    acc = wsp.get("combine_acc", (c, hidden), torch.float32, dev)
+    for t0 in range(0, n, c):
+        m = min(c, n - t0)
+        g = torch.index_select(y_home, 0, pos[t0 : t0 + m].reshape(-1), out=gathered[: m * k])
+        tm, am = terms[:m], acc[:m]
+        tm.view(m * k, hidden).copy_(g)
+        tm.mul_(w[t0 : t0 + m])
+        if k == 1:
+            am.copy_(tm[:, 0])
         else:
-            acc.addcmul_(rows_j, w[:, j : j + 1])
-    output.copy_(acc)
+            torch.add(tm[:, 0], tm[:, 1], out=am)
+            for j in range(2, k):
+                am.add_(tm[:, j])
+        output[t0 : t0 + m].copy_(am)
     return output

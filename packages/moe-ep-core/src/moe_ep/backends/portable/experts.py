@@ -1,12 +1,20 @@
-"""Expert compute: grouped FC1 -> SwiGLU (optional clamp) -> requantize -> grouped FC2.
+"""Expert compute, one expert at a time: gather -> FC1 -> SwiGLU -> requantize -> FC2.
 
-Rows arrive grouped by local expert (`counts [E_local]`). GEMMs use `torch._grouped_mm`
-(int32 end offsets) where it applies (CPU bf16 / fp32; CUDA bf16 on sm_90+) and a per-expert
-`mm` loop elsewhere. An expert's rows are the same matrix at every world size, so the bf16
-result is bit-identical across world sizes given the same intra-op thread count (oneDNN may
-split K across threads for large K).
+Each expert's rows go through in blocks of at most `ROW_BLOCK` rows: gather into a small
+workspace, `mm` against the expert's weights, SwiGLU in fp32 on cache-sized row slices, `mm`
+straight into the caller's output rows. Nothing of size `[pairs, 2I]` or `[pairs, I]` is
+ever materialised, so the per-pair data makes one trip through memory per stage instead of
+several fp32 round-trips, and the workspace stays small and warm across forwards.
 
-The CUDA branch (`_grouped_mm` for bf16 on sm_90+) has never run on a GPU.
+On CPU a per-expert `mm` loop measured faster than `torch._grouped_mm` (which also loops
+over groups on CPU): FC1 136 vs 170 ms, FC2 63 vs 97 ms at 1 thread on the prefill shape.
+
+Determinism: an expert's blocks, their GEMMs and the SwiGLU slices depend only on that
+expert's rows (the same matrix, in global (token, slot) order, at every world size), so the
+bf16 result is bit-identical across world sizes given the same intra-op thread count
+(oneDNN may split K across threads for large K).
+
+The CUDA path is the same code (an `mm` per expert block); it has never run on a GPU.
 """
 
 from __future__ import annotations
@@ -16,85 +24,99 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moe_ep.backends.portable.comm import Workspace
 from moe_ep.backends.portable.recipes import PreparedWeights
 
-__all__ = ["grouped_mm", "run_experts"]
+__all__ = ["ROW_BLOCK", "SWIGLU_ROWS", "run_experts"]
 
-_SWIGLU_CHUNK_ROWS = 2048  # bounds the fp32 temporaries of SwiGLU
-
-
-def _grouped_mm_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device.type == "cpu":
-        return a.dtype in (torch.bfloat16, torch.float32)
-    if a.device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(a.device)
-        return (
-            a.dtype == torch.bfloat16 and major >= 9 and a.shape[1] % 8 == 0 and b.shape[2] % 8 == 0
-        )
-    return False
+ROW_BLOCK = 2048
+"""Rows per GEMM call: bounds the workspace when routing is skewed."""
+SWIGLU_ROWS = 64
+"""Rows per SwiGLU slice: the fp32 temporaries (2 x 64 x I x 4 bytes) stay in L2."""
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """`a [m, K]` rows grouped by `counts [G]` times `b [G, K, N]` -> `[m, N]` (a's dtype)."""
-    m = int(a.shape[0])
-    if m == 0:
-        return a.new_empty((0, b.shape[2]))
-    if _grouped_mm_applies(a, b):
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        return torch._grouped_mm(a, b, offs=offs)
-    out = a.new_empty((m, b.shape[2]))
-    start = 0
-    for g, c in enumerate(counts.tolist()):
-        if c:
-            torch.mm(a[start : start + c], b[g], out=out[start : start + c])
-        start += c
-    return out
+def _swiglu(
+    gu: torch.Tensor,
+    h: torch.Tensor,
+    alpha: float | None,
+    clamp: float | None,
+    requantize: Callable[[torch.Tensor], torch.Tensor],
+    ws: Workspace,
+) -> None:
+    """`gu [b, 2I]` -> `h [b, I]`: `requantize(silu(g) * u)` in fp32, rounded into h."""
+    b, inter = int(h.shape[0]), int(h.shape[1])
+    rows = min(b, SWIGLU_ROWS)
+    in_place = gu.dtype == torch.float32  # fp32 GEMM output: work on it directly
+    if not in_place:
+        g_buf = ws.get("swiglu_g", (rows, inter), torch.float32, gu.device)
+        u_buf = ws.get("swiglu_u", (rows, inter), torch.float32, gu.device)
+    for s in range(0, b, rows):
+        e = min(b, s + rows)
+        if in_place:
+            g, u = gu[s:e, :inter], gu[s:e, inter:]
+        else:
+            g, u = g_buf[: e - s], u_buf[: e - s]
+            g.copy_(gu[s:e, :inter])
+            u.copy_(gu[s:e, inter:])
+        if alpha is not None:
+            g.mul_(alpha)
+            u.mul_(alpha)
+        if clamp is not None:
+            g.clamp_(max=clamp)
+            u.clamp_(-clamp, clamp)
+        F.silu(g, inplace=True)
+        g.mul_(u)  # h = silu(g) * u in fp32
+        h[s:e].copy_(requantize(g))  # copy_ rounds to h's dtype (RNE) where needed
 
 
 def run_experts(
-    xs: list[torch.Tensor],
-    counts: torch.Tensor,
+    rows: torch.Tensor,
+    src_row: torch.Tensor,
+    counts: list[int],
     weights: PreparedWeights,
     requantize: Callable[[torch.Tensor], torch.Tensor],
     swiglu_clamp: float | None,
-) -> torch.Tensor:
-    """`xs = [x]`, `x [m, H]` (compute dtype, grouped by expert) -> `y [m, H]` bf16.
+    y: torch.Tensor,
+    ws: Workspace,
+) -> None:
+    """Write `y [P, H]` bf16, pair p's expert output, pairs grouped by local expert.
 
-    x is popped from `xs` and freed after FC1 (a list, so the caller holds no reference).
+    rows: `[R, H]` compute dtype, the received (dequantized) token rows.
+    src_row: `[P]` int64, the row of `rows` of each pair, pairs grouped by local expert
+        (`counts[e]` pairs of expert e, in global (token, slot) order within a group).
 
     `[g; u] = x @ w13t`, `h = silu(g) * u` in fp32 (per-expert alpha13 applied to g and u
-    first; clamp: g <= c, |u| <= c), FC2 input = `requantize(h)`, `y = h @ w2t` (times
-    alpha2), cast to bf16.
+    first; clamp: g <= c, |u| <= c), FC2 input = `requantize(h)` in the compute dtype,
+    `y = h @ w2t` (times alpha2), rounded to bf16.
     """
-    x = xs.pop()
-    m = int(x.shape[0])
     hidden = int(weights.w2t.shape[2])
     inter = int(weights.w2t.shape[1])
-    if m == 0:
-        return x.new_empty((0, hidden), dtype=torch.bfloat16)
-    row_expert = None
-    if weights.alpha13 is not None or weights.alpha2 is not None:
-        row_expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts)
-    gu = grouped_mm(x, weights.w13t, counts)
-    device = x.device
-    del x
-    h = torch.empty((m, inter), dtype=weights.w2t.dtype, device=device)
-    for s in range(0, m, _SWIGLU_CHUNK_ROWS):
-        e = min(m, s + _SWIGLU_CHUNK_ROWS)
-        g = gu[s:e, :inter].float()
-        u = gu[s:e, inter:]
-        if weights.alpha13 is not None and row_expert is not None:
-            a = weights.alpha13[row_expert[s:e]].unsqueeze(1)
-            g.mul_(a)
-            u = u.float() * a
-        if swiglu_clamp is not None:
-            g.clamp_(max=swiglu_clamp)
-            u = u.float().clamp(-swiglu_clamp, swiglu_clamp)
-        F.silu(g, inplace=True)
-        g.mul_(u)  # fp32 *= bf16/fp32, in place: h = silu(g) * u in fp32
-        h[s:e].copy_(requantize(g))  # copy_ rounds to h's dtype (RNE) where needed
-    del gu
-    y = grouped_mm(h, weights.w2t, counts)
-    if weights.alpha2 is not None and row_expert is not None:
-        y = y.float() * weights.alpha2[row_expert].unsqueeze(1)
-    return y.to(torch.bfloat16)
+    cdt, dev = weights.w2t.dtype, rows.device
+    alpha13 = None if weights.alpha13 is None else weights.alpha13.tolist()
+    alpha2 = None if weights.alpha2 is None else weights.alpha2.tolist()
+    direct = cdt == torch.bfloat16 and alpha2 is None  # FC2 writes y's bf16 rows itself
+    block = min(ROW_BLOCK, max(counts, default=0))
+    if block == 0:
+        return
+    xe_buf = ws.get("expert_x", (block, int(rows.shape[1])), cdt, dev)
+    gu_buf = ws.get("expert_gu", (block, 2 * inter), cdt, dev)
+    h_buf = ws.get("expert_h", (block, inter), cdt, dev)
+    y_buf = None if direct else ws.get("expert_y", (block, hidden), cdt, dev)
+    start = 0
+    for e, count in enumerate(counts):
+        for s in range(start, start + count, block):
+            b = min(block, start + count - s)
+            xe, gu, h = xe_buf[:b], gu_buf[:b], h_buf[:b]
+            torch.index_select(rows, 0, src_row[s : s + b], out=xe)
+            torch.mm(xe, weights.w13t[e], out=gu)
+            a13 = None if alpha13 is None else alpha13[e]
+            _swiglu(gu, h, a13, swiglu_clamp, requantize, ws)
+            if y_buf is None:
+                torch.mm(h, weights.w2t[e], out=y[s : s + b])
+            else:
+                ye = y_buf[:b]
+                torch.mm(h, weights.w2t[e], out=ye)
+                if alpha2 is not None:  # the product in fp32, then rounded to bf16
+                    ye = ye.mul_(alpha2[e]) if cdt == torch.float32 else ye.float() * alpha2[e]
+                y[s : s + b].copy_(ye)
+        start += count

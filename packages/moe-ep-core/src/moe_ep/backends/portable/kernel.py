@@ -153,27 +153,35 @@ class PortableTorchKernel(MegaKernel):
             )
         st.payload = st.payload[:0]  # the send buffer is no longer needed
         hidden = self.fleet.hidden_size
+        wsp = self.workspace
         order = torch.sort(recv.pair_expert, stable=True).indices
-        counts = torch.bincount(recv.pair_expert, minlength=self.e_local)
+        counts = torch.bincount(recv.pair_expert, minlength=self.e_local).tolist()
         rows = self.recipe.unpack(recv.rows, hidden)
-        xs = [rows.index_select(0, recv.pair_row[order])]
-        del rows, recv.rows
-        y_sorted = run_experts(
-            xs, counts, self.prepared, self.recipe.requantize, self.pconfig.swiglu_clamp
+        pairs = int(order.numel())
+        y_sorted = wsp.get("y_sorted", (pairs, hidden), torch.bfloat16, rows.device)
+        run_experts(
+            rows,
+            recv.pair_row[order],
+            counts,
+            self.prepared,
+            self.recipe.requantize,
+            self.pconfig.swiglu_clamp,
+            y_sorted,
+            wsp,
         )
+        del rows, recv.rows
         if ws == 1:  # no return trip: combine reads the expert-sorted rows in place
             where = torch.empty_like(order)
-            where[order] = torch.arange(order.numel(), device=order.device)
+            where[order] = torch.arange(pairs, device=order.device)
             return comm.combine(
-                y_sorted, st.plan, st.topk_weights, st.output, rows=where, workspace=self.workspace
+                y_sorted, st.plan, st.topk_weights, st.output, rows=where, workspace=wsp
             )
-        y = torch.empty_like(y_sorted)
-        y[order] = y_sorted
-        del y_sorted
+        y = wsp.get("y_send", (pairs, hidden), torch.bfloat16, y_sorted.device)
+        y.index_copy_(0, order, y_sorted)
         y_home = comm.return_rows(
-            y, recv, st.plan, group=rt.group, rank=rank, world_size=ws, workspace=self.workspace
+            y, recv, st.plan, group=rt.group, rank=rank, world_size=ws, workspace=wsp
         )
-        return comm.combine(y_home, st.plan, st.topk_weights, st.output, workspace=self.workspace)
+        return comm.combine(y_home, st.plan, st.topk_weights, st.output, workspace=wsp)
 
     def destroy(self) -> None:
         """Drop the receive buffers (idempotent)."""
