@@ -12,10 +12,7 @@ to the canonical classes with a `DeprecationWarning`.
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
+from moe_ep.backends.support.configs import lazy_package_attrs
 from moe_ep_sm100.configs import (
     Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig,
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
@@ -43,21 +40,6 @@ _LAZY = {
     "Sm100Mxfp8Mxfp8Bf16CutedslKernel": "moe_ep_sm100.cutedsl_mxfp8",
 }
 
-
-def __getattr__(name: str) -> Any:
-    canonical = _DEPRECATED_CONFIGS.get(name)
-    if canonical is not None:
-        warnings.warn(
-            f"moe_ep_sm100.{name} is deprecated; use moe_ep_sm100.{canonical.__name__}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return canonical
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moe_ep_sm100' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_package_attrs(
+    "moe_ep_sm100", __all__, deprecated=_DEPRECATED_CONFIGS, lazy=_LAZY
+)

@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from moe_ep.backends.base import KernelConfig
+from moe_ep.backends.support.configs import (
+    check_clamp,
+    check_config_top_k,
+    check_geometry,
+    check_int,
+)
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
@@ -22,56 +28,6 @@ __all__ = [
 
 # B200 SM count; the default for max active clusters of a 1-CTA cluster.
 BLACKWELL_SM_COUNT = 148
-
-
-def _check_clamp(value: float | None, *, field: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise MoeEpUsageError(f"{field} must be a float or None, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise MoeEpUsageError(f"{field} must be finite and > 0 (e.g. 7.0), got {value!r}")
-
-
-def _check_int(value: object, *, field: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MoeEpUsageError(f"{field} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise MoeEpUsageError(f"{field} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_problem(
-    *,
-    kernel: str,
-    multiple: int,
-    hidden_size: int,
-    intermediate_size: int,
-    top_k: int,
-    num_experts: int,
-    world_size: int,
-    max_tokens_per_rank: int,
-) -> None:
-    for field, value in (
-        ("hidden_size", hidden_size),
-        ("intermediate_size", intermediate_size),
-        ("top_k", top_k),
-        ("num_experts", num_experts),
-        ("world_size", world_size),
-        ("max_tokens_per_rank", max_tokens_per_rank),
-    ):
-        _check_int(value, field=field)
-    for field, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-        if value % multiple:
-            raise MoeEpUsageError(
-                f"{kernel}: {field} must be a multiple of {multiple}, got {value}"
-            )
-    if num_experts % world_size:
-        raise MoeEpUsageError(
-            f"{kernel}: num_experts ({num_experts}) must be divisible by world_size ({world_size})"
-        )
-    if top_k > num_experts:
-        raise MoeEpUsageError(f"{kernel}: top_k ({top_k}) must be <= num_experts ({num_experts})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,9 +42,9 @@ class _Sm100Config(KernelConfig):
     """Routes per token, compiled into the kernel; set it so `warmup()` can compile ahead."""
 
     def __post_init__(self) -> None:
-        _check_clamp(self.gate_up_clamp, field="gate_up_clamp")
+        check_clamp(self.gate_up_clamp, field="gate_up_clamp")
         if self.top_k is not None:
-            _check_int(self.top_k, field="top_k")
+            check_int(self.top_k, field="top_k")
 
     def check_problem(
         self,
@@ -101,7 +57,7 @@ class _Sm100Config(KernelConfig):
         max_tokens_per_rank: int,
     ) -> None:
         """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
-        _check_problem(
+        check_geometry(
             kernel=self.kernel_name,
             multiple=self.shape_multiple,
             hidden_size=hidden_size,
@@ -111,11 +67,7 @@ class _Sm100Config(KernelConfig):
             world_size=world_size,
             max_tokens_per_rank=max_tokens_per_rank,
         )
-        if self.top_k is not None and top_k != self.top_k:
-            raise MoeEpUsageError(
-                f"{self.kernel_name}: top_k of the inputs ({top_k}) differs from the config's "
-                f"top_k ({self.top_k})"
-            )
+        check_config_top_k(self.kernel_name, top_k, self.top_k)
 
 
 @dataclass(frozen=True, kw_only=True)

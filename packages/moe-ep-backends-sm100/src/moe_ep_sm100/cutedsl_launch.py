@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from moe_ep.backends.base import MegaKernel, RuntimeRequirements
-from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.backends.base import RuntimeRequirements
+from moe_ep.backends.support.pool import WorkspacePool
+from moe_ep.backends.support.pooled import PooledKernel, StagedCall, require_config
+from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
-from moe_ep_sm100.pool import WorkspacePool
 
 if TYPE_CHECKING:
     import torch
@@ -183,7 +184,7 @@ def check_sm100_pack(
     return i
 
 
-class CutedslMegaKernel(MegaKernel):
+class CutedslMegaKernel(PooledKernel):
     """Base of the two sm100 CuTe DSL kernels: lifecycle, pooling, staging, launch.
 
     Subclasses provide the weight preparation, the input stager, the tensor specs and the
@@ -191,6 +192,7 @@ class CutedslMegaKernel(MegaKernel):
     """
 
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
+    pool: ClassVar[WorkspacePool[CompiledEntry]] = POOL
     packed_fp4: ClassVar[bool] = False
 
     @classmethod
@@ -210,12 +212,9 @@ class CutedslMegaKernel(MegaKernel):
         runtime: Runtime,
         weights: MoEWeightPack,
     ) -> None:
-        if not isinstance(config, self.config_cls):
-            raise MoeEpUsageError(
-                f"config must be a {self.config_cls.__name__}, got {type(config).__name__}"
-            )
+        require_config(config, self.config_cls)
         super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
-        self.cfg: Any = config
+        self.cfg = config
         i = check_sm100_pack(
             self.kernel_name,
             weights,
@@ -224,7 +223,7 @@ class CutedslMegaKernel(MegaKernel):
             config,
             packed_fp4=self.packed_fp4,
         )
-        self.geometry = Geometry(
+        geometry = Geometry(
             world_size=runtime.world_size,
             rank=runtime.rank,
             max_tokens_per_rank=fleet.max_tokens_per_rank,
@@ -234,9 +233,7 @@ class CutedslMegaKernel(MegaKernel):
             intermediate_size=i,
         )
         self.prepared = self._prepare_weights(weights, runtime.device)
-        self._pool_key: tuple[Any, ...] | None = None
-        self._entry_cache: CompiledEntry | None = None
-        self._destroyed = False
+        self._init_pooled(geometry)
 
     # -- subclass hooks -----------------------------------------------------------------
     @abstractmethod
@@ -277,85 +274,23 @@ class CutedslMegaKernel(MegaKernel):
         """Quantize this rank's inputs and copy them into the pooled symmetric buffers."""
         g = self._ensure_geometry(tensors.topk_ids.shape[1])
         staged = self._stage(tensors, g.max_tokens_per_rank)
-        buf = self._entry().staging
+        entry: CompiledEntry = self._entry()
+        buf = entry.staging
         _copy_bytes(buf["activation"], staged.activation)
         _copy_bytes(buf["activation_sf"], staged.activation_scales)
         buf["topk_idx"].copy_(staged.topk_ids)
         buf["topk_weights"].copy_(staged.topk_weights)
-        return _Staged(staged.num_tokens, output)
+        return StagedCall(staged, output)
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
         """Launch on the staged buffers; copies the live rows of the output out."""
-        entry = self._entry()
+        entry: CompiledEntry = self._entry()
         self._launch(entry)
-        n = staged.num_tokens
+        n = staged.inputs.num_tokens
         staged.output[:n].copy_(entry.staging["output_activation"][:n])
         return staged.output
 
-    def warmup(self) -> None:
-        """Collective: compile (first layer of this geometry) and allocate the buffers.
-
-        Needs `config.top_k`; without it the compile happens at the first forward.
-        """
-        if self.geometry.top_k:
-            self._ensure_geometry(self.geometry.top_k)
-            self._entry()
-        self.runtime.barrier()
-
-    def destroy(self) -> None:
-        """Collective, idempotent: drop this layer's reference to the pooled entry.
-
-        The last layer of a geometry frees the symmetric buffers (an NVSHMEM collective), so
-        every rank must call it.
-        """
-        if self._destroyed:
-            return
-        self._destroyed = True
-        if self._pool_key is not None:
-            self.runtime.barrier()
-            POOL.release(self._pool_key)
-            self._pool_key = None
-            self._entry_cache = None
-
     # -- internals ----------------------------------------------------------------------
-    def _ensure_geometry(self, top_k: int) -> Geometry:
-        g = self.geometry
-        if g.top_k == 0:
-            g = replace(g, top_k=top_k)
-            self.geometry = g
-        elif top_k != g.top_k:
-            raise MoeEpUsageError(
-                f"topk_ids has k={top_k} columns but this kernel was built for top_k={g.top_k}"
-            )
-        self.cfg.check_problem(
-            hidden_size=g.hidden_size,
-            intermediate_size=g.intermediate_size,
-            top_k=g.top_k,
-            num_experts=g.num_experts,
-            world_size=g.world_size,
-            max_tokens_per_rank=g.max_tokens_per_rank,
-        )
-        return g
-
-    def _entry(self) -> CompiledEntry:
-        if self._destroyed:
-            raise MoeEpUsageError("this kernel was destroyed; build a new layer")
-        if self._entry_cache is not None:
-            return self._entry_cache
-        ok, why = self.availability()
-        if not ok:
-            raise MoeEpUnavailableError(f"{self.kernel_name} cannot run here: {why}")
-        g = self.geometry
-        if g.top_k == 0:
-            raise MoeEpUsageError(
-                "top_k is unknown: set the config's top_k to compile in warmup(), or stage "
-                "inputs first"
-            )
-        key = (self.kernel_name, self.cfg, g, str(self.runtime.device))
-        self._entry_cache = POOL.acquire(key, lambda: self._compile(g))
-        self._pool_key = key
-        return self._entry_cache
-
     def _compile(self, g: Geometry) -> CompiledEntry:
         """Build, allocate and compile (GPU only; never run)."""
         import cuda.bindings.driver as cuda
@@ -421,9 +356,3 @@ class CutedslMegaKernel(MegaKernel):
 
     def _launch(self, entry: CompiledEntry) -> None:
         entry.compiled(**entry.launch_args)
-
-
-@dataclass
-class _Staged:
-    num_tokens: int
-    output: torch.Tensor

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from moe_ep.backends.support.args import ArgSpec, LaunchGeometry
 from moe_ep_sm100.configs import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
 
 __all__ = [
@@ -32,21 +33,7 @@ def _ceil_to(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """One layer's launch geometry on one rank (everything the compiled kernel depends on)."""
-
-    world_size: int
-    rank: int
-    max_tokens_per_rank: int
-    top_k: int
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.world_size
+Geometry = LaunchGeometry
 
 
 @dataclass(frozen=True)
@@ -58,21 +45,6 @@ class Nvfp4KernelApi:
     sf_padding_block: int
     combine_format_bf16: Any
     sym_buffer_host: type
-
-
-@dataclass(frozen=True)
-class ArgSpec:
-    """One tensor argument in LOGICAL elements (fp4 counts elements, not packed bytes).
-
-    `dtype`: "fp4" (e2m1), "fp8_e4m3" (block scales), "float32", "int64", "bfloat16";
-    `leading_dim`: the stride-1 mode.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    leading_dim: int
-    align: int = 16
 
 
 def tensor_specs(g: Geometry) -> tuple[ArgSpec, ...]:

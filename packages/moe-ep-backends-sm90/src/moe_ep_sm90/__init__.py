@@ -11,10 +11,7 @@ load on first use. The deprecated config-class aliases (`Sm90PullFp8MegaMoeConfi
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
+from moe_ep.backends.support.configs import lazy_package_attrs
 from moe_ep_sm90.configs import (
     Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
     Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
@@ -37,21 +34,6 @@ _LAZY = {
     "Sm90Fp8Fp8Bf16PushCudaKernel": "moe_ep_sm90.push_cuda",
 }
 
-
-def __getattr__(name: str) -> Any:
-    canonical = _DEPRECATED_CONFIGS.get(name)
-    if canonical is not None:
-        warnings.warn(
-            f"moe_ep_sm90.{name} is deprecated; use moe_ep_sm90.{canonical.__name__}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return canonical
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moe_ep_sm90' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_package_attrs(
+    "moe_ep_sm90", __all__, deprecated=_DEPRECATED_CONFIGS, lazy=_LAZY
+)

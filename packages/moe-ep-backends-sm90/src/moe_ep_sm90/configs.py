@@ -7,11 +7,17 @@ naming the field, the rule and the value, before anything is allocated or launch
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 from moe_ep.backends.base import KernelConfig
+from moe_ep.backends.support.configs import (
+    check_choice,
+    check_clamp,
+    check_config_top_k,
+    check_geometry,
+    check_int,
+)
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
@@ -40,29 +46,6 @@ _PUSH_MAX_TOP_K = 8
 _PUSH_TOP_K = (1, 2, 4, 6, 8)
 
 
-def check_clamp(value: float | None, *, field: str) -> None:
-    """`value` must be None or a finite number > 0 (the SwiGLU gate/up clamp limit)."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise MoeEpUsageError(f"{field} must be a float or None, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise MoeEpUsageError(f"{field} must be finite and > 0 (e.g. 7.0), got {value!r}")
-
-
-def _check_int(value: object, *, field: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MoeEpUsageError(f"{field} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise MoeEpUsageError(f"{field} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_choice(value: object, choices: tuple[object, ...], *, field: str) -> None:
-    if value not in choices:
-        raise MoeEpUsageError(f"{field} must be one of {choices}, got {value!r}")
-
-
 def check_common_problem(
     *,
     kernel: str,
@@ -74,27 +57,17 @@ def check_common_problem(
     max_tokens_per_rank: int,
 ) -> None:
     """Geometry rules shared by every fp8-blockwise kernel of this package."""
-    for field, value in (
-        ("hidden_size", hidden_size),
-        ("intermediate_size", intermediate_size),
-        ("top_k", top_k),
-        ("num_experts", num_experts),
-        ("world_size", world_size),
-        ("max_tokens_per_rank", max_tokens_per_rank),
-    ):
-        _check_int(value, field=field)
-    for field, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-        if value % FP8_BLOCK != 0:
-            raise MoeEpUsageError(
-                f"{kernel}: {field} must be a multiple of {FP8_BLOCK} (the fp8 blockwise "
-                f"scale block), got {value}"
-            )
-    if num_experts % world_size != 0:
-        raise MoeEpUsageError(
-            f"{kernel}: num_experts ({num_experts}) must be divisible by world_size ({world_size})"
-        )
-    if top_k > num_experts:
-        raise MoeEpUsageError(f"{kernel}: top_k ({top_k}) must be <= num_experts ({num_experts})")
+    check_geometry(
+        kernel=kernel,
+        multiple=FP8_BLOCK,
+        multiple_why="the fp8 blockwise scale block",
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        top_k=top_k,
+        num_experts=num_experts,
+        world_size=world_size,
+        max_tokens_per_rank=max_tokens_per_rank,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,12 +97,12 @@ class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(KernelConfig):
 
     def __post_init__(self) -> None:
         if self.top_k is not None:
-            _check_int(self.top_k, field="top_k")
-        _check_choice(self.accum_mode, _ACCUM_MODES, field="accum_mode")
+            check_int(self.top_k, field="top_k")
+        check_choice(self.accum_mode, _ACCUM_MODES, field="accum_mode")
         check_clamp(self.gate_up_clamp, field="gate_up_clamp")
         if not isinstance(self.swap_ab, bool):
             raise MoeEpUsageError(f"swap_ab must be a bool, got {self.swap_ab!r}")
-        _check_choice(self.load_balance_mode, _LOAD_BALANCE, field="load_balance_mode")
+        check_choice(self.load_balance_mode, _LOAD_BALANCE, field="load_balance_mode")
         for field, value in (
             ("mma_tiler_mnk", self.mma_tiler_mnk),
             ("cluster_shape_mnk", self.cluster_shape_mnk),
@@ -137,7 +110,7 @@ class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(KernelConfig):
             if not (isinstance(value, tuple) and len(value) == 3):
                 raise MoeEpUsageError(f"{field} must be a tuple of 3 ints, got {value!r}")
             for v in value:
-                _check_int(v, field=field)
+                check_int(v, field=field)
         m, n, k = self.mma_tiler_mnk
         ms, ns = (
             (_PULL_SWAP_TILE_M, _PULL_SWAP_TILE_N)
@@ -161,7 +134,7 @@ class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(KernelConfig):
                 f"got {self.cluster_shape_mnk}"
             )
         if self.max_active_clusters is not None:
-            _check_int(self.max_active_clusters, field="max_active_clusters")
+            check_int(self.max_active_clusters, field="max_active_clusters")
 
     @property
     def resolved_max_active_clusters(self) -> int:
@@ -196,11 +169,7 @@ class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(KernelConfig):
             world_size=world_size,
             max_tokens_per_rank=max_tokens_per_rank,
         )
-        if self.top_k is not None and top_k != self.top_k:
-            raise MoeEpUsageError(
-                f"{self.kernel_name}: top_k of the inputs ({top_k}) differs from the config's "
-                f"top_k ({self.top_k})"
-            )
+        check_config_top_k(self.kernel_name, top_k, self.top_k)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +188,7 @@ class Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(KernelConfig):
 
     def __post_init__(self) -> None:
         if self.top_k is not None:
-            _check_int(self.top_k, field="top_k")
+            check_int(self.top_k, field="top_k")
         check_clamp(self.gate_up_clamp, field="gate_up_clamp")
         if not isinstance(self.use_ue8m0_scales, bool):
             raise MoeEpUsageError(f"use_ue8m0_scales must be a bool, got {self.use_ue8m0_scales!r}")
@@ -253,8 +222,4 @@ class Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(KernelConfig):
                 f"{self.kernel_name}: top_k must be one of {_PUSH_TOP_K} (the drop's "
                 f"specializations), got {top_k}"
             )
-        if self.top_k is not None and top_k != self.top_k:
-            raise MoeEpUsageError(
-                f"{self.kernel_name}: top_k of the inputs ({top_k}) differs from the config's "
-                f"top_k ({self.top_k})"
-            )
+        check_config_top_k(self.kernel_name, top_k, self.top_k)

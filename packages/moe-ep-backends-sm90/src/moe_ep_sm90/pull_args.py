@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from moe_ep.backends.support.args import ArgSpec, LaunchGeometry
 from moe_ep_sm90.configs import FP8_BLOCK, Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 
 __all__ = [
@@ -23,21 +24,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class PullGeometry:
-    """One layer's launch geometry on one rank (everything the compiled kernel depends on)."""
-
-    world_size: int
-    rank: int
-    max_tokens_per_rank: int
-    top_k: int
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.world_size
+PullGeometry = LaunchGeometry
 
 
 @dataclass(frozen=True)
@@ -49,17 +36,6 @@ class PullKernelApi:
     sym_buffer_host: type
     sf_padding_block: int
     e8m0_sf_vec_size: int
-
-
-@dataclass(frozen=True)
-class ArgSpec:
-    """One tensor argument: `dtype` is a torch dtype name, `leading_dim` the stride-1 mode."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    leading_dim: int
-    align: int = 16
 
 
 def tensor_specs(g: PullGeometry) -> tuple[ArgSpec, ...]:

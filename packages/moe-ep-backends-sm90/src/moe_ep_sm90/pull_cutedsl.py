@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.base import MegaKernel, RuntimeRequirements
+from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.hardware import check_availability
-from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.backends.support.pool import WorkspacePool
+from moe_ep.backends.support.pooled import PooledKernel, StagedCall, require_config
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 from moe_ep_sm90.drops import PULL_DROP, load_pull_api
-from moe_ep_sm90.fp8_layout import StagedInputs, check_pack, prepare_pull_weights, stage_pull_inputs
-from moe_ep_sm90.pool import WorkspacePool
+from moe_ep_sm90.fp8_layout import check_pack, prepare_pull_weights, stage_pull_inputs
 from moe_ep_sm90.pull_args import (
     ArgSpec,
     PullGeometry,
@@ -69,7 +69,7 @@ _POOL: WorkspacePool[_Compiled] = WorkspacePool(free=_free)
 
 
 @register_mega_kernel("sm90_fp8_fp8_bf16_pull_cutedsl", deprecated_aliases=("sm90_pull_fp8",))
-class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
+class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
     """Fused dispatch (peers pull tokens over NVLink) + FC1 + SwiGLU + FC2 + combine, fp8.
 
     Weights are quantized once in `__init__` (`fp8_layout.prepare_pull_weights`, blockwise
@@ -83,6 +83,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
         Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
     )
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
+    pool: ClassVar[WorkspacePool[_Compiled]] = _POOL
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -105,17 +106,13 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
         runtime: Runtime,
         weights: MoEWeightPack,
     ) -> None:
-        if not isinstance(config, Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig):
-            raise MoeEpUsageError(
-                f"config must be a {Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig.__name__}, "
-                f"got {type(config).__name__}"
-            )
+        require_config(config, Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig)
         super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
         self.cfg = config
         w13, w2 = weights.w13, weights.w2
         # top_k is part of the compiled kernel; from the config, else from the first inputs.
         top_k = config.top_k or 0
-        self.geometry = PullGeometry(
+        geometry = PullGeometry(
             world_size=runtime.world_size,
             rank=runtime.rank,
             max_tokens_per_rank=fleet.max_tokens_per_rank,
@@ -124,10 +121,8 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
             hidden_size=fleet.hidden_size,
             intermediate_size=w2.shape[-1],
         )
-        self._pool_key: tuple[Any, ...] | None = None
-        self._compiled: _Compiled | None = None
         self.prepared = prepare_pull_weights(w13.to(runtime.device), w2.to(runtime.device))
-        self._destroyed = False
+        self._init_pooled(geometry)
 
     # -- staging ------------------------------------------------------------------------
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
@@ -139,90 +134,24 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
             tensors.topk_weights,
             max_tokens=g.max_tokens_per_rank,
         )
-        entry = self._entry()
+        entry: _Compiled = self._entry()
         buf = entry.staging
         buf["activation"].copy_(staged.activation)
         if staged.activation_scales is not None:
             buf["activation_sf"].copy_(staged.activation_scales)
         buf["topk_idx"].copy_(staged.topk_ids)
         buf["topk_weights"].copy_(staged.topk_weights)
-        return _Staged(staged, output)
+        return StagedCall(staged, output)
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
         """Launch the compiled kernel on the staged buffers; copies the live rows out."""
-        entry = self._entry()
+        entry: _Compiled = self._entry()
         n = staged.inputs.num_tokens
         self._launch(entry)
         staged.output[:n].copy_(entry.staging["output_activation"][:n])
         return staged.output
 
-    # -- lifecycle ----------------------------------------------------------------------
-    def warmup(self) -> None:
-        """Collective: compile (first layer of this geometry) and allocate the workspaces.
-
-        Needs `config.top_k`; without it the compile happens at the first forward.
-        """
-        if self.geometry.top_k:
-            self._ensure_geometry(self.geometry.top_k)
-            self._entry()
-        self.runtime.barrier()
-
-    def destroy(self) -> None:
-        """Collective, idempotent: drop this layer's reference to the pooled workspaces.
-
-        The last layer of a geometry frees the symmetric buffers (an NVSHMEM collective), so
-        every rank must call it; `__del__` is not relied on because garbage collection order
-        differs between ranks.
-        """
-        if self._destroyed:
-            return
-        self._destroyed = True
-        if self._pool_key is not None:
-            self.runtime.barrier()
-            _POOL.release(self._pool_key)
-            self._pool_key = None
-            self._compiled = None
-
     # -- internals ----------------------------------------------------------------------
-    def _ensure_geometry(self, top_k: int) -> PullGeometry:
-        g = self.geometry
-        if g.top_k == 0:
-            g = PullGeometry(**{**g.__dict__, "top_k": top_k})
-            self.geometry = g
-        elif top_k != g.top_k:
-            raise MoeEpUsageError(
-                f"topk_ids has k={top_k} columns but this kernel was built for top_k={g.top_k}"
-            )
-        self.cfg.check_problem(
-            hidden_size=g.hidden_size,
-            intermediate_size=g.intermediate_size,
-            top_k=g.top_k,
-            num_experts=g.num_experts,
-            world_size=g.world_size,
-            max_tokens_per_rank=g.max_tokens_per_rank,
-        )
-        return g
-
-    def _entry(self) -> _Compiled:
-        """This layer's pooled compiled kernel + workspaces; compiles on first use."""
-        if self._destroyed:
-            raise MoeEpUsageError("this kernel was destroyed; build a new layer")
-        if self._compiled is not None:
-            return self._compiled
-        ok, why = self.availability()
-        if not ok:
-            raise MoeEpUnavailableError(f"{self.kernel_name} cannot run here: {why}")
-        g = self.geometry
-        if g.top_k == 0:
-            raise MoeEpUsageError(
-                "top_k is unknown: set the config's top_k to compile in warmup(), or stage "
-                "inputs first"
-            )
-        key = (self.cfg, g, str(self.runtime.device))
-        self._compiled = _POOL.acquire(key, lambda: self._compile(g))
-        self._pool_key = key
-        return self._compiled
-
     def _compile(self, g: PullGeometry) -> _Compiled:
         import cuda.bindings.driver as cuda
         import cutlass
@@ -298,12 +227,6 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(MegaKernel):
 
     def _launch(self, entry: _Compiled) -> None:
         entry.compiled(**entry.launch_args)
-
-
-@dataclass
-class _Staged:
-    inputs: StagedInputs
-    output: torch.Tensor
 
 
 def _staging_specs(g: PullGeometry) -> tuple[ArgSpec, ...]:

@@ -13,12 +13,13 @@ Warning:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.base import MegaKernel, RuntimeRequirements
+from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.hardware import check_availability, nvcc_reason
-from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.backends.support.pool import WorkspacePool
+from moe_ep.backends.support.pooled import PooledKernel, StagedCall, require_config
+from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig
 from moe_ep_sm90.drops import PUSH_DROP
@@ -28,7 +29,6 @@ from moe_ep_sm90.fp8_layout import (
     prepare_push_weights,
     stage_push_inputs,
 )
-from moe_ep_sm90.pool import WorkspacePool
 from moe_ep_sm90.pull_args import PullGeometry as PushGeometry
 from moe_ep_sm90.push_build import PUSH_DEPS_DROP
 from moe_ep_sm90.push_launch import PushPipe, PushWeights
@@ -52,12 +52,6 @@ def _free(pipe: PushPipe) -> None:
 _POOL: WorkspacePool[PushPipe] = WorkspacePool(free=_free)
 
 
-@dataclass
-class _Staged:
-    inputs: StagedInputs
-    output: torch.Tensor
-
-
 def check_launchable(config: Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig) -> None:
     """Knobs the config accepts but the drop's launched configuration cannot honour."""
     if config.gate_up_clamp is not None:
@@ -73,7 +67,7 @@ def check_launchable(config: Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig) -> None:
 
 
 @register_mega_kernel("sm90_fp8_fp8_bf16_push_cuda", deprecated_aliases=("sm90_push_fp8",))
-class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
+class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
     """Push-style dispatch (senders write into peers' buffers) + fp8 block-scale GEMMs.
 
     Peer memory is a torch symmetric-memory window (no NVSHMEM); the two TVM-FFI modules are
@@ -86,6 +80,8 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
         Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig
     )
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=False)
+    pool: ClassVar[WorkspacePool[PushPipe]] = _POOL
+    build_verb: ClassVar[str] = "build"
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -117,18 +113,14 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
         runtime: Runtime,
         weights: MoEWeightPack,
     ) -> None:
-        if not isinstance(config, Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig):
-            raise MoeEpUsageError(
-                f"config must be a {Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig.__name__}, "
-                f"got {type(config).__name__}"
-            )
+        require_config(config, Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig)
         check_launchable(config)
         super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
         self.cfg = config
         dev = runtime.device
         p = prepare_push_weights(weights.w13.to(dev), weights.w2.to(dev))
         self.prepared = PushWeights(p.w13, p.w13_scales, p.w2, p.w2_scales)
-        self.geometry = PushGeometry(
+        geometry = PushGeometry(
             world_size=runtime.world_size,
             rank=runtime.rank,
             max_tokens_per_rank=fleet.max_tokens_per_rank,
@@ -137,9 +129,7 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
             hidden_size=fleet.hidden_size,
             intermediate_size=weights.w2.shape[-1],
         )
-        self._pool_key: tuple[Any, ...] | None = None
-        self._pipe: PushPipe | None = None
-        self._destroyed = False
+        self._init_pooled(geometry)
 
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
         """Pad inputs into bf16 / int32 staging buffers of T rows (`stage_push_inputs`)."""
@@ -151,73 +141,16 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(MegaKernel):
             max_tokens=g.max_tokens_per_rank,
         )
         self._entry()
-        return _Staged(staged, output)
+        return StagedCall(staged, output)
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
         """One protocol round over all T staged rows; reduces the live rows into the output."""
-        pipe = self._entry()
+        pipe: PushPipe = self._entry()
         s = staged.inputs
         self._launch(pipe, s, staged.output)
         return staged.output
 
-    def warmup(self) -> None:
-        """Collective: build/load the modules, create the pipe (window rendezvous), compile
-        the GEMMs. Needs `config.top_k`; without it the first forward does this."""
-        if self.geometry.top_k:
-            self._ensure_geometry(self.geometry.top_k)
-            self._entry()
-        self.runtime.barrier()
-
-    def destroy(self) -> None:
-        """Collective, idempotent: drop this layer's reference to the pooled pipe."""
-        if self._destroyed:
-            return
-        self._destroyed = True
-        if self._pool_key is not None:
-            self.runtime.barrier()
-            _POOL.release(self._pool_key)
-            self._pool_key = None
-            self._pipe = None
-
     # -- internals ----------------------------------------------------------------------
-    def _ensure_geometry(self, top_k: int) -> PushGeometry:
-        g = self.geometry
-        if g.top_k == 0:
-            g = replace(g, top_k=top_k)
-            self.geometry = g
-        elif top_k != g.top_k:
-            raise MoeEpUsageError(
-                f"topk_ids has k={top_k} columns but this kernel was built for top_k={g.top_k}"
-            )
-        self.cfg.check_problem(
-            hidden_size=g.hidden_size,
-            intermediate_size=g.intermediate_size,
-            top_k=g.top_k,
-            num_experts=g.num_experts,
-            world_size=g.world_size,
-            max_tokens_per_rank=g.max_tokens_per_rank,
-        )
-        return g
-
-    def _entry(self) -> PushPipe:
-        if self._destroyed:
-            raise MoeEpUsageError("this kernel was destroyed; build a new layer")
-        if self._pipe is not None:
-            return self._pipe
-        ok, why = self.availability()
-        if not ok:
-            raise MoeEpUnavailableError(f"{self.kernel_name} cannot run here: {why}")
-        g = self.geometry
-        if g.top_k == 0:
-            raise MoeEpUsageError(
-                "top_k is unknown: set the config's top_k to build in warmup(), or stage "
-                "inputs first"
-            )
-        key = (self.cfg, g, str(self.runtime.device))
-        self._pipe = _POOL.acquire(key, lambda: self._compile(g))
-        self._pool_key = key
-        return self._pipe
-
     def _compile(self, g: PushGeometry) -> PushPipe:
         """Build + load the modules, create the pipe, compile the GEMMs (GPU; never run)."""
         from moe_ep_sm90 import push_build

@@ -1,0 +1,48 @@
+"""Launch geometry and tensor-argument specs shared by the GPU backends' args modules.
+
+An args module (`pull_args`, `nvfp4_args`, `mxfp8_args`) describes a kernel's tensor
+arguments as `ArgSpec`s computed from a `LaunchGeometry`; the compile-only check builds fake
+tensors from them and the launch path real ones, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ArgSpec", "LaunchGeometry"]
+
+
+@dataclass(frozen=True)
+class LaunchGeometry:
+    """One layer's launch geometry on one rank (everything the compiled kernel depends on).
+
+    `top_k` is 0 while unknown (no `config.top_k` and no inputs staged yet).
+    """
+
+    world_size: int
+    rank: int
+    max_tokens_per_rank: int
+    top_k: int
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+
+@dataclass(frozen=True)
+class ArgSpec:
+    """One tensor argument of a kernel's `__call__`, in LOGICAL elements.
+
+    `dtype`: a name from the args module's vocabulary (torch dtype names for sm90; "fp4"
+    (e2m1, counted in elements, not packed bytes), "fp8_e4m3", "e8m0", ... for sm100);
+    `leading_dim`: the stride-1 mode; `align`: the assumed byte alignment.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    leading_dim: int
+    align: int = 16

@@ -1,0 +1,130 @@
+"""Validators and module-attribute helpers shared by the GPU backends' `configs.py` and
+package `__init__`.
+
+Every validator raises `MoeEpUsageError` naming the field, the rule and the value received.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from moe_ep.errors import MoeEpUsageError
+
+__all__ = [
+    "check_choice",
+    "check_clamp",
+    "check_config_top_k",
+    "check_geometry",
+    "check_int",
+    "lazy_package_attrs",
+]
+
+
+def check_clamp(value: float | None, *, field: str) -> None:
+    """`value` must be None or a finite number > 0 (the SwiGLU gate/up clamp limit)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise MoeEpUsageError(f"{field} must be a float or None, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise MoeEpUsageError(f"{field} must be finite and > 0 (e.g. 7.0), got {value!r}")
+
+
+def check_int(value: object, *, field: str, minimum: int = 1) -> int:
+    """`value` must be an int (not a bool) >= `minimum`; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MoeEpUsageError(f"{field} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise MoeEpUsageError(f"{field} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(value: object, choices: tuple[object, ...], *, field: str) -> None:
+    """`value` must be one of `choices`."""
+    if value not in choices:
+        raise MoeEpUsageError(f"{field} must be one of {choices}, got {value!r}")
+
+
+def check_geometry(
+    *,
+    kernel: str,
+    multiple: int,
+    multiple_why: str = "",
+    hidden_size: int,
+    intermediate_size: int,
+    top_k: int,
+    num_experts: int,
+    world_size: int,
+    max_tokens_per_rank: int,
+) -> None:
+    """Geometry rules every GPU kernel shares: positive ints, H and I multiples of
+    `multiple` (`multiple_why` says why, in the message), E divisible by the world size,
+    top_k <= E."""
+    for field, value in (
+        ("hidden_size", hidden_size),
+        ("intermediate_size", intermediate_size),
+        ("top_k", top_k),
+        ("num_experts", num_experts),
+        ("world_size", world_size),
+        ("max_tokens_per_rank", max_tokens_per_rank),
+    ):
+        check_int(value, field=field)
+    why = f" ({multiple_why})" if multiple_why else ""
+    for field, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+        if value % multiple:
+            raise MoeEpUsageError(
+                f"{kernel}: {field} must be a multiple of {multiple}{why}, got {value}"
+            )
+    if num_experts % world_size:
+        raise MoeEpUsageError(
+            f"{kernel}: num_experts ({num_experts}) must be divisible by world_size ({world_size})"
+        )
+    if top_k > num_experts:
+        raise MoeEpUsageError(f"{kernel}: top_k ({top_k}) must be <= num_experts ({num_experts})")
+
+
+def check_config_top_k(kernel: str, top_k: int, config_top_k: int | None) -> None:
+    """The inputs' `top_k` must equal the config's when the config sets one."""
+    if config_top_k is not None and top_k != config_top_k:
+        raise MoeEpUsageError(
+            f"{kernel}: top_k of the inputs ({top_k}) differs from the config's "
+            f"top_k ({config_top_k})"
+        )
+
+
+def lazy_package_attrs(
+    package: str,
+    public: list[str],
+    *,
+    deprecated: Mapping[str, type],
+    lazy: Mapping[str, str],
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A backend package's module `__getattr__` and `__dir__`.
+
+    `deprecated` maps an old config-class name to its class (returned with a
+    `DeprecationWarning` naming the replacement); `lazy` maps a public name to the module
+    that defines it (imported on first access, so importing the package stays light).
+    """
+
+    def __getattr__(name: str) -> Any:
+        canonical = deprecated.get(name)
+        if canonical is not None:
+            warnings.warn(
+                f"{package}.{name} is deprecated; use {package}.{canonical.__name__}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return canonical
+        module = lazy.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    def __dir__() -> list[str]:
+        return sorted(public)
+
+    return __getattr__, __dir__

@@ -1,0 +1,132 @@
+"""Lifecycle of a pooled, compile-once GPU kernel: geometry, pool entry, warmup, destroy.
+
+Layers of one (kernel, config, geometry, device) share one compiled kernel and its
+workspaces through a `WorkspacePool`; `top_k` is part of the compiled kernel, taken from the
+config or else from the first staged inputs. A subclass sets `pool` (its module's pool)
+and implements `_compile(geometry)` plus `stage_inputs` / `compute_staged`.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from moe_ep.backends.base import MegaKernel
+from moe_ep.backends.support.args import LaunchGeometry
+from moe_ep.backends.support.pool import WorkspacePool
+from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+
+if TYPE_CHECKING:
+    import torch
+
+
+__all__ = ["PooledKernel", "StagedCall", "require_config"]
+
+
+def require_config(config: Any, config_cls: type) -> None:
+    """`MoeEpUsageError` unless `config` is a `config_cls`."""
+    if not isinstance(config, config_cls):
+        raise MoeEpUsageError(
+            f"config must be a {config_cls.__name__}, got {type(config).__name__}"
+        )
+
+
+@dataclass
+class StagedCall:
+    """What `stage_inputs` hands to `compute_staged`: the staged inputs (with `num_tokens`,
+    the live rows) and the layer's output."""
+
+    inputs: Any
+    output: torch.Tensor
+
+
+class PooledKernel(MegaKernel):
+    """Base of the compile-once kernels: pooled entry, `warmup`, idempotent `destroy`.
+
+    Subclasses set `pool`; their `__init__` sets `self.cfg` (the validated config) and calls
+    `_init_pooled(geometry)`; they implement `_compile`. `build_verb` names what the first
+    use does ("compile", "build") in the error raised while `top_k` is still unknown.
+    """
+
+    pool: ClassVar[WorkspacePool[Any]]
+    build_verb: ClassVar[str] = "compile"
+    cfg: Any
+
+    def _init_pooled(self, geometry: LaunchGeometry) -> None:
+        self.geometry = geometry
+        self._pool_key: tuple[Any, ...] | None = None
+        self._pooled: Any = None
+        self._destroyed = False
+
+    @abstractmethod
+    def _compile(self, g: LaunchGeometry) -> Any:
+        """The pool entry for geometry `g` (compile, allocate; collective; GPU only)."""
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Collective: compile (first layer of this geometry) and allocate the workspaces.
+
+        Needs `config.top_k`; without it this happens at the first forward.
+        """
+        if self.geometry.top_k:
+            self._ensure_geometry(self.geometry.top_k)
+            self._entry()
+        self.runtime.barrier()
+
+    def destroy(self) -> None:
+        """Collective, idempotent: drop this layer's reference to the pooled entry.
+
+        The last layer of a geometry frees the entry (symmetric buffers: a collective), so
+        every rank must call it; `__del__` is not relied on because garbage collection order
+        differs between ranks.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._pool_key is not None:
+            self.runtime.barrier()
+            self.pool.release(self._pool_key)
+            self._pool_key = None
+            self._pooled = None
+
+    # -- internals ----------------------------------------------------------------------
+    def _ensure_geometry(self, top_k: int) -> LaunchGeometry:
+        """The geometry with `top_k` fixed (first inputs fix it), checked by the config."""
+        g = self.geometry
+        if g.top_k == 0:
+            g = replace(g, top_k=top_k)
+            self.geometry = g
+        elif top_k != g.top_k:
+            raise MoeEpUsageError(
+                f"topk_ids has k={top_k} columns but this kernel was built for top_k={g.top_k}"
+            )
+        self.cfg.check_problem(
+            hidden_size=g.hidden_size,
+            intermediate_size=g.intermediate_size,
+            top_k=g.top_k,
+            num_experts=g.num_experts,
+            world_size=g.world_size,
+            max_tokens_per_rank=g.max_tokens_per_rank,
+        )
+        return g
+
+    def _entry(self) -> Any:
+        """This layer's pooled entry; compiles on first use of its geometry."""
+        if self._destroyed:
+            raise MoeEpUsageError("this kernel was destroyed; build a new layer")
+        if self._pooled is not None:
+            return self._pooled
+        ok, why = self.availability()
+        if not ok:
+            raise MoeEpUnavailableError(f"{self.kernel_name} cannot run here: {why}")
+        g = self.geometry
+        if g.top_k == 0:
+            raise MoeEpUsageError(
+                f"top_k is unknown: set the config's top_k to {self.build_verb} in warmup(), "
+                "or stage inputs first"
+            )
+        key = (self.kernel_name, self.cfg, g, str(self.runtime.device))
+        self._pooled = self.pool.acquire(key, lambda: self._compile(g))
+        self._pool_key = key
+        return self._pooled
