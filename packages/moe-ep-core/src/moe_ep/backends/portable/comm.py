@@ -267,4 +267,7 @@ def combine(
             for j in range(2, k):
                 am.add_(tm[:, j])
         output[t0 : t0 + m].copy_(am)
+    dead = ~valid.any(dim=1)  # rows of +-0 products only: make them +0, not -0
+    if bool(dead.any()):
+        output[dead] = 0
     return output
