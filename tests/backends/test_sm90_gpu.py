@@ -63,9 +63,9 @@ def test_pull_matches_oracle_multirank(case):
 
 
 def _require_push_build() -> None:
-    import os
+    from moe_ep import env
 
-    if os.environ.get("MOE_EP_PUSH_BUILD") != "1":
+    if not env.push_build_enabled():
         pytest.skip(
             "the push kernel builds its TVM-FFI modules with nvcc on first use (minutes); "
             "set MOE_EP_PUSH_BUILD=1 to run its GPU tests"

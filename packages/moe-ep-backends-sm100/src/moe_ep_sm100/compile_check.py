@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from typing import Any
 
+from moe_ep.backends.support.args import check_config_geometry
+from moe_ep.backends.support.compile_check import (
+    fake_gmem_tensor,
+    fake_peer_map,
+    fake_pointer,
+    require_cute_dsl_arch,
+    timed_compile,
+)
 from moe_ep_sm100 import mxfp8_args
 from moe_ep_sm100.configs import (
     BLACKWELL_SM_COUNT,
@@ -53,19 +59,9 @@ DEFAULT_GEOMETRY = Geometry(
 )
 
 
-def _check_arch(arch: str) -> None:
-    if os.environ.get("CUTE_DSL_ARCH") != arch:
-        raise RuntimeError(
-            f"CUTE_DSL_ARCH must be {arch!r} before cutlass is imported, got "
-            f"{os.environ.get('CUTE_DSL_ARCH')!r}"
-        )
-
-
 def _fake(spec: ArgSpec) -> Any:
-    """Fake gmem tensor: dynamic extents and strides, stride 1 on the leading dim."""
+    """Fake gmem tensor of the kernel dtype for `spec` (see `fake_gmem_tensor`)."""
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.typing import AddressSpace
 
     dtypes = {
         "fp4": cutlass.Float4E2M1FN,
@@ -75,24 +71,7 @@ def _fake(spec: ArgSpec) -> Any:
         "int64": cutlass.Int64,
         "bfloat16": cutlass.BFloat16,
     }
-    shape = tuple(cute.sym_int64() for _ in spec.shape)
-    stride = tuple(1 if d == spec.leading_dim else cute.sym_int64() for d in range(len(spec.shape)))
-    return cute.runtime.make_fake_tensor(
-        dtypes[spec.dtype],
-        shape,
-        stride=stride,
-        memspace=AddressSpace.gmem,
-        assumed_align=spec.align,
-    )
-
-
-def _peer_map(sym_buffer_host: type, g: Geometry) -> Any:
-    return sym_buffer_host(
-        base_addr=1 << 30,
-        offsets=tuple(r << 32 for r in range(g.world_size)),
-        rank_idx=g.rank,
-        num_max_ranks=g.world_size,
-    )
+    return fake_gmem_tensor(spec, dtypes[spec.dtype])
 
 
 def compile_nvfp4(
@@ -102,20 +81,11 @@ def compile_nvfp4(
     arch: str = "sm_100a",
 ) -> float:
     """Compile for `arch` with fake tensors; returns seconds. Needs `CUTE_DSL_ARCH=<arch>`."""
-    _check_arch(arch)
+    require_cute_dsl_arch(arch)
     import cuda.bindings.driver as cuda
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.typing import AddressSpace
 
-    config.check_problem(
-        hidden_size=geometry.hidden_size,
-        intermediate_size=geometry.intermediate_size,
-        top_k=geometry.top_k,
-        num_experts=geometry.num_experts,
-        world_size=geometry.world_size,
-        max_tokens_per_rank=geometry.max_tokens_per_rank,
-    )
+    check_config_geometry(config, geometry)
     api = load_nvfp4_api()
     kernel = api.kernel(
         **kernel_ctor_kwargs(
@@ -127,20 +97,15 @@ def compile_nvfp4(
         )
     )
 
-    def pointer(name: str) -> Any:
-        return cute.runtime.make_ptr(cutlass.Uint8, 1 << 20, AddressSpace.gmem, assumed_align=16)
-
     args = call_args(
         geometry,
         tensor=_fake,
-        pointer=pointer,
-        peer_map=_peer_map(api.sym_buffer_host, geometry),
+        pointer=fake_pointer,
+        peer_map=fake_peer_map(api.sym_buffer_host, geometry),
         stream=cuda.CUstream(0),
         max_active_clusters=BLACKWELL_SM_COUNT,
     )
-    start = time.perf_counter()
-    cute.compile(kernel, **args, options=f"--gpu-arch {arch}")
-    return time.perf_counter() - start
+    return timed_compile(kernel, args, arch)[1]
 
 
 def compile_mxfp8(
@@ -150,20 +115,13 @@ def compile_mxfp8(
     arch: str = "sm_100a",
 ) -> float:
     """Compile the mxfp8 kernel for `arch` with fake tensors; returns seconds."""
-    _check_arch(arch)
+    require_cute_dsl_arch(arch)
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.typing import AddressSpace
 
-    config.check_problem(
-        hidden_size=geometry.hidden_size,
-        intermediate_size=geometry.intermediate_size,
-        top_k=geometry.top_k,
-        num_experts=geometry.num_experts,
-        world_size=geometry.world_size,
-        max_tokens_per_rank=geometry.max_tokens_per_rank,
-    )
+    check_config_geometry(config, geometry)
     api = load_mxfp8_api()
     cm, cn, ck = mxfp8_args.CLUSTER_SHAPE_MNK
     clusters = BLACKWELL_SM_COUNT // (cm * cn * ck)
@@ -187,13 +145,11 @@ def compile_mxfp8(
         geometry,
         tensor=_fake,
         workspace=workspace,
-        peer_map=_peer_map(api.sym_buffer_host, geometry),
+        peer_map=fake_peer_map(api.sym_buffer_host, geometry),
         stream=cuda.CUstream(0),
         max_active_clusters=clusters,
     )
-    start = time.perf_counter()
-    cute.compile(kernel, **args, options=f"--gpu-arch {arch}")
-    return time.perf_counter() - start
+    return timed_compile(kernel, args, arch)[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_ep.backends.support.args import check_config_geometry
+from moe_ep.backends.support.compile_check import (
+    fake_gmem_tensor,
+    fake_peer_map,
+    fake_pointer,
+    require_cute_dsl_arch,
+    timed_compile,
+)
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 from moe_ep_sm90.pull_args import (
     ArgSpec,
@@ -69,26 +75,13 @@ def compile_pull(
 
     The environment must already carry `CUTE_DSL_ARCH=<arch>` (read when cutlass imports).
     """
-    if os.environ.get("CUTE_DSL_ARCH") != arch:
-        raise RuntimeError(
-            f"CUTE_DSL_ARCH must be {arch!r} before cutlass is imported, got "
-            f"{os.environ.get('CUTE_DSL_ARCH')!r}"
-        )
+    require_cute_dsl_arch(arch)
     import cuda.bindings.driver as cuda
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.typing import AddressSpace
 
     from moe_ep_sm90.drops import load_pull_api
 
-    config.check_problem(
-        hidden_size=geometry.hidden_size,
-        intermediate_size=geometry.intermediate_size,
-        top_k=geometry.top_k,
-        num_experts=geometry.num_experts,
-        world_size=geometry.world_size,
-        max_tokens_per_rank=geometry.max_tokens_per_rank,
-    )
+    check_config_geometry(config, geometry)
     api = load_pull_api()
     clusters = config.resolved_max_active_clusters
     kernel = kernel_class(config, api)(
@@ -108,41 +101,17 @@ def compile_pull(
     }
 
     def fake(spec: ArgSpec) -> Any:
-        # Dynamic extents and strides, stride 1 on the leading dim: what from_dlpack +
-        # mark_layout_dynamic give the launch path.
-        shape = tuple(cute.sym_int64() for _ in spec.shape)
-        stride = tuple(
-            1 if d == spec.leading_dim else cute.sym_int64() for d in range(len(spec.shape))
-        )
-        return cute.runtime.make_fake_tensor(
-            dtypes[spec.dtype],
-            shape,
-            stride=stride,
-            memspace=AddressSpace.gmem,
-            assumed_align=spec.align,
-        )
+        return fake_gmem_tensor(spec, dtypes[spec.dtype])
 
-    def pointer(name: str) -> Any:
-        # Any 16-byte aligned address: the compile never dereferences it.
-        return cute.runtime.make_ptr(cutlass.Uint8, 1 << 20, AddressSpace.gmem, assumed_align=16)
-
-    peer_map = api.sym_buffer_host(
-        base_addr=1 << 30,
-        offsets=tuple(r << 32 for r in range(geometry.world_size)),
-        rank_idx=geometry.rank,
-        num_max_ranks=geometry.world_size,
-    )
     args = call_args(
         geometry,
         tensor=fake,
-        pointer=pointer,
-        peer_map=peer_map,
+        pointer=fake_pointer,
+        peer_map=fake_peer_map(api.sym_buffer_host, geometry),
         stream=cuda.CUstream(0),
         max_active_clusters=clusters,
     )
-    start = time.perf_counter()
-    compiled = cute.compile(kernel, **args, options=f"--gpu-arch {arch}")
-    seconds = time.perf_counter() - start
+    compiled, seconds = timed_compile(kernel, args, arch)
     return CompileResult("sm90_fp8_fp8_bf16_pull_cutedsl", arch, seconds, type(compiled).__name__)
 
 

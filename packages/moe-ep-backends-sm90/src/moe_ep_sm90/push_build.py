@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moe_ep import env
 from moe_ep.backends.support.hardware import DropRef
 from moe_ep.errors import MoeEpUnavailableError
 
@@ -247,8 +248,8 @@ class BuiltModules:
 
 def default_cache_dir() -> Path:
     """`$MOE_EP_PUSH_CACHE` or `~/.cache/moe-ep/sm90_push`."""
-    env = os.environ.get("MOE_EP_PUSH_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "moe-ep" / "sm90_push"
+    cache = env.push_cache_dir()
+    return Path(cache) if cache else Path.home() / ".cache" / "moe-ep" / "sm90_push"
 
 
 def _link_flags(s: PushSources, *, driver: bool) -> list[str]:

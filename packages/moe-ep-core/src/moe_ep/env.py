@@ -23,8 +23,11 @@ __all__ = [
     "ENV_VARS",
     "EnvVar",
     "cuda_visible_devices",
+    "cute_dsl_arch",
     "local_rank",
     "master_addr_port",
+    "push_build_enabled",
+    "push_cache_dir",
     "read_env",
     "single_gpu_gloo",
     "timeout_s",
@@ -87,6 +90,24 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "CUDA_VISIBLE_DEVICES",
         "(read only for messages)",
         "Named in the error when a resolved ordinal is outside the visible devices.",
+    ),
+    EnvVar(
+        "MOE_EP_PUSH_CACHE",
+        "directory (default ~/.cache/moe-ep/sm90_push)",
+        "Where the sm90 push kernel's nvcc-built modules are cached, one subdirectory per "
+        "source digest.",
+    ),
+    EnvVar(
+        "MOE_EP_PUSH_BUILD",
+        "0 or 1 (default 0)",
+        "1: the GPU tests and the GPU check also build and run the sm90 push kernel "
+        "(nvcc builds of several minutes).",
+    ),
+    EnvVar(
+        "CUTE_DSL_ARCH",
+        "CuTe DSL arch, e.g. sm_90a / sm_100a",
+        "Read by the CuTe DSL when cutlass is imported; the compile-only checks require it "
+        "to equal their `--arch`.",
     ),
 )
 
@@ -200,3 +221,23 @@ def cuda_visible_devices(env: Mapping[str, str] | None = None) -> str:
     """CUDA_VISIBLE_DEVICES as written, or "(unset)"; only used in messages."""
     value = read_env(env).get("CUDA_VISIBLE_DEVICES")
     return "(unset)" if value is None else repr(value)
+
+
+def push_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """MOE_EP_PUSH_CACHE as written, None when unset or empty."""
+    return read_env(env).get("MOE_EP_PUSH_CACHE") or None
+
+
+def push_build_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """MOE_EP_PUSH_BUILD: True for "1", False for "0" or unset; anything else is an error."""
+    raw = _raw(env, "MOE_EP_PUSH_BUILD")
+    if raw is None or raw == "0":
+        return False
+    if raw == "1":
+        return True
+    raise MoeEpUsageError(f"environment variable MOE_EP_PUSH_BUILD must be 0 or 1, got {raw!r}")
+
+
+def cute_dsl_arch(env: Mapping[str, str] | None = None) -> str | None:
+    """CUTE_DSL_ARCH exactly as written (the CuTe DSL reads it itself), None when unset."""
+    return read_env(env).get("CUTE_DSL_ARCH")

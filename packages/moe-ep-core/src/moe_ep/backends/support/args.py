@@ -8,8 +8,9 @@ tensors from them and the launch path real ones, so the two cannot drift apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ArgSpec", "LaunchGeometry"]
+__all__ = ["ArgSpec", "LaunchGeometry", "check_config_geometry"]
 
 
 @dataclass(frozen=True)
@@ -46,3 +47,15 @@ class ArgSpec:
     dtype: str
     leading_dim: int
     align: int = 16
+
+
+def check_config_geometry(config: Any, g: LaunchGeometry) -> None:
+    """`config.check_problem(...)` with the fields of `g` (`MoeEpUsageError` if it cannot run)."""
+    config.check_problem(
+        hidden_size=g.hidden_size,
+        intermediate_size=g.intermediate_size,
+        top_k=g.top_k,
+        num_experts=g.num_experts,
+        world_size=g.world_size,
+        max_tokens_per_rank=g.max_tokens_per_rank,
+    )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moe_ep.backends.base import MegaKernel
-from moe_ep.backends.support.args import LaunchGeometry
+from moe_ep.backends.support.args import LaunchGeometry, check_config_geometry
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 
@@ -101,14 +101,7 @@ class PooledKernel(MegaKernel):
             raise MoeEpUsageError(
                 f"topk_ids has k={top_k} columns but this kernel was built for top_k={g.top_k}"
             )
-        self.cfg.check_problem(
-            hidden_size=g.hidden_size,
-            intermediate_size=g.intermediate_size,
-            top_k=g.top_k,
-            num_experts=g.num_experts,
-            world_size=g.world_size,
-            max_tokens_per_rank=g.max_tokens_per_rank,
-        )
+        check_config_geometry(self.cfg, g)
         return g
 
     def _entry(self) -> Any:

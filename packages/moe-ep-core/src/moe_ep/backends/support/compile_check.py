@@ -1,0 +1,81 @@
+"""Helpers of the compile-only checks (no GPU): the arch guard, fake tensors, fake peers.
+
+A compile-only check builds a kernel from its args module with fake global-memory tensors
+and compiles it for an arch-specific target; the CuTe DSL reads that target from
+`CUTE_DSL_ARCH` when cutlass is imported, so the check runs in a fresh process. cutlass is
+imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from moe_ep import env
+from moe_ep.backends.support.args import ArgSpec, LaunchGeometry
+
+__all__ = [
+    "FAKE_ADDRESS",
+    "fake_gmem_tensor",
+    "fake_peer_map",
+    "fake_pointer",
+    "require_cute_dsl_arch",
+    "timed_compile",
+]
+
+FAKE_ADDRESS = 1 << 20
+"""Any 16-byte aligned address: a compile never dereferences it."""
+
+
+def require_cute_dsl_arch(arch: str) -> None:
+    """`RuntimeError` unless `CUTE_DSL_ARCH` already equals `arch` (read at cutlass import)."""
+    current = env.cute_dsl_arch()
+    if current != arch:
+        raise RuntimeError(
+            f"CUTE_DSL_ARCH must be {arch!r} before cutlass is imported, got {current!r}"
+        )
+
+
+def fake_gmem_tensor(spec: ArgSpec, dtype: Any) -> Any:
+    """Fake gmem tensor of cutlass `dtype` for `spec`: dynamic extents and strides, stride 1
+    on the leading dim (what `from_dlpack` + `mark_layout_dynamic` give the launch path)."""
+    import cutlass.cute as cute
+    from cutlass.cute.typing import AddressSpace
+
+    shape = tuple(cute.sym_int64() for _ in spec.shape)
+    stride = tuple(1 if d == spec.leading_dim else cute.sym_int64() for d in range(len(spec.shape)))
+    return cute.runtime.make_fake_tensor(
+        dtype,
+        shape,
+        stride=stride,
+        memspace=AddressSpace.gmem,
+        assumed_align=spec.align,
+    )
+
+
+def fake_pointer(name: str) -> Any:
+    """A 16-byte aligned gmem `Uint8` pointer at `FAKE_ADDRESS` (workspace `name` unused)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.typing import AddressSpace
+
+    return cute.runtime.make_ptr(cutlass.Uint8, FAKE_ADDRESS, AddressSpace.gmem, assumed_align=16)
+
+
+def fake_peer_map(sym_buffer_host: type, g: LaunchGeometry) -> Any:
+    """The drop's `SymBufferHost` with made-up, distinct per-rank offsets."""
+    return sym_buffer_host(
+        base_addr=1 << 30,
+        offsets=tuple(r << 32 for r in range(g.world_size)),
+        rank_idx=g.rank,
+        num_max_ranks=g.world_size,
+    )
+
+
+def timed_compile(kernel: Any, args: dict[str, Any], arch: str) -> tuple[Any, float]:
+    """`cute.compile(kernel, **args)` for `arch`; (compiled, seconds)."""
+    import cutlass.cute as cute
+
+    start = time.perf_counter()
+    compiled = cute.compile(kernel, **args, options=f"--gpu-arch {arch}")
+    return compiled, time.perf_counter() - start
