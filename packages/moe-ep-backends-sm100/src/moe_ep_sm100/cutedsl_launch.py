@@ -24,25 +24,35 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from moe_ep.backends.base import RuntimeRequirements
+from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
-from moe_ep.backends.support.pooled import PooledKernel, StagedCall, require_config
+from moe_ep.backends.support.pooled import PooledKernel, StagedCall
 from moe_ep.errors import MoeEpUsageError
+from moe_ep_sm100.drops import CUTEDSL_DROP
 from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
 
 if TYPE_CHECKING:
     import torch
 
     from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
-    from moe_ep.runtime import Runtime
 
 __all__ = [
+    "CUTEDSL_PACKAGES",
     "SYMMETRIC_INPUTS",
     "CompiledEntry",
     "CutedslMegaKernel",
     "StagedBuffers",
     "check_sm100_pack",
+    "max_active_clusters",
     "storage_tensor",
 ]
+
+CUTEDSL_PACKAGES = (
+    ("cutlass", "nvidia-cutlass-dsl"),
+    ("cuda.bindings", "cuda-bindings"),
+    ("nvshmem", "nvshmem4py-cu13"),
+    ("triton", "triton"),
+)
 
 # Staging buffers peers read (dispatch pulls them), so they live on the symmetric heap. The
 # output is local: with the separate top-k reduce, peers write the kernel's own staging in
@@ -65,6 +75,13 @@ class StagedBuffers(Protocol):
     def topk_weights(self) -> torch.Tensor: ...
     @property
     def num_tokens(self) -> int: ...
+
+
+def max_active_clusters(cluster_size: int) -> int:
+    """Max co-resident clusters of `cluster_size` CTAs on this GPU (imports cutlass)."""
+    import cutlass.utils as utils
+
+    return int(utils.HardwareInfo().get_max_active_clusters(cluster_size))
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -196,6 +213,15 @@ class CutedslMegaKernel(PooledKernel):
     packed_fp4: ClassVar[bool] = False
 
     @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        return check_availability(
+            capability=(10, 0),
+            arch_label="Blackwell B200/GB200, sm_100a",
+            packages=CUTEDSL_PACKAGES,
+            drop=CUTEDSL_DROP,
+        )
+
+    @classmethod
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
     ) -> None:
@@ -204,42 +230,14 @@ class CutedslMegaKernel(PooledKernel):
             cls.kernel_name, weights, fleet, world_size, config, packed_fp4=cls.packed_fp4
         )
 
-    def __init__(
-        self,
-        *,
-        config: Any,
-        fleet: FleetParams,
-        runtime: Runtime,
-        weights: MoEWeightPack,
-    ) -> None:
-        require_config(config, self.config_cls)
-        super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
-        self.cfg = config
-        i = check_sm100_pack(
-            self.kernel_name,
-            weights,
-            fleet,
-            runtime.world_size,
-            config,
-            packed_fp4=self.packed_fp4,
+    def _intermediate_size(
+        self, weights: MoEWeightPack, fleet: FleetParams, world_size: int
+    ) -> int:
+        return check_sm100_pack(
+            self.kernel_name, weights, fleet, world_size, self.cfg, packed_fp4=self.packed_fp4
         )
-        geometry = Geometry(
-            world_size=runtime.world_size,
-            rank=runtime.rank,
-            max_tokens_per_rank=fleet.max_tokens_per_rank,
-            top_k=getattr(config, "top_k", None) or 0,
-            num_experts=fleet.num_experts,
-            hidden_size=fleet.hidden_size,
-            intermediate_size=i,
-        )
-        self.prepared = self._prepare_weights(weights, runtime.device)
-        self._init_pooled(geometry)
 
     # -- subclass hooks -----------------------------------------------------------------
-    @abstractmethod
-    def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Any:
-        """Kernel-ready weights on `device` (the layout module's dataclass)."""
-
     @abstractmethod
     def _stage(self, tensors: MoEEpTensors, max_tokens: int) -> StagedBuffers:
         """Quantized, padded inputs of T rows (the layout module's stager)."""
@@ -248,9 +246,16 @@ class CutedslMegaKernel(PooledKernel):
     def _tensor_specs(self, g: Geometry) -> tuple[ArgSpec, ...]:
         """The kernel's tensor arguments (`nvfp4_args` / `mxfp8_args.tensor_specs`)."""
 
-    @abstractmethod
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
-        """Tensor arguments that are not staging buffers, by argument name."""
+        """Tensor arguments that are not staging buffers, by argument name (the four weight
+        and scale tensors; a kernel with more extends this)."""
+        p = self.prepared
+        return {
+            "fc1_weight": p.w13,
+            "fc1_weight_sf": p.w13_scales,
+            "fc2_weight": p.w2,
+            "fc2_weight_sf": p.w2_scales,
+        }
 
     @abstractmethod
     def _make_kernel(self, g: Geometry) -> tuple[Any, Any, int]:

@@ -13,13 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.support.hardware import check_availability
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm100 import mxfp8_args
 from moe_ep_sm100.configs import Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
-from moe_ep_sm100.cutedsl_launch import CutedslMegaKernel, StagedBuffers
-from moe_ep_sm100.cutedsl_nvfp4 import CUTEDSL_PACKAGES, _max_active_clusters
-from moe_ep_sm100.drops import CUTEDSL_DROP, load_mxfp8_api
+from moe_ep_sm100.cutedsl_launch import CutedslMegaKernel, StagedBuffers, max_active_clusters
+from moe_ep_sm100.drops import load_mxfp8_api
 from moe_ep_sm100.mxfp8_layout import Mxfp8Weights, prepare_mxfp8_weights, stage_mxfp8_inputs
 from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
 
@@ -43,15 +41,6 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
         Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
     )
 
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        return check_availability(
-            capability=(10, 0),
-            arch_label="Blackwell B200/GB200, sm_100a",
-            packages=CUTEDSL_PACKAGES,
-            drop=CUTEDSL_DROP,
-        )
-
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Mxfp8Weights:
         s13, s2 = weights.w13_scale, weights.w2_scale
         return prepare_mxfp8_weights(
@@ -69,21 +58,12 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
     def _tensor_specs(self, g: Geometry) -> tuple[ArgSpec, ...]:
         return mxfp8_args.tensor_specs(g)
 
-    def _weight_tensors(self) -> dict[str, torch.Tensor]:
-        p = self.prepared
-        return {
-            "fc1_weight": p.w13,
-            "fc1_weight_sf": p.w13_scales,
-            "fc2_weight": p.w2,
-            "fc2_weight_sf": p.w2_scales,
-        }
-
     def _make_kernel(self, g: Geometry) -> tuple[Any, Any, int]:
         import cutlass
 
         api = load_mxfp8_api()
         cm, cn, _ = mxfp8_args.CLUSTER_SHAPE_MNK
-        clusters = _max_active_clusters(cm * cn)
+        clusters = max_active_clusters(cm * cn)
         kwargs = mxfp8_args.kernel_ctor_kwargs(
             self.cfg, g, api=api, ab_dtype=cutlass.Float8E4M3FN, max_active_clusters=clusters
         )

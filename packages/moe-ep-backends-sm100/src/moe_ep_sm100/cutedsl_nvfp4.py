@@ -13,12 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.support.hardware import check_availability
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm100 import nvfp4_args
 from moe_ep_sm100.configs import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
-from moe_ep_sm100.cutedsl_launch import CutedslMegaKernel, StagedBuffers
-from moe_ep_sm100.drops import CUTEDSL_DROP, load_nvfp4_api
+from moe_ep_sm100.cutedsl_launch import (
+    CUTEDSL_PACKAGES,
+    CutedslMegaKernel,
+    StagedBuffers,
+    max_active_clusters,
+)
+from moe_ep_sm100.drops import load_nvfp4_api
 from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
 from moe_ep_sm100.nvfp4_layout import Nvfp4Weights, prepare_nvfp4_weights, stage_nvfp4_inputs
 
@@ -28,19 +32,6 @@ if TYPE_CHECKING:
     from moe_ep.layer.params import MoEEpTensors, MoEWeightPack
 
 __all__ = ["CUTEDSL_PACKAGES", "Sm100Nvfp4Nvfp4Bf16CutedslKernel"]
-
-CUTEDSL_PACKAGES = (
-    ("cutlass", "nvidia-cutlass-dsl"),
-    ("cuda.bindings", "cuda-bindings"),
-    ("nvshmem", "nvshmem4py-cu13"),
-    ("triton", "triton"),
-)
-
-
-def _max_active_clusters(cluster_size: int) -> int:
-    import cutlass.utils as utils
-
-    return int(utils.HardwareInfo().get_max_active_clusters(cluster_size))
 
 
 @register_mega_kernel("sm100_nvfp4_nvfp4_bf16_cutedsl", deprecated_aliases=("nvfp4_cutedsl",))
@@ -56,15 +47,6 @@ class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
         Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
     )
     packed_fp4: ClassVar[bool] = True
-
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        return check_availability(
-            capability=(10, 0),
-            arch_label="Blackwell B200/GB200, sm_100a",
-            packages=CUTEDSL_PACKAGES,
-            drop=CUTEDSL_DROP,
-        )
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Nvfp4Weights:
         def dev(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -96,10 +78,7 @@ class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
         p = self.prepared
         return {
-            "fc1_weight": p.w13,
-            "fc1_weight_sf": p.w13_scales,
-            "fc2_weight": p.w2,
-            "fc2_weight_sf": p.w2_scales,
+            **super()._weight_tensors(),
             "fc1_alpha": p.fc1_alpha,
             "fc2_alpha": p.fc2_alpha,
             "fc1_norm_const": p.fc1_norm_const,
@@ -110,7 +89,7 @@ class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
 
         api = load_nvfp4_api()
         cm, cn, _ = nvfp4_args.CLUSTER_SHAPE_MNK
-        clusters = _max_active_clusters(cm * cn)
+        clusters = max_active_clusters(cm * cn)
         kwargs = nvfp4_args.kernel_ctor_kwargs(
             self.cfg, g, api=api, fc2_output_dtype=cutlass.BFloat16, max_active_clusters=clusters
         )

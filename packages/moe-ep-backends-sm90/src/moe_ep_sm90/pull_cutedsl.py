@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
-from moe_ep.backends.support.pooled import PooledKernel, StagedCall, require_config
+from moe_ep.backends.support.pooled import PooledKernel, StagedCall
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 from moe_ep_sm90.drops import PULL_DROP, load_pull_api
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     import torch
 
     from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
-    from moe_ep.runtime import Runtime
 
 __all__ = ["Sm90Fp8Fp8Bf16PullCutedslKernel"]
 
@@ -98,31 +97,8 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
         """Local checks before any collective: pack shapes, unquantized weights, geometry."""
         check_pack(cls.kernel_name, weights, fleet, world_size, config)
 
-    def __init__(
-        self,
-        *,
-        config: Any,
-        fleet: FleetParams,
-        runtime: Runtime,
-        weights: MoEWeightPack,
-    ) -> None:
-        require_config(config, Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig)
-        super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
-        self.cfg = config
-        w13, w2 = weights.w13, weights.w2
-        # top_k is part of the compiled kernel; from the config, else from the first inputs.
-        top_k = config.top_k or 0
-        geometry = PullGeometry(
-            world_size=runtime.world_size,
-            rank=runtime.rank,
-            max_tokens_per_rank=fleet.max_tokens_per_rank,
-            top_k=top_k,
-            num_experts=fleet.num_experts,
-            hidden_size=fleet.hidden_size,
-            intermediate_size=w2.shape[-1],
-        )
-        self.prepared = prepare_pull_weights(w13.to(runtime.device), w2.to(runtime.device))
-        self._init_pooled(geometry)
+    def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Any:
+        return prepare_pull_weights(weights.w13.to(device), weights.w2.to(device))
 
     # -- staging ------------------------------------------------------------------------
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.hardware import check_availability, nvcc_reason
 from moe_ep.backends.support.pool import WorkspacePool
-from moe_ep.backends.support.pooled import PooledKernel, StagedCall, require_config
+from moe_ep.backends.support.pooled import PooledKernel, StagedCall
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     import torch
 
     from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
-    from moe_ep.runtime import Runtime
 
 __all__ = ["Sm90Fp8Fp8Bf16PushCudaKernel"]
 
@@ -105,31 +104,12 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
         check_pack(cls.kernel_name, weights, fleet, world_size, config)
         check_launchable(config)
 
-    def __init__(
-        self,
-        *,
-        config: Any,
-        fleet: FleetParams,
-        runtime: Runtime,
-        weights: MoEWeightPack,
-    ) -> None:
-        require_config(config, Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig)
+    def _check_config(self, config: Any) -> None:
         check_launchable(config)
-        super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
-        self.cfg = config
-        dev = runtime.device
-        p = prepare_push_weights(weights.w13.to(dev), weights.w2.to(dev))
-        self.prepared = PushWeights(p.w13, p.w13_scales, p.w2, p.w2_scales)
-        geometry = PushGeometry(
-            world_size=runtime.world_size,
-            rank=runtime.rank,
-            max_tokens_per_rank=fleet.max_tokens_per_rank,
-            top_k=config.top_k or 0,
-            num_experts=fleet.num_experts,
-            hidden_size=fleet.hidden_size,
-            intermediate_size=weights.w2.shape[-1],
-        )
-        self._init_pooled(geometry)
+
+    def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> PushWeights:
+        p = prepare_push_weights(weights.w13.to(device), weights.w2.to(device))
+        return PushWeights(p.w13, p.w13_scales, p.w2, p.w2_scales)
 
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
         """Pad inputs into bf16 / int32 staging buffers of T rows (`stage_push_inputs`)."""

@@ -20,6 +20,9 @@ from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 if TYPE_CHECKING:
     import torch
 
+    from moe_ep.layer.params import FleetParams, MoEWeightPack
+    from moe_ep.runtime import Runtime
+
 
 __all__ = ["PooledKernel", "StagedCall", "require_config"]
 
@@ -44,20 +47,58 @@ class StagedCall:
 class PooledKernel(MegaKernel):
     """Base of the compile-once kernels: pooled entry, `warmup`, idempotent `destroy`.
 
-    Subclasses set `pool`; their `__init__` sets `self.cfg` (the validated config) and calls
-    `_init_pooled(geometry)`; they implement `_compile`. `build_verb` names what the first
-    use does ("compile", "build") in the error raised while `top_k` is still unknown.
+    Construction: the config's type is checked, then `_check_config` (refused knobs), then
+    `_intermediate_size` (local weight checks; I), then `_prepare_weights` (kernel-ready
+    weights on the runtime's device, in `self.prepared`). Subclasses set `pool` and
+    implement `_prepare_weights` and `_compile`. `build_verb` names what the first use does
+    ("compile", "build") in the error raised while `top_k` is still unknown.
     """
 
     pool: ClassVar[WorkspacePool[Any]]
     build_verb: ClassVar[str] = "compile"
     cfg: Any
 
-    def _init_pooled(self, geometry: LaunchGeometry) -> None:
-        self.geometry = geometry
+    def __init__(
+        self,
+        *,
+        config: Any,
+        fleet: FleetParams,
+        runtime: Runtime,
+        weights: MoEWeightPack,
+    ) -> None:
+        require_config(config, self.config_cls)
+        self._check_config(config)
+        super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
+        self.cfg = config
+        intermediate_size = self._intermediate_size(weights, fleet, runtime.world_size)
+        self.prepared = self._prepare_weights(weights, runtime.device)
+        # top_k is part of the compiled kernel; from the config, else from the first inputs.
+        self.geometry = LaunchGeometry(
+            world_size=runtime.world_size,
+            rank=runtime.rank,
+            max_tokens_per_rank=fleet.max_tokens_per_rank,
+            top_k=getattr(config, "top_k", None) or 0,
+            num_experts=fleet.num_experts,
+            hidden_size=fleet.hidden_size,
+            intermediate_size=intermediate_size,
+        )
         self._pool_key: tuple[Any, ...] | None = None
         self._pooled: Any = None
         self._destroyed = False
+
+    # -- subclass hooks -----------------------------------------------------------------
+    def _check_config(self, config: Any) -> None:
+        """Refuse knobs the config accepts but this kernel cannot honour (default: none)."""
+
+    def _intermediate_size(
+        self, weights: MoEWeightPack, fleet: FleetParams, world_size: int
+    ) -> int:
+        """I of the layer, after any local weight checks (default: `w2 [E_local, H, I]`)."""
+        return int(weights.w2.shape[-1])
+
+    @abstractmethod
+    def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Any:
+        """Kernel-ready weights on `device` (kept in `self.prepared`)."""
 
     @abstractmethod
     def _compile(self, g: LaunchGeometry) -> Any:
