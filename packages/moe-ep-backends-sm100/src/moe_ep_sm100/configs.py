@@ -11,11 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from moe_ep.backends.base import KernelConfig
 from moe_ep.backends.support.configs import (
+    GeometryCheckedConfig,
     check_clamp,
-    check_config_top_k,
-    check_geometry,
     check_int,
 )
 from moe_ep.errors import MoeEpUsageError
@@ -31,7 +29,7 @@ BLACKWELL_SM_COUNT = 148
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Sm100Config(KernelConfig):
+class _Sm100Config(GeometryCheckedConfig):
     """Knobs shared by the sm100 kernels."""
 
     shape_multiple: ClassVar[int] = 64
@@ -45,29 +43,6 @@ class _Sm100Config(KernelConfig):
         check_clamp(self.gate_up_clamp, field="gate_up_clamp")
         if self.top_k is not None:
             check_int(self.top_k, field="top_k")
-
-    def check_problem(
-        self,
-        *,
-        hidden_size: int,
-        intermediate_size: int,
-        top_k: int,
-        num_experts: int,
-        world_size: int,
-        max_tokens_per_rank: int,
-    ) -> None:
-        """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
-        check_geometry(
-            kernel=self.kernel_name,
-            multiple=self.shape_multiple,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            top_k=top_k,
-            num_experts=num_experts,
-            world_size=world_size,
-            max_tokens_per_rank=max_tokens_per_rank,
-        )
-        check_config_top_k(self.kernel_name, top_k, self.top_k)
 
 
 @dataclass(frozen=True, kw_only=True)

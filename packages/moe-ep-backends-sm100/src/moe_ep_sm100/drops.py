@@ -6,7 +6,7 @@ The drop puts its `src/` first on `sys.path` and imports generic top-level names
 
 from __future__ import annotations
 
-from types import ModuleType
+from functools import partial
 
 from moe_ep.backends.support import drops as support_drops
 from moe_ep.backends.support.hardware import DropRef
@@ -20,9 +20,8 @@ CUTEDSL_DROP = DropRef(
 )
 
 
-def drop_src_module(drop: DropRef, name: str) -> ModuleType:
-    """Module `name` of the drop's `src/`, imported by the drop's own shim loader."""
-    return support_drops.drop_src_module(drop, name, needed_by="moe_ep_sm100.drops")
+drop_src_module = partial(support_drops.drop_src_module, needed_by="moe_ep_sm100.drops")
+"""`drop_src_module(drop, name)`: module `name` of the drop's `src/`, through its shim."""
 
 
 def load_nvfp4_api() -> Nvfp4KernelApi:

@@ -22,6 +22,7 @@ from typing import Any
 
 from moe_ep.backends.support.args import check_config_geometry
 from moe_ep.backends.support.compile_check import (
+    DEFAULT_CHECK_GEOMETRY,
     fake_gmem_tensor,
     fake_peer_map,
     fake_pointer,
@@ -45,16 +46,7 @@ __all__ = [
     "main",
 ]
 
-# One default shape: 2 ranks, 8 experts (4 local), H=1024, I=512, top-8, 128 tokens per rank.
-DEFAULT_PULL_GEOMETRY = PullGeometry(
-    world_size=2,
-    rank=0,
-    max_tokens_per_rank=128,
-    top_k=8,
-    num_experts=8,
-    hidden_size=1024,
-    intermediate_size=512,
-)
+DEFAULT_PULL_GEOMETRY = DEFAULT_CHECK_GEOMETRY
 
 
 @dataclass(frozen=True)

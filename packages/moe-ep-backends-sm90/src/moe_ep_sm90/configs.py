@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from moe_ep.backends.base import KernelConfig
 from moe_ep.backends.support.configs import (
+    GeometryCheckedConfig,
     check_choice,
     check_clamp,
-    check_config_top_k,
-    check_geometry,
     check_int,
 )
 from moe_ep.errors import MoeEpUsageError
@@ -24,7 +22,6 @@ __all__ = [
     "Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig",
     "Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig",
     "check_clamp",
-    "check_common_problem",
 ]
 
 # fp8 blockwise recipe (DeepSeek-V3): activations 1x128, weights 128x128 blocks.
@@ -46,32 +43,16 @@ _PUSH_MAX_TOP_K = 8
 _PUSH_TOP_K = (1, 2, 4, 6, 8)
 
 
-def check_common_problem(
-    *,
-    kernel: str,
-    hidden_size: int,
-    intermediate_size: int,
-    top_k: int,
-    num_experts: int,
-    world_size: int,
-    max_tokens_per_rank: int,
-) -> None:
+@dataclass(frozen=True, kw_only=True)
+class _Fp8BlockwiseConfig(GeometryCheckedConfig):
     """Geometry rules shared by every fp8-blockwise kernel of this package."""
-    check_geometry(
-        kernel=kernel,
-        multiple=FP8_BLOCK,
-        multiple_why="the fp8 blockwise scale block",
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        top_k=top_k,
-        num_experts=num_experts,
-        world_size=world_size,
-        max_tokens_per_rank=max_tokens_per_rank,
-    )
+
+    shape_multiple: ClassVar[int] = FP8_BLOCK
+    shape_multiple_why: ClassVar[str] = "the fp8 blockwise scale block"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(KernelConfig):
+class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(_Fp8BlockwiseConfig):
     """Hopper pull-style CuTe DSL mega-MoE, fp8 e4m3 blockwise (1x128 act, 128x128 weights).
 
     Knobs mirror the drop's compile-time geometry. Defaults are the drop driver's manual
@@ -149,31 +130,9 @@ class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(KernelConfig):
         """Rows per expert segment in the dispatch pool: the physical token tile."""
         return self.mma_tiler_mnk[1] if self.swap_ab else self.mma_tiler_mnk[0]
 
-    def check_problem(
-        self,
-        *,
-        hidden_size: int,
-        intermediate_size: int,
-        top_k: int,
-        num_experts: int,
-        world_size: int,
-        max_tokens_per_rank: int,
-    ) -> None:
-        """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
-        check_common_problem(
-            kernel=self.kernel_name,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            top_k=top_k,
-            num_experts=num_experts,
-            world_size=world_size,
-            max_tokens_per_rank=max_tokens_per_rank,
-        )
-        check_config_top_k(self.kernel_name, top_k, self.top_k)
-
 
 @dataclass(frozen=True, kw_only=True)
-class Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(KernelConfig):
+class Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(_Fp8BlockwiseConfig):
     """Hopper push-style CUDA mega-MoE (fp8 e4m3 blockwise GEMMs, push all-to-all)."""
 
     kernel_name: ClassVar[str] = "sm90_fp8_fp8_bf16_push_cuda"
@@ -193,26 +152,7 @@ class Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(KernelConfig):
         if not isinstance(self.use_ue8m0_scales, bool):
             raise MoeEpUsageError(f"use_ue8m0_scales must be a bool, got {self.use_ue8m0_scales!r}")
 
-    def check_problem(
-        self,
-        *,
-        hidden_size: int,
-        intermediate_size: int,
-        top_k: int,
-        num_experts: int,
-        world_size: int,
-        max_tokens_per_rank: int,
-    ) -> None:
-        """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
-        check_common_problem(
-            kernel=self.kernel_name,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            top_k=top_k,
-            num_experts=num_experts,
-            world_size=world_size,
-            max_tokens_per_rank=max_tokens_per_rank,
-        )
+    def _check_top_k(self, top_k: int) -> None:
         if top_k > _PUSH_MAX_TOP_K:
             raise MoeEpUsageError(
                 f"{self.kernel_name}: top_k must be <= {_PUSH_MAX_TOP_K}, got {top_k}"
@@ -222,4 +162,3 @@ class Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(KernelConfig):
                 f"{self.kernel_name}: top_k must be one of {_PUSH_TOP_K} (the drop's "
                 f"specializations), got {top_k}"
             )
-        check_config_top_k(self.kernel_name, top_k, self.top_k)

@@ -8,7 +8,7 @@ kernel classes.
 
 from __future__ import annotations
 
-from types import ModuleType
+from functools import partial
 
 from moe_ep.backends.support import drops as support_drops
 from moe_ep.backends.support.hardware import DropRef
@@ -20,9 +20,8 @@ PULL_DROP = DropRef(import_name="moe_ep_drop_sm90_pull", dist="moe-ep-drop-sm90-
 PUSH_DROP = DropRef(import_name="moe_ep_drop_sm90_push", dist="moe-ep-drop-sm90-push-cuda")
 
 
-def drop_src_module(drop: DropRef, name: str) -> ModuleType:
-    """Module `name` of the drop's `src/`, imported by the drop's own shim loader."""
-    return support_drops.drop_src_module(drop, name, needed_by="moe_ep_sm90.drops")
+drop_src_module = partial(support_drops.drop_src_module, needed_by="moe_ep_sm90.drops")
+"""`drop_src_module(drop, name)`: module `name` of the drop's `src/`, through its shim."""
 
 
 def load_pull_api() -> PullKernelApi:

@@ -142,6 +142,14 @@ def _int(env: Mapping[str, str] | None, name: str, *, minimum: int) -> int | Non
     return value
 
 
+def _zero_one(raw: str | None, name: str) -> bool:
+    if raw is None or raw == "0":
+        return False
+    if raw == "1":
+        return True
+    raise MoeEpUsageError(f"environment variable {name} must be 0 or 1, got {raw!r}")
+
+
 def local_rank(env: Mapping[str, str] | None = None) -> int | None:
     """LOCAL_RANK as an int >= 0, None when unset."""
     return _int(env, "LOCAL_RANK", minimum=0)
@@ -159,12 +167,7 @@ def torchrun_world_size(env: Mapping[str, str] | None = None) -> int | None:
 
 def single_gpu_gloo(env: Mapping[str, str] | None = None) -> bool:
     """MEGA_SINGLE_GPU_GLOO: True for "1", False for "0" or unset; anything else is an error."""
-    raw = _raw(env, "MEGA_SINGLE_GPU_GLOO")
-    if raw is None or raw == "0":
-        return False
-    if raw == "1":
-        return True
-    raise MoeEpUsageError(f"environment variable MEGA_SINGLE_GPU_GLOO must be 0 or 1, got {raw!r}")
+    return _zero_one(_raw(env, "MEGA_SINGLE_GPU_GLOO"), "MEGA_SINGLE_GPU_GLOO")
 
 
 def torchelastic_agent_store(env: Mapping[str, str] | None = None) -> bool:
@@ -230,12 +233,7 @@ def push_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
 
 def push_build_enabled(env: Mapping[str, str] | None = None) -> bool:
     """MOE_EP_PUSH_BUILD: True for "1", False for "0" or unset; anything else is an error."""
-    raw = _raw(env, "MOE_EP_PUSH_BUILD")
-    if raw is None or raw == "0":
-        return False
-    if raw == "1":
-        return True
-    raise MoeEpUsageError(f"environment variable MOE_EP_PUSH_BUILD must be 0 or 1, got {raw!r}")
+    return _zero_one(_raw(env, "MOE_EP_PUSH_BUILD"), "MOE_EP_PUSH_BUILD")
 
 
 def cute_dsl_arch(env: Mapping[str, str] | None = None) -> str | None:

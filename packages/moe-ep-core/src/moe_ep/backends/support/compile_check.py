@@ -15,6 +15,7 @@ from moe_ep import env
 from moe_ep.backends.support.args import ArgSpec, LaunchGeometry
 
 __all__ = [
+    "DEFAULT_CHECK_GEOMETRY",
     "FAKE_ADDRESS",
     "fake_gmem_tensor",
     "fake_peer_map",
@@ -22,6 +23,17 @@ __all__ = [
     "require_cute_dsl_arch",
     "timed_compile",
 ]
+
+# One default shape: 2 ranks, 8 experts (4 local), H=1024, I=512, top-8, 128 tokens per rank.
+DEFAULT_CHECK_GEOMETRY = LaunchGeometry(
+    world_size=2,
+    rank=0,
+    max_tokens_per_rank=128,
+    top_k=8,
+    num_experts=8,
+    hidden_size=1024,
+    intermediate_size=512,
+)
 
 FAKE_ADDRESS = 1 << 20
 """Any 16-byte aligned address: a compile never dereferences it."""

@@ -10,11 +10,14 @@ import importlib
 import math
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+from moe_ep.backends.base import KernelConfig
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
+    "GeometryCheckedConfig",
     "check_choice",
     "check_clamp",
     "check_config_top_k",
@@ -94,6 +97,44 @@ def check_config_top_k(kernel: str, top_k: int, config_top_k: int | None) -> Non
             f"{kernel}: top_k of the inputs ({top_k}) differs from the config's "
             f"top_k ({config_top_k})"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeometryCheckedConfig(KernelConfig):
+    """Base of GPU kernel configs whose `check_problem` is `check_geometry` with
+    `shape_multiple` (and `shape_multiple_why`), then `_check_top_k`, then the config's own
+    `top_k` (a field subclasses may declare) against the inputs'."""
+
+    shape_multiple: ClassVar[int] = 1
+    shape_multiple_why: ClassVar[str] = ""
+
+    def check_problem(
+        self,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        top_k: int,
+        num_experts: int,
+        world_size: int,
+        max_tokens_per_rank: int,
+    ) -> None:
+        """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
+        check_geometry(
+            kernel=self.kernel_name,
+            multiple=self.shape_multiple,
+            multiple_why=self.shape_multiple_why,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            top_k=top_k,
+            num_experts=num_experts,
+            world_size=world_size,
+            max_tokens_per_rank=max_tokens_per_rank,
+        )
+        self._check_top_k(top_k)
+        check_config_top_k(self.kernel_name, top_k, getattr(self, "top_k", None))
+
+    def _check_top_k(self, top_k: int) -> None:
+        """Kernel-specific rules on the inputs' `top_k` (default: none)."""
 
 
 def lazy_package_attrs(
