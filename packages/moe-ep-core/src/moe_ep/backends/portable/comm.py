@@ -257,16 +257,16 @@ def combine(
     for t0 in range(0, n, c):
         m = min(c, n - t0)
         g = torch.index_select(y_home, 0, pos[t0 : t0 + m].reshape(-1), out=gathered[: m * k])
-        tm, am = terms[:m], acc[:m]
+        tm, am, om = terms[:m], acc[:m], output[t0 : t0 + m]
         tm.view(m * k, hidden).copy_(g)
         tm.mul_(w[t0 : t0 + m])
         if k == 1:
-            am.copy_(tm[:, 0])
-        else:
-            torch.add(tm[:, 0], tm[:, 1], out=am)
-            for j in range(2, k):
-                am.add_(tm[:, j])
-        output[t0 : t0 + m].copy_(am)
+            om.copy_(tm[:, 0])
+            continue
+        # The last add writes the bf16 output: fp32 sum, rounded once (RNE).
+        torch.add(tm[:, 0], tm[:, 1], out=om if k == 2 else am)
+        for j in range(2, k):
+            torch.add(am, tm[:, j], out=om if j == k - 1 else am)
     dead = ~valid.any(dim=1)  # rows of +-0 products only: make them +0, not -0
     if bool(dead.any()):
         output[dead] = 0

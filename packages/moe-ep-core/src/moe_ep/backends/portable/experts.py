@@ -40,10 +40,14 @@ def _swiglu(
     h: torch.Tensor,
     alpha: float | None,
     clamp: float | None,
-    requantize: Callable[[torch.Tensor], torch.Tensor],
+    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
     ws: Workspace,
 ) -> None:
-    """`gu [b, 2I]` -> `h [b, I]`: `requantize(silu(g) * u)` in fp32, rounded into h."""
+    """`gu [b, 2I]` -> `h [b, I]`: `requantize(silu(g) * u)` in fp32, rounded into h.
+
+    `requantize=None`: the rounding into h is the whole quantization; the product is then
+    written straight into h (one fp32 multiply, one rounding: the same bits, one pass less).
+    """
     b, inter = int(h.shape[0]), int(h.shape[1])
     rows = min(b, SWIGLU_ROWS)
     in_place = gu.dtype == torch.float32  # fp32 GEMM output: work on it directly
@@ -63,8 +67,11 @@ def _swiglu(
             g.clamp_(max=clamp)
             u.clamp_(-clamp, clamp)
         F.silu(g, inplace=True)
-        g.mul_(u)  # h = silu(g) * u in fp32
-        h[s:e].copy_(requantize(g))  # copy_ rounds to h's dtype (RNE) where needed
+        if requantize is None:
+            torch.mul(g, u, out=h[s:e])  # fp32 product, rounded (RNE) into h's dtype
+        else:
+            g.mul_(u)  # h = silu(g) * u in fp32
+            h[s:e].copy_(requantize(g))  # copy_ rounds to h's dtype (RNE) where needed
 
 
 def run_experts(
@@ -72,7 +79,7 @@ def run_experts(
     src_row: torch.Tensor,
     counts: list[int],
     weights: PreparedWeights,
-    requantize: Callable[[torch.Tensor], torch.Tensor],
+    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
     swiglu_clamp: float | None,
     y: torch.Tensor,
     ws: Workspace,
@@ -84,7 +91,8 @@ def run_experts(
         (`counts[e]` pairs of expert e, in global (token, slot) order within a group).
 
     `[g; u] = x @ w13t`, `h = silu(g) * u` in fp32 (per-expert alpha13 applied to g and u
-    first; clamp: g <= c, |u| <= c), FC2 input = `requantize(h)` in the compute dtype,
+    first; clamp: g <= c, |u| <= c), FC2 input = `requantize(h)` (None: h itself) rounded
+    to the compute dtype,
     `y = h @ w2t` (times alpha2), rounded to bf16.
     """
     hidden = int(weights.w2t.shape[2])

@@ -164,7 +164,7 @@ class PortableTorchKernel(MegaKernel):
             recv.pair_row[order],
             counts,
             self.prepared,
-            self.recipe.requantize,
+            None if self.recipe.requantize_is_rounding else self.recipe.requantize,
             self.pconfig.swiglu_clamp,
             y_sorted,
             wsp,

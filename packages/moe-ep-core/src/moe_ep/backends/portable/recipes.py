@@ -75,6 +75,9 @@ class Recipe(ABC):
     """Payload dtypes accepted in a pre-quantized `MoEWeightPack` (empty: none)."""
     k_multiple: int = 1
     """H and I must be multiples of this (the format's block along K)."""
+    requantize_is_rounding: bool = False
+    """True when `requantize` is the identity: rounding the fp32 SwiGLU output to the compute
+    dtype is the whole FC2-input quantization (lets the experts fuse the rounding)."""
 
     def check_dims(self, hidden: int, intermediate: int) -> None:
         m = self.k_multiple
@@ -142,6 +145,7 @@ def _layout(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[to
 class Bf16Recipe(Recipe):
     name = "bf16"
     compute_dtype = torch.bfloat16
+    requantize_is_rounding = True
 
     def row_bytes(self, hidden: int) -> int:
         return 2 * hidden
