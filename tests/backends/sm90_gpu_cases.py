@@ -22,6 +22,16 @@ class GpuCase:
     seed: int = 0
 
 
+CASES = [
+    GpuCase("basic"),
+    GpuCase("padded_slots", pad_frac=0.3, seed=1),
+    GpuCase("one_expert_per_rank", experts_per_rank=1, topk=1, seed=2),
+    GpuCase("skewed", routing="skewed", seed=3),
+    GpuCase("zero_tokens", tokens=0, seed=4),
+]
+"""The problems both GPU test modules run."""
+
+
 def fp8_exact_weights(e: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """`[e, n, k]` fp32 weights the fp8 recipes reproduce exactly under any grouping of
     64-row groups into 128-row blocks: e4m3 values times 2**-12, every (64-row, 128-col)

@@ -9,14 +9,13 @@ argument specs the compiled kernel was built for. The real launch has never run 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
+from backend_testing import FakeRuntime, fake_gpu_pieces, make_kernel, routed_tensors
 
 import moe_ep_sm100.cutedsl_launch as launch
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+from moe_ep.layer.params import FleetParams, MoEWeightPack
 from moe_ep_sm100 import (
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
@@ -34,22 +33,10 @@ KINDS = {
 }
 
 
-@dataclass
-class FakeRuntime:
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    barriers: int = 0
-
-    def barrier(self) -> None:
-        self.barriers += 1
-
-
 @pytest.fixture(params=sorted(KINDS))
 def kind(request, monkeypatch):
     cls, cfg = KINDS[request.param]
     compiled: list[launch.CompiledEntry] = []
-    freed: list[launch.CompiledEntry] = []
     launches: list[launch.CompiledEntry] = []
 
     def fake_compile(self, g):
@@ -68,34 +55,24 @@ def kind(request, monkeypatch):
         out = entry.staging["output_activation"]
         out.copy_((torch.arange(out.shape[0]) + 1.0)[:, None].expand_as(out))
 
-    monkeypatch.setattr(cls, "availability", classmethod(lambda c: (True, "")))
-    monkeypatch.setattr(cls, "_compile", fake_compile)
-    monkeypatch.setattr(cls, "_launch", fake_launch)
-    monkeypatch.setattr(launch.POOL, "free", freed.append)
+    freed = fake_gpu_pieces(monkeypatch, cls, launch.POOL, compile=fake_compile, launch=fake_launch)
     return request.param, cls, cfg, compiled, freed, launches
 
 
 def _kernel(cls, config, hidden=H, runtime=None):
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(E, 2 * I, hidden, generator=g).to(torch.bfloat16)
-    w2 = torch.randn(E, hidden, I, generator=g).to(torch.bfloat16)
-    return cls(
-        config=config,
-        fleet=FleetParams(num_experts=E, max_tokens_per_rank=T, hidden_size=hidden),
-        runtime=runtime or FakeRuntime(),
-        weights=MoEWeightPack(w13=w13, w2=w2),
+    return make_kernel(
+        cls,
+        config,
+        num_experts=E,
+        intermediate=I,
+        hidden=hidden,
+        max_tokens=T,
+        runtime=runtime,
     )
 
 
 def _tensors(n=3, k=2, hidden=H):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, E, (n, k), generator=g)
-    ids[0, 1] = -1
-    return MoEEpTensors(
-        hidden_states=torch.randn(n, hidden, generator=g).to(torch.bfloat16),
-        topk_ids=ids,
-        topk_weights=torch.rand(n, k, generator=g),
-    )
+    return routed_tensors(n, k, hidden, E)
 
 
 def test_layers_share_one_compile_per_geometry_and_free_on_last_destroy(kind):

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from backend_testing import require_drop, run_fresh_python
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.mxfp8_layout import (
@@ -156,24 +157,10 @@ print(json.dumps({
 def test_layouts_match_the_drops_own_host_helpers():
     """Our swizzle and mxfp8 recipe produce the bytes of the drop's own `to_blocked` and
     `mxfp8_quantize_per_block_32` (run in a fresh process: the drop owns top-level names)."""
-    import json
-    import subprocess
-    import sys
-
     from moe_ep_sm100.drops import CUTEDSL_DROP
 
-    why = CUTEDSL_DROP.reason()
-    if why:
-        pytest.skip(why)
-    import importlib.util
-
-    if importlib.util.find_spec("cutlass") is None:
-        pytest.skip("nvidia-cutlass-dsl is not installed (the drop's modules import cutlass)")
-    out = subprocess.run(
-        [sys.executable, "-c", _CROSS_CHECK], capture_output=True, text=True, timeout=180
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+    require_drop(CUTEDSL_DROP)
+    assert run_fresh_python(_CROSS_CHECK) == {
         "swizzle": True,
         "scales": True,
         "data": True,

@@ -7,12 +7,9 @@ here; staging bytes against a scalar e2m1 / e4m3 reference.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
+from backend_testing import require_drop, run_fresh_python
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.nvfp4_layout import (
@@ -142,18 +139,8 @@ def test_recipe_matches_the_drops_own_nvfp4_quantizer():
         pytest.skip(
             "the drop's nvfp4 quantizer runs only on CUDA (rcp.approx); no CUDA device here"
         )
-    why = CUTEDSL_DROP.reason()
-    if why:
-        pytest.skip(why)
-    import importlib.util
-
-    if importlib.util.find_spec("cutlass") is None:
-        pytest.skip("nvidia-cutlass-dsl is not installed (the drop's modules import cutlass)")
-    out = subprocess.run(
-        [sys.executable, "-c", _CROSS_CHECK], capture_output=True, text=True, timeout=180
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    require_drop(CUTEDSL_DROP)
+    res = run_fresh_python(_CROSS_CHECK)
     assert res["scales"] is True
     assert res["data_mismatch_bytes"] <= res["bytes"] // 1000, res
 

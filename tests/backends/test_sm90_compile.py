@@ -7,47 +7,21 @@ generic top-level module names and the CuTe DSL reads its target arch from the e
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from backend_testing import require_drop, run_compile_check
 
 from moe_ep_sm90.drops import PULL_DROP
 
 
 def _require_drop(drop) -> None:
-    why = drop.reason()
-    if why:
-        pytest.skip(why)
-    if importlib.util.find_spec("cutlass") is None and drop is PULL_DROP:
-        pytest.skip("nvidia-cutlass-dsl is not installed (import cutlass)")
+    require_drop(drop, cutlass=drop is PULL_DROP)
 
 
 def _compile_pull(tmp_path: Path, arch: str, *extra: str) -> dict:
-    env = {
-        **os.environ,
-        "CUTE_DSL_ARCH": arch,
-        "CUTE_DSL_CACHE_DIR": str(tmp_path / "cute_cache"),
-        "CUTE_DSL_NO_CACHE": "1",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "moe_ep_sm90.compile_check", "pull", "--arch", arch, *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"no result line; rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1])
-    assert (proc.returncode == 0) == result["ok"]
-    return result
+    return run_compile_check(tmp_path, "moe_ep_sm90.compile_check", arch, "pull", *extra)
 
 
 def test_pull_kernel_compiles_for_sm90a(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_testing import require_drop, run_fresh_python
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm90.fp8_layout import (
@@ -259,21 +260,7 @@ def test_recipe_matches_the_pull_drops_own_host_quantizers():
     """Our fp8 blockwise bytes equal the drop's `quantize_fp8_per_token_block` /
     `quantize_fp8_weight_block_nk` (nonzero blocks; fresh process: the drop owns top-level
     module names)."""
-    import json
-    import subprocess
-    import sys
-
     from moe_ep_sm90.drops import PULL_DROP
 
-    why = PULL_DROP.reason()
-    if why:
-        pytest.skip(why)
-    import importlib.util
-
-    if importlib.util.find_spec("cutlass") is None:
-        pytest.skip("nvidia-cutlass-dsl is not installed (the drop's modules import cutlass)")
-    out = subprocess.run(
-        [sys.executable, "-c", _CROSS_CHECK], capture_output=True, text=True, timeout=180
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"act": True, "weight": True}
+    require_drop(PULL_DROP)
+    assert run_fresh_python(_CROSS_CHECK) == {"act": True, "weight": True}

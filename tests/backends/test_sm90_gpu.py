@@ -12,17 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_hw import require_capability
-from sm90_gpu_cases import GpuCase, make_problem, run_rank
+from sm90_gpu_cases import CASES, GpuCase, make_problem, run_rank
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
-
-CASES = [
-    GpuCase("basic"),
-    GpuCase("padded_slots", pad_frac=0.3, seed=1),
-    GpuCase("one_expert_per_rank", experts_per_rank=1, topk=1, seed=2),
-    GpuCase("skewed", routing="skewed", seed=3),
-    GpuCase("zero_tokens", tokens=0, seed=4),
-]
 
 
 def _check(case: GpuCase, world_size: int, kernel: str) -> None:

@@ -8,35 +8,21 @@ pooled buffers, output copy-out, and the errors. The real launch has never run o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
+from backend_testing import fake_gpu_pieces, make_kernel, routed_tensors
 
 import moe_ep_sm90.pull_cutedsl as pull
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig as Config
 from moe_ep_sm90.pull_args import tensor_specs
 
 H, I, E = 256, 128, 4  # noqa: E741 - the glossary names (I = intermediate)
 
 
-@dataclass
-class FakeRuntime:
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    barriers: int = 0
-
-    def barrier(self) -> None:
-        self.barriers += 1
-
-
 @pytest.fixture
 def fakes(monkeypatch):
     compiled: list[object] = []
-    freed: list[object] = []
     launches: list[object] = []
 
     def fake_compile(self, g):
@@ -58,36 +44,30 @@ def fakes(monkeypatch):
             rows[:, None].expand_as(entry.staging["output_activation"])
         )
 
-    monkeypatch.setattr(
-        pull.Sm90Fp8Fp8Bf16PullCutedslKernel, "availability", classmethod(lambda cls: (True, ""))
+    freed = fake_gpu_pieces(
+        monkeypatch,
+        pull.Sm90Fp8Fp8Bf16PullCutedslKernel,
+        pull._POOL,
+        compile=fake_compile,
+        launch=fake_launch,
     )
-    monkeypatch.setattr(pull.Sm90Fp8Fp8Bf16PullCutedslKernel, "_compile", fake_compile)
-    monkeypatch.setattr(pull.Sm90Fp8Fp8Bf16PullCutedslKernel, "_launch", fake_launch)
-    monkeypatch.setattr(pull._POOL, "free", freed.append)
     return compiled, freed, launches
 
 
 def _kernel(config=None, hidden=H, runtime=None):
-    g = torch.Generator().manual_seed(0)
-    w13 = torch.randn(E, 2 * I, hidden, generator=g).to(torch.bfloat16)
-    w2 = torch.randn(E, hidden, I, generator=g).to(torch.bfloat16)
-    return pull.Sm90Fp8Fp8Bf16PullCutedslKernel(
-        config=config or Config(top_k=2),
-        fleet=FleetParams(num_experts=E, max_tokens_per_rank=8, hidden_size=hidden),
-        runtime=runtime or FakeRuntime(),
-        weights=MoEWeightPack(w13=w13, w2=w2),
+    return make_kernel(
+        pull.Sm90Fp8Fp8Bf16PullCutedslKernel,
+        config or Config(top_k=2),
+        num_experts=E,
+        intermediate=I,
+        hidden=hidden,
+        max_tokens=8,
+        runtime=runtime,
     )
 
 
 def _tensors(n=3, k=2, hidden=H):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, E, (n, k), generator=g)
-    ids[0, 1] = -1
-    return MoEEpTensors(
-        hidden_states=torch.randn(n, hidden, generator=g).to(torch.bfloat16),
-        topk_ids=ids,
-        topk_weights=torch.rand(n, k, generator=g),
-    )
+    return routed_tensors(n, k, hidden, E)
 
 
 def test_layers_of_one_geometry_share_one_compile_and_free_on_last_destroy(fakes):

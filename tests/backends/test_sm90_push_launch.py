@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from backend_testing import fake_gpu_pieces, make_kernel
 
 import moe_ep_sm90.push_cuda as push
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+from moe_ep.layer.params import MoEEpTensors
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig as Config
 from moe_ep_sm90.push_launch import GemmBuffers, PushPipe, PushScratch, PushWeights
 from moe_ep_sm90.push_layout import push_layout
@@ -186,20 +187,9 @@ def test_failed_round_publishes_abort_and_poisons_the_pipe():
         pipe.run_round(*args)
 
 
-@dataclass
-class FakeRuntime:
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    barriers: int = 0
-
-    def barrier(self) -> None:
-        self.barriers += 1
-
-
 @pytest.fixture
 def fakes(monkeypatch):
-    built, freed, rounds = [], [], []
+    built, rounds = [], []
 
     def fake_compile(self, g):
         built.append(g)
@@ -209,24 +199,24 @@ def fakes(monkeypatch):
         rounds.append((pipe, s))
         output.fill_(7.0)
 
-    cls = push.Sm90Fp8Fp8Bf16PushCudaKernel
-    monkeypatch.setattr(cls, "availability", classmethod(lambda c: (True, "")))
-    monkeypatch.setattr(cls, "_compile", fake_compile)
-    monkeypatch.setattr(cls, "_launch", fake_launch)
-    monkeypatch.setattr(push._POOL, "free", freed.append)
+    freed = fake_gpu_pieces(
+        monkeypatch,
+        push.Sm90Fp8Fp8Bf16PushCudaKernel,
+        push._POOL,
+        compile=fake_compile,
+        launch=fake_launch,
+    )
     return built, freed, rounds
 
 
 def _kernel(config=None, hidden=H):
-    g = torch.Generator().manual_seed(0)
-    return push.Sm90Fp8Fp8Bf16PushCudaKernel(
-        config=config or Config(top_k=2),
-        fleet=FleetParams(num_experts=E, max_tokens_per_rank=T, hidden_size=hidden),
-        runtime=FakeRuntime(),
-        weights=MoEWeightPack(
-            w13=torch.randn(E, 2 * I, hidden, generator=g).to(torch.bfloat16),
-            w2=torch.randn(E, hidden, I, generator=g).to(torch.bfloat16),
-        ),
+    return make_kernel(
+        push.Sm90Fp8Fp8Bf16PushCudaKernel,
+        config or Config(top_k=2),
+        num_experts=E,
+        intermediate=I,
+        hidden=hidden,
+        max_tokens=T,
     )
 
 

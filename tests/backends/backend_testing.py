@@ -1,0 +1,131 @@
+"""Helpers shared by the backend tests: drop/cutlass skips, fresh-process runs, lifecycle fakes.
+
+The GPU-only pieces of a pooled kernel (`_compile`, `_launch`) are faked on CPU; the
+kernels' own logic (pooling, ref-counted release, staging, errors) runs for real.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+
+
+def require_drop(drop: Any, *, cutlass: bool = True) -> None:
+    """Skip unless `drop` is installed and materialized (and cutlass importable if asked)."""
+    why = drop.reason()
+    if why:
+        pytest.skip(why)
+    if cutlass and importlib.util.find_spec("cutlass") is None:
+        pytest.skip("nvidia-cutlass-dsl is not installed (the drop's modules import cutlass)")
+
+
+def run_fresh_python(code: str) -> dict:
+    """Run `code` in a fresh interpreter (the drops own top-level module names); its last
+    stdout line parsed as JSON. Fails the test on a non-zero exit."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_compile_check(tmp_path: Path, module: str, arch: str, *args: str) -> dict:
+    """`python -m <module> <args> --arch <arch>` with `CUTE_DSL_ARCH=<arch>` and a private
+    CuTe DSL cache; its JSON result line (`ok` agrees with the exit code)."""
+    env = {
+        **os.environ,
+        "CUTE_DSL_ARCH": arch,
+        "CUTE_DSL_CACHE_DIR": str(tmp_path / "cute_cache"),
+        "CUTE_DSL_NO_CACHE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args, "--arch", arch],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no result line; rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    result = json.loads(lines[-1])
+    assert (proc.returncode == 0) == result["ok"]
+    return result
+
+
+@dataclass
+class FakeRuntime:
+    """The parts of `moe_ep.runtime.Runtime` a kernel uses; counts barriers."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    barriers: int = 0
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+
+def fake_gpu_pieces(
+    monkeypatch: pytest.MonkeyPatch,
+    cls: type,
+    pool: Any,
+    *,
+    compile: Callable[..., Any],
+    launch: Callable[..., Any],
+) -> list[Any]:
+    """Make `cls` available with `_compile` / `_launch` replaced; returns the list that
+    records what `pool` frees."""
+    freed: list[Any] = []
+    monkeypatch.setattr(cls, "availability", classmethod(lambda c: (True, "")))
+    monkeypatch.setattr(cls, "_compile", compile)
+    monkeypatch.setattr(cls, "_launch", launch)
+    monkeypatch.setattr(pool, "free", freed.append)
+    return freed
+
+
+def make_kernel(
+    cls: type,
+    config: Any,
+    *,
+    num_experts: int,
+    intermediate: int,
+    hidden: int,
+    max_tokens: int,
+    runtime: Any = None,
+) -> Any:
+    """`cls` over seeded bf16 weights `w13 [E, 2I, H]`, `w2 [E, H, I]` on a `FakeRuntime`."""
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=g).to(torch.bfloat16)
+    return cls(
+        config=config,
+        fleet=FleetParams(
+            num_experts=num_experts, max_tokens_per_rank=max_tokens, hidden_size=hidden
+        ),
+        runtime=runtime or FakeRuntime(),
+        weights=MoEWeightPack(w13=w13, w2=w2),
+    )
+
+
+def routed_tensors(n: int, k: int, hidden: int, num_experts: int) -> MoEEpTensors:
+    """Seeded inputs: `[n, hidden]` bf16 tokens, ids in [0, E) with one padded slot (row 0,
+    column 1 = -1), fp32 weights."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, num_experts, (n, k), generator=g)
+    ids[0, 1] = -1
+    return MoEEpTensors(
+        hidden_states=torch.randn(n, hidden, generator=g).to(torch.bfloat16),
+        topk_ids=ids,
+        topk_weights=torch.rand(n, k, generator=g),
+    )
