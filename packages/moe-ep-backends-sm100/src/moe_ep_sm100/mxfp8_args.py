@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from moe_ep.backends.support.args import ceil_to, kernel_call_args
 from moe_ep_sm100.configs import Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
-from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
+from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry, shared_ctor_kwargs
 
 __all__ = [
     "CLUSTER_SHAPE_MNK",
@@ -26,10 +27,6 @@ __all__ = [
 MXFP8_BLOCK = 32
 MMA_TILER_MNK = (256, 256, 128)
 CLUSTER_SHAPE_MNK = (2, 1, 1)
-
-
-def _ceil_to(v: int, m: int) -> int:
-    return -(-v // m) * m
 
 
 @dataclass(frozen=True)
@@ -53,13 +50,13 @@ def tensor_specs(g: Geometry) -> tuple[ArgSpec, ...]:
     sf = MXFP8_BLOCK
     return (
         ArgSpec("activation", (t, h), "fp8_e4m3", 1),
-        ArgSpec("activation_sf", (t, _ceil_to(-(-h // sf), 4)), "e8m0", 1),
+        ArgSpec("activation_sf", (t, ceil_to(-(-h // sf), 4)), "e8m0", 1),
         ArgSpec("topk_idx", (t, k), "int64", 1),
         ArgSpec("topk_weights", (t, k), "float32", 1),
         ArgSpec("fc1_weight", (e, h, 2 * i), "fp8_e4m3", 1),
-        ArgSpec("fc1_weight_sf", (e, _ceil_to(2 * i, 128) * _ceil_to(h // sf, 4)), "e8m0", 1),
+        ArgSpec("fc1_weight_sf", (e, ceil_to(2 * i, 128) * ceil_to(h // sf, 4)), "e8m0", 1),
         ArgSpec("fc2_weight", (e, i, h), "fp8_e4m3", 1),
-        ArgSpec("fc2_weight_sf", (e, _ceil_to(h, 128) * _ceil_to(i // sf, 4)), "e8m0", 1),
+        ArgSpec("fc2_weight_sf", (e, ceil_to(h, 128) * ceil_to(i // sf, 4)), "e8m0", 1),
         ArgSpec("output_activation", (t, h), "bfloat16", 1),
     )
 
@@ -74,29 +71,19 @@ def kernel_ctor_kwargs(
 ) -> dict[str, Any]:
     """Constructor keyword arguments of the drop's `Sm100MegaMoEMxfp8Kernel`."""
     return dict(
-        mma_tiler_mnk=MMA_TILER_MNK,
-        cluster_shape_mnk=CLUSTER_SHAPE_MNK,
-        use_2cta_instrs=True,
-        group_hint=max_active_clusters,
-        token_padding_block=api.token_padding_block,
-        sf_padding_block=api.sf_padding_block,
-        load_balance_mode="static",
-        static_expert_shape=(g.experts_per_rank, 2 * g.intermediate_size, g.hidden_size),
-        force_static_sched=True,
-        clc_bundle_size=None,
-        num_sched_stages=None,
+        **shared_ctor_kwargs(
+            config,
+            g,
+            api=api,
+            mma_tiler_mnk=MMA_TILER_MNK,
+            cluster_shape_mnk=CLUSTER_SHAPE_MNK,
+            use_2cta_instrs=True,
+            max_active_clusters=max_active_clusters,
+        ),
         ab_dtype=ab_dtype,
         sf_vec_size=MXFP8_BLOCK,
-        world_size=g.world_size,
         local_rank=g.rank,
-        num_topk=g.top_k,
-        max_tokens_per_rank=g.max_tokens_per_rank,
-        hidden=g.hidden_size,
         fc2_in_kernel_topk_reduce=False,
-        token_back_mode="epi_warps",
-        epi_flag_batch=(1, 1),
-        flag_batch=4,
-        gate_up_clamp=config.gate_up_clamp,
     )
 
 
@@ -114,11 +101,12 @@ def call_args(
     `workspace(name)` builds the uint8 tensor of `"local_workspace"` (static extent) or
     `"shared_workspace"`.
     """
-    args: dict[str, Any] = {spec.name: tensor(spec) for spec in tensor_specs(g)}
-    args["fc1_c"] = None
-    args["local_workspace"] = workspace("local_workspace")
-    args["shared_workspace"] = workspace("shared_workspace")
-    args["peer_rank_ptr_mapper_host"] = peer_map
-    args["max_active_clusters"] = max_active_clusters
-    args["stream"] = stream
-    return args
+    return kernel_call_args(
+        tensor_specs(g),
+        tensor,
+        workspaces=(workspace("local_workspace"), workspace("shared_workspace")),
+        peer_map=peer_map,
+        stream=stream,
+        max_active_clusters=max_active_clusters,
+        extra={"fc1_c": None},
+    )

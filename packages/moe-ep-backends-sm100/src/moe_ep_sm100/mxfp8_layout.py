@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_ep.backends.support.args import ceil_to
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
@@ -31,10 +32,6 @@ __all__ = [
 
 MXFP8_GATE_UP_BLOCK = 32
 _BLOCK = 32
-
-
-def _ceil_to(v: int, m: int) -> int:
-    return -(-v // m) * m
 
 
 @dataclass(frozen=True)
@@ -156,7 +153,7 @@ def stage_mxfp8_inputs(
         raise MoeEpUsageError(f"H must be a multiple of {_BLOCK}, got {h}")
     dev, k = hidden_states.device, topk_ids.shape[1]
     act = torch.zeros((max_tokens, h), dtype=torch.float8_e4m3fn, device=dev)
-    sf = torch.zeros((max_tokens, _ceil_to(h // _BLOCK, 4)), dtype=torch.uint8, device=dev)
+    sf = torch.zeros((max_tokens, ceil_to(h // _BLOCK, 4)), dtype=torch.uint8, device=dev)
     ids = torch.full((max_tokens, k), -1, dtype=torch.int64, device=dev)
     wts = torch.zeros((max_tokens, k), dtype=torch.float32, device=dev)
     if n:

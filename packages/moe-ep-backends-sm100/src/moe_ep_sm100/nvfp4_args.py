@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moe_ep.backends.support.args import ArgSpec, LaunchGeometry
+from moe_ep.backends.support.args import ArgSpec, LaunchGeometry, ceil_to, kernel_call_args
 from moe_ep_sm100.configs import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "Nvfp4KernelApi",
     "call_args",
     "kernel_ctor_kwargs",
+    "shared_ctor_kwargs",
     "tensor_specs",
 ]
 
@@ -27,10 +28,6 @@ NVFP4_BLOCK = 16
 # Fixed launch geometry (the drop driver's defaults): swap-AB tile, 1-CTA cluster.
 MMA_TILER_MNK = (128, 128, 256)
 CLUSTER_SHAPE_MNK = (1, 1, 1)
-
-
-def _ceil_to(v: int, m: int) -> int:
-    return -(-v // m) * m
 
 
 Geometry = LaunchGeometry
@@ -60,17 +57,53 @@ def tensor_specs(g: Geometry) -> tuple[ArgSpec, ...]:
     sf = NVFP4_BLOCK
     return (
         ArgSpec("activation", (t, h), "fp4", 1),
-        ArgSpec("activation_sf", (t, _ceil_to(h // sf, 4)), "fp8_e4m3", 1),
+        ArgSpec("activation_sf", (t, ceil_to(h // sf, 4)), "fp8_e4m3", 1),
         ArgSpec("topk_idx", (t, k), "int64", 1),
         ArgSpec("topk_weights", (t, k), "float32", 1),
         ArgSpec("fc1_weight", (e, h, 2 * i), "fp4", 1),
-        ArgSpec("fc1_weight_sf", (e, _ceil_to(2 * i, 128) * _ceil_to(h // sf, 4)), "fp8_e4m3", 1),
+        ArgSpec("fc1_weight_sf", (e, ceil_to(2 * i, 128) * ceil_to(h // sf, 4)), "fp8_e4m3", 1),
         ArgSpec("fc2_weight", (e, i, h), "fp4", 1),
-        ArgSpec("fc2_weight_sf", (e, _ceil_to(h, 128) * _ceil_to(i // sf, 4)), "fp8_e4m3", 1),
+        ArgSpec("fc2_weight_sf", (e, ceil_to(h, 128) * ceil_to(i // sf, 4)), "fp8_e4m3", 1),
         ArgSpec("fc1_alpha", (e,), "float32", 0, 4),
         ArgSpec("fc2_alpha", (e,), "float32", 0, 4),
         ArgSpec("fc1_norm_const", (e,), "float32", 0, 4),
         ArgSpec("output_activation", (t, h), "bfloat16", 1),
+    )
+
+
+def shared_ctor_kwargs(
+    config: Any,
+    g: Geometry,
+    *,
+    api: Any,
+    mma_tiler_mnk: tuple[int, int, int],
+    cluster_shape_mnk: tuple[int, int, int],
+    use_2cta_instrs: bool,
+    max_active_clusters: int,
+) -> dict[str, Any]:
+    """Constructor keyword arguments both sm100 CuTe DSL kernels of the drop take alike:
+    static scheduling over `E_local` experts, the geometry, token-back by the epilogue warps,
+    flag batching and the SwiGLU clamp. `api` carries the drop's padding blocks."""
+    return dict(
+        mma_tiler_mnk=mma_tiler_mnk,
+        cluster_shape_mnk=cluster_shape_mnk,
+        use_2cta_instrs=use_2cta_instrs,
+        group_hint=max_active_clusters,
+        token_padding_block=api.token_padding_block,
+        sf_padding_block=api.sf_padding_block,
+        load_balance_mode="static",
+        static_expert_shape=(g.experts_per_rank, 2 * g.intermediate_size, g.hidden_size),
+        force_static_sched=True,
+        clc_bundle_size=None,
+        num_sched_stages=None,
+        world_size=g.world_size,
+        num_topk=g.top_k,
+        max_tokens_per_rank=g.max_tokens_per_rank,
+        hidden=g.hidden_size,
+        token_back_mode="epi_warps",
+        epi_flag_batch=(1, 1),
+        flag_batch=4,
+        gate_up_clamp=config.gate_up_clamp,
     )
 
 
@@ -88,34 +121,24 @@ def kernel_ctor_kwargs(
     epilogue warps, the standalone top-k reduce.
     """
     return dict(
-        mma_tiler_mnk=MMA_TILER_MNK,
-        cluster_shape_mnk=CLUSTER_SHAPE_MNK,
-        use_2cta_instrs=False,
-        group_hint=max_active_clusters,
-        token_padding_block=api.token_padding_block,
-        sf_padding_block=api.sf_padding_block,
-        load_balance_mode="static",
-        static_expert_shape=(g.experts_per_rank, 2 * g.intermediate_size, g.hidden_size),
-        force_static_sched=True,
-        clc_bundle_size=None,
-        num_sched_stages=None,
-        world_size=g.world_size,
-        num_topk=g.top_k,
-        max_tokens_per_rank=g.max_tokens_per_rank,
-        hidden=g.hidden_size,
+        **shared_ctor_kwargs(
+            config,
+            g,
+            api=api,
+            mma_tiler_mnk=MMA_TILER_MNK,
+            cluster_shape_mnk=CLUSTER_SHAPE_MNK,
+            use_2cta_instrs=False,
+            max_active_clusters=max_active_clusters,
+        ),
         fc2_output_dtype=fc2_output_dtype,
         non_ubulk_fc2_store=True,
         in_kernel_fc2_reduce=False,
         defer_topk_reduce=False,
-        token_back_mode="epi_warps",
         apply_topk_in_fc1=True,
-        gate_up_clamp=config.gate_up_clamp,
         swiglu_alpha=None,
         swiglu_beta=None,
         situ_beta=None,
         situ_linear_beta=None,
-        flag_batch=4,
-        epi_flag_batch=(1, 1),
         combine_format=api.combine_format_bf16,
     )
 
@@ -130,10 +153,11 @@ def call_args(
     max_active_clusters: int,
 ) -> dict[str, Any]:
     """Keyword arguments of the kernel's `__call__` (and of `cute.compile`)."""
-    args: dict[str, Any] = {spec.name: tensor(spec) for spec in tensor_specs(g)}
-    args["local_workspace"] = pointer("local_workspace")
-    args["shared_workspace"] = pointer("shared_workspace")
-    args["peer_rank_ptr_mapper_host"] = peer_map
-    args["max_active_clusters"] = max_active_clusters
-    args["stream"] = stream
-    return args
+    return kernel_call_args(
+        tensor_specs(g),
+        tensor,
+        workspaces=(pointer("local_workspace"), pointer("shared_workspace")),
+        peer_map=peer_map,
+        stream=stream,
+        max_active_clusters=max_active_clusters,
+    )

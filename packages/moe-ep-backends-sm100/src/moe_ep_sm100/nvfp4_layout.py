@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_ep.backends.support.args import ceil_to
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
@@ -35,10 +36,6 @@ __all__ = [
 
 NVFP4_GATE_UP_BLOCK = 16
 _BLOCK = 16
-
-
-def _ceil_to(v: int, m: int) -> int:
-    return -(-v // m) * m
 
 
 @dataclass(frozen=True)
@@ -184,7 +181,7 @@ def stage_nvfp4_inputs(
         raise MoeEpUsageError(f"H must be a multiple of {_BLOCK}, got {h}")
     dev, k = hidden_states.device, topk_ids.shape[1]
     act = torch.zeros((max_tokens, h // 2), dtype=torch.uint8, device=dev)
-    sf = torch.zeros((max_tokens, _ceil_to(h // _BLOCK, 4)), dtype=torch.uint8, device=dev)
+    sf = torch.zeros((max_tokens, ceil_to(h // _BLOCK, 4)), dtype=torch.uint8, device=dev)
     ids = torch.full((max_tokens, k), -1, dtype=torch.int64, device=dev)
     wts = torch.zeros((max_tokens, k), dtype=torch.float32, device=dev)
     if n:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from moe_ep.backends.support.args import ceil_to
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
@@ -44,10 +45,6 @@ __all__ = [
 PULL_GATE_UP_BLOCK = 8
 _BLOCK = 128
 _W_BLOCK = (_BLOCK, _BLOCK)
-
-
-def _ceil_to(v: int, m: int) -> int:
-    return -(-v // m) * m
 
 
 @dataclass(frozen=True)
@@ -248,7 +245,7 @@ def stage_pull_inputs(
     dev = hidden_states.device
     cols = h // _BLOCK
     activation = torch.zeros((max_tokens, h), dtype=torch.float8_e4m3fn, device=dev)
-    scales = torch.zeros((max_tokens, _ceil_to(cols, 4)), dtype=torch.float32, device=dev)
+    scales = torch.zeros((max_tokens, ceil_to(cols, 4)), dtype=torch.float32, device=dev)
     if n:
         data, s = quantize_fp8_blockwise(hidden_states, block=(1, _BLOCK), check_finite=False)
         activation[:n] = data

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from moe_ep.backends.support.args import ArgSpec, LaunchGeometry
+from moe_ep.backends.support.args import ArgSpec, LaunchGeometry, kernel_call_args
 from moe_ep_sm90.configs import FP8_BLOCK, Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 
 __all__ = [
@@ -142,11 +142,12 @@ def call_args(
         peer_map: the drop's `SymBufferHost` for the symmetric workspace.
         stream: a `cuda.CUstream`.
     """
-    args: dict[str, Any] = {spec.name: tensor(spec) for spec in tensor_specs(g)}
-    args["fc1_c"] = None
-    args["local_workspace"] = pointer("local_workspace")
-    args["shared_workspace"] = pointer("shared_workspace")
-    args["peer_rank_ptr_mapper_host"] = peer_map
-    args["stream"] = stream
-    args["max_active_clusters"] = max_active_clusters
-    return args
+    return kernel_call_args(
+        tensor_specs(g),
+        tensor,
+        workspaces=(pointer("local_workspace"), pointer("shared_workspace")),
+        peer_map=peer_map,
+        stream=stream,
+        max_active_clusters=max_active_clusters,
+        extra={"fc1_c": None},
+    )

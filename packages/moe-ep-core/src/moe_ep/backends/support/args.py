@@ -7,10 +7,22 @@ tensors from them and the launch path real ones, so the two cannot drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ArgSpec", "LaunchGeometry", "check_config_geometry"]
+__all__ = [
+    "ArgSpec",
+    "LaunchGeometry",
+    "ceil_to",
+    "check_config_geometry",
+    "kernel_call_args",
+]
+
+
+def ceil_to(v: int, m: int) -> int:
+    """`v` rounded up to a multiple of `m`."""
+    return -(-v // m) * m
 
 
 @dataclass(frozen=True)
@@ -59,3 +71,25 @@ def check_config_geometry(config: Any, g: LaunchGeometry) -> None:
         world_size=g.world_size,
         max_tokens_per_rank=g.max_tokens_per_rank,
     )
+
+
+def kernel_call_args(
+    specs: Iterable[ArgSpec],
+    tensor: Callable[[ArgSpec], Any],
+    *,
+    workspaces: tuple[Any, Any],
+    peer_map: Any,
+    stream: Any,
+    max_active_clusters: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of a CuTe DSL mega-MoE kernel's `__call__` (and `cute.compile`):
+    `tensor(spec)` for every spec, then `extra`, the (local, shared) workspaces, the drop's
+    `SymBufferHost` peer map, the stream and max active clusters."""
+    args: dict[str, Any] = {spec.name: tensor(spec) for spec in specs}
+    args.update(extra or {})
+    args["local_workspace"], args["shared_workspace"] = workspaces
+    args["peer_rank_ptr_mapper_host"] = peer_map
+    args["stream"] = stream
+    args["max_active_clusters"] = max_active_clusters
+    return args
