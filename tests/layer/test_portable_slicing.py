@@ -47,9 +47,11 @@ def test_combine_is_exact_for_any_token_slicing(
     assert torch.equal(out[4].view(torch.int16), torch.zeros(h, dtype=torch.int16))
 
 
+@pytest.mark.parametrize("small_m", [0, 256])  # x @ w^T, or (w @ x^T)^T for small blocks
 def test_expert_blocks_and_swiglu_slices_match_a_per_expert_loop(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, small_m: int
 ) -> None:
+    monkeypatch.setattr(experts, "SMALL_M", small_m)
     g = torch.Generator().manual_seed(3)
     e, h, inter, rows_n = 3, 32, 48, 20
     w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).bfloat16()

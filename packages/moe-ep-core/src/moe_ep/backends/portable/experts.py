@@ -27,12 +27,27 @@ import torch.nn.functional as F
 from moe_ep.backends.portable.comm import Workspace
 from moe_ep.backends.portable.recipes import PreparedWeights
 
-__all__ = ["ROW_BLOCK", "SWIGLU_ROWS", "run_experts"]
+__all__ = ["ROW_BLOCK", "SMALL_M", "SWIGLU_ROWS", "run_experts"]
 
 ROW_BLOCK = 2048
 """Rows per GEMM call: bounds the workspace when routing is skewed."""
+SMALL_M = 256
+"""CPU bf16 blocks of at most this many rows compute `(w @ x^T)^T` (weight rows streamed as
+the GEMM's A operand, then a transposing copy): measured 1.3-1.5x faster than `x @ w^T`
+for M <= 256 (weight-bandwidth bound, e.g. decode) and slower from M = 512 on."""
 SWIGLU_ROWS = 128
 """Rows per SwiGLU slice: the fp32 temporary (128 x 2I x 4 bytes) stays in L2."""
+
+
+def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name: str) -> None:
+    """`out [b, N] = a [b, K] @ w [K, N]`, `w` a transposed view of K-major `[N, K]`."""
+    b = int(a.shape[0])
+    if b <= SMALL_M and a.device.type == "cpu" and a.dtype == torch.bfloat16:
+        t = ws.get(name, (int(w.shape[1]), b), a.dtype, a.device)
+        torch.mm(w.t(), a.t(), out=t)
+        out.copy_(t.t())
+    else:
+        torch.mm(a, w, out=out)
 
 
 def _swiglu(
@@ -114,14 +129,14 @@ def run_experts(
             b = min(block, start + count - s)
             xe, gu, h = xe_buf[:b], gu_buf[:b], h_buf[:b]
             torch.index_select(rows, 0, src_row[s : s + b], out=xe)
-            torch.mm(xe, weights.w13t[e], out=gu)
+            _mm(xe, weights.w13t[e], gu, ws, "fc1_t")
             a13 = None if alpha13 is None else alpha13[e]
             _swiglu(gu, h, a13, swiglu_clamp, requantize, ws)
             if y_buf is None:
-                torch.mm(h, weights.w2t[e], out=y[s : s + b])
+                _mm(h, weights.w2t[e], y[s : s + b], ws, "fc2_t")
             else:
                 ye = y_buf[:b]
-                torch.mm(h, weights.w2t[e], out=ye)
+                _mm(h, weights.w2t[e], ye, ws, "fc2_t")
                 if alpha2 is not None:  # the product in fp32, then rounded to bf16
                     ye = ye.mul_(alpha2[e]) if cdt == torch.float32 else ye.float() * alpha2[e]
                 y[s : s + b].copy_(ye)
