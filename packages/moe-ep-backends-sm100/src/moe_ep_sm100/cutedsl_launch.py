@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from moe_ep.backends.base import RuntimeRequirements
+from moe_ep.backends.support.args import check_pack_geometry
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
-from moe_ep.backends.support.pooled import PooledKernel, StagedCall
+from moe_ep.backends.support.pooled import PooledKernel, StagedCall, compile_collective
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.drops import CUTEDSL_DROP
 from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
@@ -190,14 +191,7 @@ def check_sm100_pack(
             f"{kernel}: weights.w2 must be [{e}, {h}, {i // div}] to match w13 "
             f"{tuple(w13.shape)}, got {tuple(w2.shape)}"
         )
-    config.check_problem(
-        hidden_size=h,
-        intermediate_size=i,
-        top_k=getattr(config, "top_k", None) or 1,
-        num_experts=fleet.num_experts,
-        world_size=world_size,
-        max_tokens_per_rank=fleet.max_tokens_per_rank,
-    )
+    check_pack_geometry(config, fleet, world_size, hidden_size=h, intermediate_size=i)
     return i
 
 
@@ -263,16 +257,11 @@ class CutedslMegaKernel(PooledKernel):
 
     @abstractmethod
     def _call_args(
-        self,
-        g: Geometry,
-        *,
-        tensor: Callable[[ArgSpec], Any],
-        workspaces: tuple[torch.Tensor, torch.Tensor],
-        peer_map: Any,
-        stream: Any,
-        max_active_clusters: int,
+        self, g: Geometry, workspaces: tuple[torch.Tensor, torch.Tensor], common: dict[str, Any]
     ) -> dict[str, Any]:
-        """Keyword arguments of the kernel's `__call__` via the args module."""
+        """Keyword arguments of the kernel's `__call__` via the args module's `call_args`:
+        `common` holds its `tensor`, `peer_map`, `stream` and `max_active_clusters`; the
+        subclass passes the (local, shared) workspaces the way its kernel takes them."""
 
     # -- MegaKernel ---------------------------------------------------------------------
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
@@ -299,7 +288,6 @@ class CutedslMegaKernel(PooledKernel):
     def _compile(self, g: Geometry) -> CompiledEntry:
         """Build, allocate and compile (GPU only; never run)."""
         import cuda.bindings.driver as cuda
-        import cutlass.cute as cute
         import cutlass.torch as cutlass_torch
         import nvshmem.core
         import torch
@@ -345,18 +333,10 @@ class CutedslMegaKernel(PooledKernel):
             ct = cutlass_torch.from_dlpack(as_kernel_dtype(t, spec), assumed_align=spec.align)
             return ct.mark_layout_dynamic(leading_dim=spec.leading_dim)
 
-        args = self._call_args(
-            g,
-            tensor=tensor,
-            workspaces=(local_ws, shared_ws),
-            peer_map=peer_map,
-            stream=cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
-            max_active_clusters=clusters,
-        )
-        compiled = cute.compile(kernel, **args)
-        launch_args = {k: v for k, v in args.items() if k != "max_active_clusters"}
-        torch.cuda.synchronize(dev)
-        self.runtime.barrier()  # every rank's symmetric buffers are zeroed before any launch
+        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
+        common = dict(tensor=tensor, peer_map=peer_map, stream=stream, max_active_clusters=clusters)
+        args = self._call_args(g, (local_ws, shared_ws), common)
+        compiled, launch_args = compile_collective(kernel, args, self.runtime)
         return CompiledEntry(compiled, local_ws, shared_ws, staging, tuple(symmetric), launch_args)
 
     def _launch(self, entry: CompiledEntry) -> None:

@@ -10,7 +10,6 @@ Warning:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moe_ep.registry import register_mega_kernel
@@ -70,14 +69,7 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
         return api.kernel(**kwargs), api, clusters
 
     def _call_args(
-        self,
-        g: Geometry,
-        *,
-        tensor: Callable[[ArgSpec], Any],
-        workspaces: tuple[torch.Tensor, torch.Tensor],
-        peer_map: Any,
-        stream: Any,
-        max_active_clusters: int,
+        self, g: Geometry, workspaces: tuple[torch.Tensor, torch.Tensor], common: dict[str, Any]
     ) -> dict[str, Any]:
         import cutlass.torch as cutlass_torch
 
@@ -91,11 +83,4 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
                 leading_dim=0
             )
 
-        return mxfp8_args.call_args(
-            g,
-            tensor=tensor,
-            workspace=workspace,
-            peer_map=peer_map,
-            stream=stream,
-            max_active_clusters=max_active_clusters,
-        )
+        return mxfp8_args.call_args(g, workspace=workspace, **common)

@@ -10,7 +10,6 @@ Warning:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moe_ep.registry import register_mega_kernel
@@ -96,14 +95,7 @@ class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
         return api.kernel(**kwargs), api, clusters
 
     def _call_args(
-        self,
-        g: Geometry,
-        *,
-        tensor: Callable[[ArgSpec], Any],
-        workspaces: tuple[torch.Tensor, torch.Tensor],
-        peer_map: Any,
-        stream: Any,
-        max_active_clusters: int,
+        self, g: Geometry, workspaces: tuple[torch.Tensor, torch.Tensor], common: dict[str, Any]
     ) -> dict[str, Any]:
         import cutlass
         import cutlass.cute as cute
@@ -116,11 +108,4 @@ class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
                 cutlass.Uint8, by_name[name].data_ptr(), AddressSpace.gmem, assumed_align=16
             )
 
-        return nvfp4_args.call_args(
-            g,
-            tensor=tensor,
-            pointer=pointer,
-            peer_map=peer_map,
-            stream=stream,
-            max_active_clusters=max_active_clusters,
-        )
+        return nvfp4_args.call_args(g, pointer=pointer, **common)

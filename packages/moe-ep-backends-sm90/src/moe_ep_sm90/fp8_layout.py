@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from moe_ep.backends.support.args import ceil_to
+from moe_ep.backends.support.args import ceil_to, check_pack_geometry
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
@@ -106,14 +106,7 @@ def check_pack(kernel: str, weights: Any, fleet: Any, world_size: int, config: A
             f"{kernel}: weights.w13 must be [E_local={e_expected}, 2I, H={fleet.hidden_size}], "
             f"got {tuple(weights.w13.shape)}"
         )
-    config.check_problem(
-        hidden_size=h,
-        intermediate_size=i,
-        top_k=getattr(config, "top_k", None) or 1,
-        num_experts=fleet.num_experts,
-        world_size=world_size,
-        max_tokens_per_rank=fleet.max_tokens_per_rank,
-    )
+    check_pack_geometry(config, fleet, world_size, hidden_size=h, intermediate_size=i)
 
 
 def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
-from moe_ep.backends.support.pooled import PooledKernel, StagedCall
+from moe_ep.backends.support.pooled import PooledKernel, StagedCall, compile_collective
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 from moe_ep_sm90.drops import PULL_DROP, load_pull_api
@@ -195,10 +195,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
             stream=cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
             max_active_clusters=clusters,
         )
-        compiled = cute.compile(kernel, **args)
-        launch_args = {k: v for k, v in args.items() if k != "max_active_clusters"}
-        torch.cuda.synchronize(dev)
-        self.runtime.barrier()  # every rank's symmetric buffers are zeroed before any launch
+        compiled, launch_args = compile_collective(kernel, args, self.runtime)
         return _Compiled(compiled, local_ws, shared_ws, staging, peer_map, launch_args)
 
     def _launch(self, entry: _Compiled) -> None:

@@ -16,6 +16,7 @@ __all__ = [
     "LaunchGeometry",
     "ceil_to",
     "check_config_geometry",
+    "check_pack_geometry",
     "kernel_call_args",
 ]
 
@@ -70,6 +71,21 @@ def check_config_geometry(config: Any, g: LaunchGeometry) -> None:
         num_experts=g.num_experts,
         world_size=g.world_size,
         max_tokens_per_rank=g.max_tokens_per_rank,
+    )
+
+
+def check_pack_geometry(
+    config: Any, fleet: Any, world_size: int, *, hidden_size: int, intermediate_size: int
+) -> None:
+    """`config.check_problem` for a weight pack's H and I before any collective (top_k from
+    the config, else 1)."""
+    config.check_problem(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        top_k=getattr(config, "top_k", None) or 1,
+        num_experts=fleet.num_experts,
+        world_size=world_size,
+        max_tokens_per_rank=fleet.max_tokens_per_rank,
     )
 
 

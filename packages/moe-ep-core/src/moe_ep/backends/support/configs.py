@@ -21,7 +21,6 @@ __all__ = [
     "check_choice",
     "check_clamp",
     "check_config_top_k",
-    "check_geometry",
     "check_int",
     "lazy_package_attrs",
 ]
@@ -52,44 +51,6 @@ def check_choice(value: object, choices: tuple[object, ...], *, field: str) -> N
         raise MoeEpUsageError(f"{field} must be one of {choices}, got {value!r}")
 
 
-def check_geometry(
-    *,
-    kernel: str,
-    multiple: int,
-    multiple_why: str = "",
-    hidden_size: int,
-    intermediate_size: int,
-    top_k: int,
-    num_experts: int,
-    world_size: int,
-    max_tokens_per_rank: int,
-) -> None:
-    """Geometry rules every GPU kernel shares: positive ints, H and I multiples of
-    `multiple` (`multiple_why` says why, in the message), E divisible by the world size,
-    top_k <= E."""
-    for field, value in (
-        ("hidden_size", hidden_size),
-        ("intermediate_size", intermediate_size),
-        ("top_k", top_k),
-        ("num_experts", num_experts),
-        ("world_size", world_size),
-        ("max_tokens_per_rank", max_tokens_per_rank),
-    ):
-        check_int(value, field=field)
-    why = f" ({multiple_why})" if multiple_why else ""
-    for field, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-        if value % multiple:
-            raise MoeEpUsageError(
-                f"{kernel}: {field} must be a multiple of {multiple}{why}, got {value}"
-            )
-    if num_experts % world_size:
-        raise MoeEpUsageError(
-            f"{kernel}: num_experts ({num_experts}) must be divisible by world_size ({world_size})"
-        )
-    if top_k > num_experts:
-        raise MoeEpUsageError(f"{kernel}: top_k ({top_k}) must be <= num_experts ({num_experts})")
-
-
 def check_config_top_k(kernel: str, top_k: int, config_top_k: int | None) -> None:
     """The inputs' `top_k` must equal the config's when the config sets one."""
     if config_top_k is not None and top_k != config_top_k:
@@ -101,9 +62,13 @@ def check_config_top_k(kernel: str, top_k: int, config_top_k: int | None) -> Non
 
 @dataclass(frozen=True, kw_only=True)
 class GeometryCheckedConfig(KernelConfig):
-    """Base of GPU kernel configs whose `check_problem` is `check_geometry` with
-    `shape_multiple` (and `shape_multiple_why`), then `_check_top_k`, then the config's own
-    `top_k` (a field subclasses may declare) against the inputs'."""
+    """Base of GPU kernel configs with the geometry rules every GPU kernel shares.
+
+    `check_problem`: positive ints; H and I multiples of `shape_multiple` (the message
+    adds `shape_multiple_why`); E divisible by the world size; top_k <= E; then
+    `_check_top_k`; then the config's own `top_k` (a field subclasses may declare) against
+    the inputs'.
+    """
 
     shape_multiple: ClassVar[int] = 1
     shape_multiple_why: ClassVar[str] = ""
@@ -119,17 +84,34 @@ class GeometryCheckedConfig(KernelConfig):
         max_tokens_per_rank: int,
     ) -> None:
         """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
-        check_geometry(
-            kernel=self.kernel_name,
-            multiple=self.shape_multiple,
-            multiple_why=self.shape_multiple_why,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            top_k=top_k,
-            num_experts=num_experts,
-            world_size=world_size,
-            max_tokens_per_rank=max_tokens_per_rank,
-        )
+        for field, value in (
+            ("hidden_size", hidden_size),
+            ("intermediate_size", intermediate_size),
+            ("top_k", top_k),
+            ("num_experts", num_experts),
+            ("world_size", world_size),
+            ("max_tokens_per_rank", max_tokens_per_rank),
+        ):
+            check_int(value, field=field)
+        kernel, multiple = self.kernel_name, self.shape_multiple
+        why = f" ({self.shape_multiple_why})" if self.shape_multiple_why else ""
+        for field, value in (
+            ("hidden_size", hidden_size),
+            ("intermediate_size", intermediate_size),
+        ):
+            if value % multiple:
+                raise MoeEpUsageError(
+                    f"{kernel}: {field} must be a multiple of {multiple}{why}, got {value}"
+                )
+        if num_experts % world_size:
+            raise MoeEpUsageError(
+                f"{kernel}: num_experts ({num_experts}) must be divisible by world_size "
+                f"({world_size})"
+            )
+        if top_k > num_experts:
+            raise MoeEpUsageError(
+                f"{kernel}: top_k ({top_k}) must be <= num_experts ({num_experts})"
+            )
         self._check_top_k(top_k)
         check_config_top_k(self.kernel_name, top_k, getattr(self, "top_k", None))
 

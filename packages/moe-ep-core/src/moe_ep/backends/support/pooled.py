@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from moe_ep.runtime import Runtime
 
 
-__all__ = ["PooledKernel", "StagedCall", "require_config"]
+__all__ = ["PooledKernel", "StagedCall", "compile_collective", "require_config"]
 
 
 def require_config(config: Any, config_cls: type) -> None:
@@ -33,6 +33,20 @@ def require_config(config: Any, config_cls: type) -> None:
         raise MoeEpUsageError(
             f"config must be a {config_cls.__name__}, got {type(config).__name__}"
         )
+
+
+def compile_collective(kernel: Any, args: dict[str, Any], runtime: Any) -> tuple[Any, dict]:
+    """`cute.compile(kernel, **args)`, then wait for the device and for every rank (so every
+    rank's symmetric buffers are zeroed before any launch); returns (compiled, launch
+    arguments: `args` without `max_active_clusters`). Collective; GPU only (never run)."""
+    import cutlass.cute as cute
+    import torch
+
+    compiled = cute.compile(kernel, **args)
+    launch_args = {k: v for k, v in args.items() if k != "max_active_clusters"}
+    torch.cuda.synchronize(runtime.device)
+    runtime.barrier()
+    return compiled, launch_args
 
 
 @dataclass
