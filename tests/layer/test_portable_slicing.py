@@ -88,3 +88,25 @@ def test_expert_blocks_and_swiglu_slices_match_a_per_expert_loop(
             hid = (F.silu(gu[:, :inter].float()) * gu[:, inter:].float()).bfloat16()
             assert torch.equal(y4[s : s + b], hid @ w2[x].t()), (x, s)
         start += c
+
+
+@pytest.mark.multirank
+def test_bf16_large_expert_blocks_bit_identical_across_world_sizes() -> None:
+    """Experts with more rows than `SMALL_M` and `ROW_BLOCK` (the x @ w^T path, two blocks)
+    give the same bits at EP1 and EP2, and match the oracle."""
+    from layer_cases import Case, cases_worker, from_wire, make_problem
+
+    from moe_ep.launch import spawn_local
+    from moe_ep.oracle import compare_to_oracle, oracle_forward
+
+    case = Case("big_blocks", tokens=2600, hidden=64, inter=32, experts=2, topk=2, seed=9)
+    assert case.tokens * case.topk // case.experts > experts.ROW_BLOCK  # two blocks each
+    outs = {}
+    for ws in (1, 2):
+        res = spawn_local(cases_worker, ws, [(case, "bf16")], False, timeout_s=120)
+        outs[ws] = torch.cat([from_wire(r["out"]["big_blocks/bf16"]) for r in res])
+    assert torch.equal(outs[1], outs[2])
+    p = make_problem(case, 1)
+    ref = oracle_forward(p["x"], p["ids"], p["topk_weights"], p["w13"], p["w2"], fmt="bf16")
+    report = compare_to_oracle(outs[1], ref)
+    assert report.ok, str(report)
