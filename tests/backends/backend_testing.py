@@ -129,3 +129,21 @@ def routed_tensors(n: int, k: int, hidden: int, num_experts: int) -> MoEEpTensor
         topk_ids=ids,
         topk_weights=torch.rand(n, k, generator=g),
     )
+
+
+def assert_gpu_staging_equals_cpu(stage: Callable[..., Any], hidden: int, **kwargs: Any) -> None:
+    """`stage(x, ids, weights, max_tokens=8, **kwargs)` on CUDA gives the CPU staging's bytes
+    (activation, scales, ids, weights); skips without a CUDA device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (any arch); none visible")
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, hidden, generator=g) * 4).to(torch.bfloat16)
+    ids = torch.randint(-1, 8, (6, 4), generator=g)
+    w = torch.rand(6, 4, generator=g)
+    cpu = stage(x, ids, w, max_tokens=8, **kwargs)
+    gpu = stage(x.cuda(), ids.cuda(), w.cuda(), max_tokens=8, **kwargs)
+    for name in ("activation", "activation_scales", "topk_ids", "topk_weights"):
+        a, b = getattr(gpu, name).cpu(), getattr(cpu, name)
+        if a.dtype.itemsize == 1:  # fp8 / packed fp4 / e8m0: compare bytes
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), name

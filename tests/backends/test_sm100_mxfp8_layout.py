@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from backend_testing import require_drop, run_fresh_python
+from backend_testing import assert_gpu_staging_equals_cpu, require_drop, run_fresh_python
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.mxfp8_layout import (
@@ -169,15 +169,4 @@ def test_layouts_match_the_drops_own_host_helpers():
 
 @pytest.mark.gpu
 def test_gpu_staging_bytes_equal_cpu_bytes():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (any arch); none visible")
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(6, H, generator=g) * 4).to(torch.bfloat16)
-    ids = torch.randint(-1, 8, (6, 4), generator=g)
-    w = torch.rand(6, 4, generator=g)
-    cpu = stage_mxfp8_inputs(x, ids, w, max_tokens=8)
-    gpu = stage_mxfp8_inputs(x.cuda(), ids.cuda(), w.cuda(), max_tokens=8)
-    assert torch.equal(gpu.activation.cpu().view(torch.uint8), cpu.activation.view(torch.uint8))
-    assert torch.equal(gpu.activation_scales.cpu(), cpu.activation_scales)
-    assert torch.equal(gpu.topk_ids.cpu(), cpu.topk_ids)
-    assert torch.equal(gpu.topk_weights.cpu(), cpu.topk_weights)
+    assert_gpu_staging_equals_cpu(stage_mxfp8_inputs, H)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_testing import require_drop, run_fresh_python
+from backend_testing import assert_gpu_staging_equals_cpu, require_drop, run_fresh_python
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.nvfp4_layout import (
@@ -147,17 +147,4 @@ def test_recipe_matches_the_drops_own_nvfp4_quantizer():
 
 @pytest.mark.gpu
 def test_gpu_staging_bytes_equal_cpu_bytes():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device (any arch); none visible")
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(6, H, generator=g) * 4).to(torch.bfloat16)
-    ids = torch.randint(-1, 8, (6, 4), generator=g)
-    w = torch.rand(6, 4, generator=g)
-    cpu = stage_nvfp4_inputs(x, ids, w, max_tokens=8, input_norm_const=2.0)
-    gpu = stage_nvfp4_inputs(x.cuda(), ids.cuda(), w.cuda(), max_tokens=8, input_norm_const=2.0)
-    assert torch.equal(gpu.activation.cpu(), cpu.activation)
-    assert torch.equal(
-        gpu.activation_scales.cpu().view(torch.uint8), cpu.activation_scales.view(torch.uint8)
-    )
-    assert torch.equal(gpu.topk_ids.cpu(), cpu.topk_ids)
-    assert torch.equal(gpu.topk_weights.cpu(), cpu.topk_weights)
+    assert_gpu_staging_equals_cpu(stage_nvfp4_inputs, H, input_norm_const=2.0)

@@ -20,6 +20,7 @@ import torch
 
 from moe_ep.backends.support.args import ceil_to
 from moe_ep.errors import MoeEpUsageError
+from moe_ep_sm100.staging import check_staging_inputs, stage_routing
 
 __all__ = [
     "MXFP8_GATE_UP_BLOCK",
@@ -141,25 +142,15 @@ def stage_mxfp8_inputs(
     """Quantize and pad `[n, H]` bf16 inputs into fresh mxfp8 staging buffers of T rows."""
     from moe_ep.quant import quantize_mxfp8
 
-    if hidden_states.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:
-        raise MoeEpUsageError(
-            "hidden_states must be [n, H] and topk_ids / topk_weights [n, k], got "
-            f"{list(hidden_states.shape)}, {list(topk_ids.shape)}, {list(topk_weights.shape)}"
-        )
-    n, h = hidden_states.shape
-    if n > max_tokens or topk_ids.shape[0] != n:
-        raise MoeEpUsageError(f"n={n} rows must match topk_ids and be <= max_tokens={max_tokens}")
-    if h % _BLOCK:
-        raise MoeEpUsageError(f"H must be a multiple of {_BLOCK}, got {h}")
-    dev, k = hidden_states.device, topk_ids.shape[1]
+    n, h = check_staging_inputs(
+        hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=_BLOCK
+    )
+    dev = hidden_states.device
     act = torch.zeros((max_tokens, h), dtype=torch.float8_e4m3fn, device=dev)
     sf = torch.zeros((max_tokens, ceil_to(h // _BLOCK, 4)), dtype=torch.uint8, device=dev)
-    ids = torch.full((max_tokens, k), -1, dtype=torch.int64, device=dev)
-    wts = torch.zeros((max_tokens, k), dtype=torch.float32, device=dev)
     if n:
         data, scales = quantize_mxfp8(hidden_states, check_finite=False)
         act[:n] = data
         sf[:n, : h // _BLOCK] = scales
-    ids[:n] = topk_ids.to(torch.int64)
-    wts[:n] = torch.where(topk_ids >= 0, topk_weights.float(), 0.0)
+    ids, wts = stage_routing(topk_ids, topk_weights, max_tokens, device=dev)
     return StagedMxfp8Inputs(act, sf, ids, wts, n)

@@ -24,6 +24,7 @@ import torch
 
 from moe_ep.backends.support.args import ceil_to
 from moe_ep.errors import MoeEpUsageError
+from moe_ep_sm100.staging import check_staging_inputs, stage_routing
 
 __all__ = [
     "NVFP4_GATE_UP_BLOCK",
@@ -169,27 +170,17 @@ def stage_nvfp4_inputs(
     """Quantize (static global scale `input_norm_const`) and pad inputs into T-row buffers."""
     from moe_ep.quant import quantize_nvfp4
 
-    if hidden_states.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:
-        raise MoeEpUsageError(
-            "hidden_states must be [n, H] and topk_ids / topk_weights [n, k], got "
-            f"{list(hidden_states.shape)}, {list(topk_ids.shape)}, {list(topk_weights.shape)}"
-        )
-    n, h = hidden_states.shape
-    if n > max_tokens or topk_ids.shape[0] != n:
-        raise MoeEpUsageError(f"n={n} rows must match topk_ids and be <= max_tokens={max_tokens}")
-    if h % _BLOCK:
-        raise MoeEpUsageError(f"H must be a multiple of {_BLOCK}, got {h}")
-    dev, k = hidden_states.device, topk_ids.shape[1]
+    n, h = check_staging_inputs(
+        hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=_BLOCK
+    )
+    dev = hidden_states.device
     act = torch.zeros((max_tokens, h // 2), dtype=torch.uint8, device=dev)
     sf = torch.zeros((max_tokens, ceil_to(h // _BLOCK, 4)), dtype=torch.uint8, device=dev)
-    ids = torch.full((max_tokens, k), -1, dtype=torch.int64, device=dev)
-    wts = torch.zeros((max_tokens, k), dtype=torch.float32, device=dev)
     if n:
         packed, scales = quantize_nvfp4(
             hidden_states, norm_const=input_norm_const, check_finite=False
         )
         act[:n] = packed
         sf[:n, : h // _BLOCK] = scales.view(torch.uint8)
-    ids[:n] = topk_ids.to(torch.int64)
-    wts[:n] = torch.where(topk_ids >= 0, topk_weights.float(), 0.0)
+    ids, wts = stage_routing(topk_ids, topk_weights, max_tokens, device=dev)
     return StagedNvfp4Inputs(act, sf.view(torch.float8_e4m3fn), ids, wts, n)
