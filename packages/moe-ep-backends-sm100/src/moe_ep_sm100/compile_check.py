@@ -19,8 +19,8 @@ from typing import Any
 from moe_ep.backends.support.args import check_config_geometry
 from moe_ep.backends.support.compile_check import (
     DEFAULT_CHECK_GEOMETRY,
+    fake_call_inputs,
     fake_gmem_tensor,
-    fake_peer_map,
     fake_pointer,
     require_cute_dsl_arch,
     timed_compile,
@@ -74,7 +74,6 @@ def compile_nvfp4(
 ) -> float:
     """Compile for `arch` with fake tensors; returns seconds. Needs `CUTE_DSL_ARCH=<arch>`."""
     require_cute_dsl_arch(arch)
-    import cuda.bindings.driver as cuda
     import cutlass
 
     check_config_geometry(config, geometry)
@@ -89,14 +88,8 @@ def compile_nvfp4(
         )
     )
 
-    args = call_args(
-        geometry,
-        tensor=_fake,
-        pointer=fake_pointer,
-        peer_map=fake_peer_map(api.sym_buffer_host, geometry),
-        stream=cuda.CUstream(0),
-        max_active_clusters=BLACKWELL_SM_COUNT,
-    )
+    inputs = fake_call_inputs(_fake, api.sym_buffer_host, geometry, BLACKWELL_SM_COUNT)
+    args = call_args(geometry, pointer=fake_pointer, **inputs)
     return timed_compile(kernel, args, arch)[1]
 
 
@@ -108,7 +101,6 @@ def compile_mxfp8(
 ) -> float:
     """Compile the mxfp8 kernel for `arch` with fake tensors; returns seconds."""
     require_cute_dsl_arch(arch)
-    import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.typing import AddressSpace
@@ -133,14 +125,8 @@ def compile_mxfp8(
             cutlass.Uint8, (cute.sym_int64(),), memspace=AddressSpace.gmem, assumed_align=16
         )
 
-    args = mxfp8_args.call_args(
-        geometry,
-        tensor=_fake,
-        workspace=workspace,
-        peer_map=fake_peer_map(api.sym_buffer_host, geometry),
-        stream=cuda.CUstream(0),
-        max_active_clusters=clusters,
-    )
+    inputs = fake_call_inputs(_fake, api.sym_buffer_host, geometry, clusters)
+    args = mxfp8_args.call_args(geometry, workspace=workspace, **inputs)
     return timed_compile(kernel, args, arch)[1]
 
 

@@ -23,8 +23,8 @@ from typing import Any
 from moe_ep.backends.support.args import check_config_geometry
 from moe_ep.backends.support.compile_check import (
     DEFAULT_CHECK_GEOMETRY,
+    fake_call_inputs,
     fake_gmem_tensor,
-    fake_peer_map,
     fake_pointer,
     require_cute_dsl_arch,
     timed_compile,
@@ -68,7 +68,6 @@ def compile_pull(
     The environment must already carry `CUTE_DSL_ARCH=<arch>` (read when cutlass imports).
     """
     require_cute_dsl_arch(arch)
-    import cuda.bindings.driver as cuda
     import cutlass
 
     from moe_ep_sm90.drops import load_pull_api
@@ -95,14 +94,8 @@ def compile_pull(
     def fake(spec: ArgSpec) -> Any:
         return fake_gmem_tensor(spec, dtypes[spec.dtype])
 
-    args = call_args(
-        geometry,
-        tensor=fake,
-        pointer=fake_pointer,
-        peer_map=fake_peer_map(api.sym_buffer_host, geometry),
-        stream=cuda.CUstream(0),
-        max_active_clusters=clusters,
-    )
+    inputs = fake_call_inputs(fake, api.sym_buffer_host, geometry, clusters)
+    args = call_args(geometry, pointer=fake_pointer, **inputs)
     compiled, seconds = timed_compile(kernel, args, arch)
     return CompileResult("sm90_fp8_fp8_bf16_pull_cutedsl", arch, seconds, type(compiled).__name__)
 

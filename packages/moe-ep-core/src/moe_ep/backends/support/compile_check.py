@@ -17,6 +17,7 @@ from moe_ep.backends.support.args import ArgSpec, LaunchGeometry
 __all__ = [
     "DEFAULT_CHECK_GEOMETRY",
     "FAKE_ADDRESS",
+    "fake_call_inputs",
     "fake_gmem_tensor",
     "fake_peer_map",
     "fake_pointer",
@@ -81,6 +82,21 @@ def fake_peer_map(sym_buffer_host: type, g: LaunchGeometry) -> Any:
         offsets=tuple(r << 32 for r in range(g.world_size)),
         rank_idx=g.rank,
         num_max_ranks=g.world_size,
+    )
+
+
+def fake_call_inputs(
+    tensor: Any, sym_buffer_host: type, g: LaunchGeometry, max_active_clusters: int
+) -> dict[str, Any]:
+    """The `call_args` inputs every compile-only check passes alike: its fake-tensor builder
+    `tensor`, `fake_peer_map`, stream 0 and `max_active_clusters`."""
+    import cuda.bindings.driver as cuda
+
+    return dict(
+        tensor=tensor,
+        peer_map=fake_peer_map(sym_buffer_host, g),
+        stream=cuda.CUstream(0),
+        max_active_clusters=max_active_clusters,
     )
 
 
