@@ -2,7 +2,8 @@
 
 - A backend reaches a drop only through the drop package's `__init__` (`moe_ep_drop_*`, no
   submodule), never the drop's `src/` packages (`common`, `src`, `moe_hopper_fp8`, ...).
-- Importing a backend package (configs) pulls in neither cutlass, NVSHMEM, nor a drop.
+- Importing a backend package (configs) or any `moe_ep.backends.support` module pulls in
+  neither torch, cutlass, NVSHMEM, nor a drop.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def test_backends_use_drops_only_through_their_package(pkg):
 def test_importing_the_packages_stays_light():
     code = (
         "import sys, moe_ep_sm90, moe_ep_sm100\n"
+        "from moe_ep.backends.support import (\n"
+        "    args, compile_check, configs, drops, hardware, pool, pooled)\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in "
         "('cutlass', 'nvshmem', 'moe_ep_drop_sm90_pull', 'moe_ep_drop_sm90_push', "
         "'moe_ep_drop_sm90_push_cuda_deps', 'moe_ep_drop_sm100_cutedsl', 'common', "
@@ -71,6 +74,12 @@ def test_importing_the_packages_stays_light():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_package_pools_are_the_support_pool():
+    from moe_ep.backends.support.pool import WorkspacePool as SupportPool
+
+    assert WorkspacePool is SupportPool and Sm100WorkspacePool is SupportPool
 
 
 @pytest.mark.parametrize("pool_cls", [WorkspacePool, Sm100WorkspacePool])
