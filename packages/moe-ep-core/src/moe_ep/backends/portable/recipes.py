@@ -39,7 +39,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PreparedWeights:
-    """Weights laid out for `torch._grouped_mm` (`mat_b [E_local, K, N]`), made once.
+    """Weights laid out as per-expert `mm` operands (`[E_local, K, N]` views), made once.
 
     w13t: `[E_local, H, 2I]` compute dtype (gate columns first), a transposed view of K-major
         `[E_local, 2I, H]` storage.
