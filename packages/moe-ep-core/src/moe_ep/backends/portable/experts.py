@@ -60,8 +60,8 @@ def _swiglu(
 ) -> None:
     """`gu [b, 2I]` -> `h [b, I]`: `requantize(silu(g) * u)` in fp32, rounded into h.
 
-    `requantize=None`: the rounding into h is the whole quantization; the product is then
-    written straight into h (one fp32 multiply, one rounding: the same bits, one pass less).
+    `requantize=None`: the rounding into h is the whole quantization (one fp32 multiply,
+    one rounding).
     """
     b, inter = int(h.shape[0]), int(h.shape[1])
     rows = min(b, SWIGLU_ROWS)
@@ -82,11 +82,13 @@ def _swiglu(
             g.clamp_(max=clamp)
             u.clamp_(-clamp, clamp)
         F.silu(g, inplace=True)
-        if requantize is None:
-            torch.mul(g, u, out=h[s:e])  # fp32 product, rounded (RNE) into h's dtype
+        if requantize is None and h.dtype == g.dtype:
+            torch.mul(g, u, out=h[s:e])
         else:
             g.mul_(u)  # h = silu(g) * u in fp32
-            h[s:e].copy_(requantize(g))  # copy_ rounds to h's dtype (RNE) where needed
+            # copy_ rounds to h's dtype (RNE) where needed; an fp32 mul with a bf16 `out`
+            # measured 2x slower than this in-place mul plus a rounding copy (same bits).
+            h[s:e].copy_(g if requantize is None else requantize(g))
 
 
 def run_experts(
