@@ -1,6 +1,6 @@
 """Speed and memory of the portable bf16 layer at EP1 on CPU, as ratios from one run.
 
-    uv run python benchmarks/layer_speed.py [--reps 5] [--threads 1 2] [--plot]
+    uv run python benchmarks/layer_speed.py [--reps 5] [--threads 1 2] [--plot] [--stages]
 
 Compares one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) with
   - dense bf16 matmuls doing the same useful FLOPs (`[T*k, H] @ [H, 2I]` and
@@ -16,6 +16,9 @@ dispatched activations (target < 2x), once for the first forward of a fresh laye
 allocates the reusable workspace) and once for a warm forward. Times are the minimum over
 `--reps` runs measured round-robin (the box is shared; the minimum is the least disturbed),
 for each intra-op thread count of `--threads` (default 1 and 2) in the same run.
+`--stages` adds where a prefill forward's time goes (expert GEMMs, SwiGLU, gathers, combine,
+the rest), at 1 thread in thread CPU time (less moved by other jobs on a shared box than
+wall time), minimum over `--reps` forwards.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import argparse
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +39,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
+from moe_ep.backends.portable import comm, experts, kernel
 from moe_ep.launch import free_port
 
 PREFILL = {"T": 4096, "H": 2048, "I": 1024, "E": 16, "k": 4}
@@ -178,6 +184,94 @@ def memory(shape: dict[str, int]) -> tuple[int, int, int]:
     return first, warm, reference
 
 
+@contextmanager
+def _stage_timers(acc: dict[str, float]) -> Iterator[None]:
+    """Accumulate thread CPU time of the portable kernel's stages into `acc` (patched in)."""
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(mod: Any, name: str, key: str) -> None:
+        fn = getattr(mod, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.thread_time() - start
+
+        patched.append((mod, name, fn))
+        setattr(mod, name, timed)
+
+    wrap(experts, "_mm", "expert GEMMs")
+    wrap(experts, "_swiglu", "SwiGLU")
+    wrap(kernel, "run_experts", "experts total")
+    wrap(comm, "combine", "combine")
+    try:
+        yield
+    finally:
+        for mod, name, fn in reversed(patched):
+            setattr(mod, name, fn)
+
+
+def stages(reps: int) -> dict[str, float]:
+    """Minimum thread CPU seconds per stage of a prefill forward at 1 thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    p = problem(PREFILL)
+    layer = make_layer(p, PREFILL)
+    tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
+    layer(tensors)
+    best: dict[str, float] = {}
+    try:
+        for _ in range(reps):
+            acc: dict[str, float] = {}
+            with _stage_timers(acc):
+                start = time.thread_time()
+                layer(tensors)
+                acc["forward"] = time.thread_time() - start
+            for key, v in acc.items():
+                best[key] = min(best.get(key, float("inf")), v)
+    finally:
+        layer.destroy()
+        torch.set_num_threads(threads)
+    xd = torch.randn(PREFILL["T"] * PREFILL["k"], PREFILL["H"]).bfloat16()
+    hd = torch.randn(PREFILL["T"] * PREFILL["k"], PREFILL["I"]).bfloat16()
+    gu = torch.empty(xd.shape[0], 2 * PREFILL["I"], dtype=torch.bfloat16)
+    y = torch.empty_like(xd)
+    torch.set_num_threads(1)
+    try:
+        for _ in range(reps):
+            start = time.thread_time()
+            torch.mm(xd, p["w13"][0].t(), out=gu)
+            torch.mm(hd, p["w2"][0].t(), out=y)
+            best["dense"] = min(best.get("dense", float("inf")), time.thread_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return best
+
+
+def print_stages(console: Console, best: dict[str, float]) -> None:
+    gemm, swiglu = best["expert GEMMs"], best["SwiGLU"]
+    gathers = best["experts total"] - gemm - swiglu
+    rest = best["forward"] - best["experts total"] - best["combine"]
+    table = Table(title="prefill forward by stage, 1 thread, thread CPU time (min over reps)")
+    for col in ("stage", "ms", "share of forward", "x dense GEMMs"):
+        table.add_column(col, justify="right")
+    for name, v in (
+        ("expert GEMMs (FC1 + FC2)", gemm),
+        ("SwiGLU (widen, silu, multiply, round)", swiglu),
+        ("expert gathers + loop", gathers),
+        ("combine (gather, widen, weight, slot sum)", best["combine"]),
+        ("plan, dispatch, bookkeeping", rest),
+        ("forward", best["forward"]),
+        ("dense GEMMs (same useful FLOPs)", best["dense"]),
+    ):
+        table.add_row(
+            name, f"{v * 1e3:.1f}", f"{v / best['forward']:.0%}", f"{v / best['dense']:.2f}"
+        )
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -188,6 +282,9 @@ def main() -> None:
         nargs="+",
         default=[1, 2],
         help="intra-op thread counts to measure, each in the same run (default: 1 2)",
+    )
+    parser.add_argument(
+        "--stages", action="store_true", help="also print a per-stage breakdown at 1 thread"
     )
     args = parser.parse_args()
     console = Console()
@@ -241,6 +338,8 @@ def main() -> None:
         f"< 2x (RSS sampled every 0.2 ms, so approximate)"
     )
     console.print(f"bit-identical across two forwards: {all(r[3]['same'] for r in rows)}")
+    if args.stages:
+        print_stages(console, stages(args.reps))
     if args.plot:
         import matplotlib
 
