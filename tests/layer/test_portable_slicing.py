@@ -110,3 +110,40 @@ def test_bf16_large_expert_blocks_bit_identical_across_world_sizes() -> None:
     ref = oracle_forward(p["x"], p["ids"], p["topk_weights"], p["w13"], p["w2"], fmt="bf16")
     report = compare_to_oracle(outs[1], ref)
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("requantize", [None, "half_step"])
+@pytest.mark.parametrize(("alpha", "clamp"), [(None, None), (0.75, 1.5)])
+def test_swiglu_slices_match_the_direct_formula(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    requantize: str | None,
+    alpha: float | None,
+    clamp: float | None,
+) -> None:
+    """Every SwiGLU branch (GEMM output widened or used in place, rounding fused or through
+    a requantize function, alpha and clamp) gives the bits of the unsliced fp32 formula."""
+    monkeypatch.setattr(experts, "SWIGLU_ROWS", 3)
+    g = torch.Generator().manual_seed(11)
+    b, inter = 10, 24
+    gu = (torch.randn(b, 2 * inter, generator=g) * 3).to(dtype)
+
+    def half_step(t: torch.Tensor) -> torch.Tensor:  # a stand-in quantizer: a 0.5 grid
+        return torch.round(t * 2) / 2
+
+    rq = None if requantize is None else half_step
+    part = gu.float().clone()  # worked on in place: silu sees rows of `inter` like the kernel
+    if alpha is not None:
+        part.mul_(alpha)
+    gate, up = part[:, :inter], part[:, inter:]
+    if clamp is not None:
+        # in place: ATen's vectorized silu and its per-row tail may differ in the last fp32
+        # bit, so the reference keeps the kernel's [b, inter]-rows layout (fixed by I alone)
+        gate.clamp_(max=clamp)
+        up.clamp_(-clamp, clamp)
+    prod = F.silu(gate) * up
+    expected = (prod if rq is None else rq(prod)).to(dtype)
+    h = torch.empty(b, inter, dtype=dtype)
+    experts._swiglu(gu.clone(), h, alpha, clamp, rq, comm.Workspace())
+    assert torch.equal(h, expected)
