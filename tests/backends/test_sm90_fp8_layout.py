@@ -2,7 +2,8 @@
 
 Expectations are computed independently of `moe_ep_sm90.fp8_layout`: block amaxes and index
 maps are written out here with plain loops / reshapes, and the push kernel (same recipe as the
-portable backend) must dequantize to exactly the portable backend's weights.
+portable backend) must dequantize to exactly the portable backend's weights; the pull kernel
+to exactly the portable backend's with `fc1_gate_up_interleave=8`.
 """
 
 from __future__ import annotations
@@ -104,10 +105,24 @@ def test_pull_weights_dequantize_to_the_kernel_block_grouping():
 
 
 def test_pull_fc1_grouping_differs_from_the_canonical_recipe():
-    # Documented limit: the pull kernel's FC1 scale blocks are not the portable recipe's.
+    # Documented: the pull kernel's FC1 scale blocks are not the DEFAULT portable recipe's
+    # (they are its `fc1_gate_up_interleave=8` variant's, see the exact test below).
     w13, w2 = _weights(2)
     got13, _ = dequantize_pull_weights(prepare_pull_weights(w13, w2))
     assert not torch.equal(got13, _canonical_reference(w13))
+
+
+def test_pull_weights_dequantize_exactly_to_the_portable_backend_with_interleave_8():
+    from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
+    from moe_ep.backends.portable.kernel import Fp8TorchKernel
+    from moe_ep.layer.params import MoEWeightPack
+
+    w13, w2 = _weights(2)
+    got13, got2 = dequantize_pull_weights(prepare_pull_weights(w13, w2))
+    cfg = Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(fc1_gate_up_interleave=PULL_GATE_UP_BLOCK)
+    portable = Fp8TorchKernel.make_recipe(cfg).prepare(MoEWeightPack(w13=w13, w2=w2))
+    assert torch.equal(got13.transpose(1, 2), portable.w13t)
+    assert torch.equal(got2.transpose(1, 2), portable.w2t)
 
 
 def test_push_weights_dequantize_exactly_to_the_portable_backend():

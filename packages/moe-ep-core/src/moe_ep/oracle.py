@@ -109,6 +109,7 @@ def oracle_forward(
     swiglu_clamp: float | None = None,
     act_global_scale: float = 1.0,
     hidden_global_scale: float = 1.0,
+    fc1_gate_up_interleave: int | None = None,
 ) -> OracleResult:
     """Reference forward on global inputs.
 
@@ -120,12 +121,25 @@ def oracle_forward(
         fmt: one of `FORMATS`; weights are quantized here with the format's recipe.
         swiglu_clamp: gate clamped to `<= c`, up to `[-c, c]`, as in the kernels.
         act_global_scale / hidden_global_scale: nvfp4 static activation global scales.
+        fc1_gate_up_interleave: None (default) quantizes w13 in its stored gate-then-up row
+            order; b in `quant.GATE_UP_BLOCKS` interleaves gate/up rows in blocks of b first
+            and de-interleaves the dequantized values (changes only formats whose weight
+            blocks span rows, i.e. fp8 128x128; the sm90 pull kernel's FC1 with b=8).
     """
+    b = fc1_gate_up_interleave
+    if b is not None and (type(b) is not int or b not in quant.GATE_UP_BLOCKS):
+        raise MoeEpUsageError(
+            f"fc1_gate_up_interleave must be None or one of {quant.GATE_UP_BLOCKS}, got {b!r}"
+        )
     t, hdim = (int(s) for s in hidden_states.shape)
     e, two_i, _ = (int(s) for s in w13.shape)
     inter = two_i // 2
     xq = _qdq_act(hidden_states, fmt, act_global_scale)
-    w13q, gs13 = _qdq_weight(w13, fmt)
+    if b is None:
+        w13q, gs13 = _qdq_weight(w13, fmt)
+    else:
+        w13q, gs13 = _qdq_weight(quant.interleave_gate_up(w13, b), fmt)
+        w13q = quant.deinterleave_gate_up(w13q, b)
     w2q, gs2 = _qdq_weight(w2, fmt)
     ids = topk_ids.long()
     wts = topk_weights.double()

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from moe_ep.backends.base import KernelConfig
 from moe_ep.errors import MoeEpUsageError
+from moe_ep.quant import GATE_UP_BLOCKS
 
 __all__ = [
     "Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig",
@@ -53,6 +54,23 @@ class Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(PortableConfig):
 @dataclass(frozen=True, kw_only=True)
 class Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(PortableConfig):
     kernel_name: ClassVar[str] = "any_fp8_fp8_bf16_torch"
+
+    fc1_gate_up_interleave: int | None = None
+    """None: FC1 weights quantize in 128x128 blocks over gate-then-up rows (DeepSeek-V3).
+    b in `moe_ep.quant.GATE_UP_BLOCKS` (8, 16, 32): interleave gate/up rows in blocks of b
+    (`moe_ep.quant.interleave_gate_up`), quantize 128x128, dequantize, de-interleave; so a
+    128-row scale block covers gate and up rows `[64j, 64j+64)` for b=8, the values the
+    sm90 pull kernel computes with. Only for bf16/fp32 weights (pre-quantized packs are
+    rejected: their scales already fix the grouping)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        b = self.fc1_gate_up_interleave
+        if b is not None and (type(b) is not int or b not in GATE_UP_BLOCKS):
+            raise MoeEpUsageError(
+                f"fc1_gate_up_interleave must be None or one of {GATE_UP_BLOCKS}, got {b!r} "
+                "(e.g. 8 for the sm90 pull kernel's FC1 scale blocks)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

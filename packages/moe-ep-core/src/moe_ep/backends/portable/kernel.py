@@ -207,7 +207,7 @@ class Fp8TorchKernel(PortableTorchKernel):
 
     @classmethod
     def make_recipe(cls, config: KernelConfig) -> Recipe:
-        return Fp8BlockRecipe()
+        return Fp8BlockRecipe(getattr(config, "fc1_gate_up_interleave", None))
 
 
 @register_mega_kernel("any_mxfp8_mxfp8_bf16_torch")

@@ -207,13 +207,35 @@ class Fp8BlockRecipe(Recipe):
         data, scales = self._qdq_parts(h)
         return quant.dequantize_fp8_blockwise(data, scales, block=(1, 128))
 
+    def __init__(self, fc1_gate_up_interleave: int | None = None) -> None:
+        self.fc1_gate_up_interleave = fc1_gate_up_interleave
+        """None or b: FC1 rows are quantized gate/up-interleaved in blocks of b (see
+        `Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig.fc1_gate_up_interleave`)."""
+
+    def check_scales(self, weights: MoEWeightPack) -> None:
+        if weights.prequantized and self.fc1_gate_up_interleave is not None:
+            raise MoeEpUsageError(
+                f"fc1_gate_up_interleave={self.fc1_gate_up_interleave} needs bf16/fp32 weights "
+                "to quantize; a pre-quantized pack's scales already fix its FC1 block grouping "
+                "(use fc1_gate_up_interleave=None for it)"
+            )
+        super().check_scales(weights)
+
     def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
         if s is None:
             w, s = quant.quantize_fp8_blockwise(w, block=(128, 128))
         return quant.dequantize_fp8_blockwise(w, s, block=(128, 128))
 
+    def _fc1_weight(self, w13: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+        b = self.fc1_gate_up_interleave
+        if b is None:
+            return self._weight("w13", w13, s)
+        return quant.deinterleave_gate_up(
+            self._weight("w13", quant.interleave_gate_up(w13, b), s), b
+        )
+
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
-        w13 = self._weight("w13", weights.w13, weights.w13_scale)
+        w13 = self._fc1_weight(weights.w13, weights.w13_scale)
         w2 = self._weight("w2", weights.w2, weights.w2_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
         return PreparedWeights(w13t, w2t)
