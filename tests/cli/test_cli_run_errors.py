@@ -24,3 +24,29 @@ def test_unknown_kernel_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
     err = capsys.readouterr().err
     assert "unknown kernel 'any_bf16_bf16_bf16_nope'" in err
     assert "any_bf16_bf16_bf16_torch" in err
+
+
+@pytest.mark.parametrize(
+    ("rank_errors", "expected"),
+    [({1: "MoeEpUsageError"}, EXIT_USAGE), ({1: "RuntimeError"}, None)],
+)
+def test_a_rank_side_usage_error_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    rank_errors: dict[int, str],
+    expected: int | None,
+) -> None:
+    import moe_ep.launch
+    from moe_ep.errors import MoeEpPeerError
+
+    def failing_spawn(*args: object, **kwargs: object) -> list[object]:
+        raise MoeEpPeerError("rank 1 failed", rank_errors=rank_errors)
+
+    monkeypatch.setattr(moe_ep.launch, "spawn_local", failing_spawn)
+    argv = ["run", "--kernel", "any_bf16_bf16_bf16_torch", "--world-size", "2"]
+    if expected is None:  # any other rank failure stays a peer error
+        with pytest.raises(MoeEpPeerError, match="rank 1 failed"):
+            main(argv)
+    else:
+        assert main(argv) == expected
+        assert "rank 1 failed" in capsys.readouterr().err

@@ -62,6 +62,7 @@ def test_raising_rank_is_named_with_its_traceback() -> None:
     assert "Traceback" in msg and "_raise_on_rank_one" in msg
     assert "rank 0 raised" not in msg
     assert not isinstance(info.value, MoeEpTimeoutError)
+    assert info.value.rank_errors == {1: "KeyError"}
 
 
 def _die_on_rank_zero(rank: int, world_size: int) -> int:
@@ -71,8 +72,9 @@ def _die_on_rank_zero(rank: int, world_size: int) -> int:
 
 
 def test_dead_rank_is_named() -> None:
-    with pytest.raises(MoeEpPeerError, match=r"rank 0 died \(exit code 3\)"):
+    with pytest.raises(MoeEpPeerError, match=r"rank 0 died \(exit code 3\)") as info:
         spawn_local(_die_on_rank_zero, 2, timeout_s=60)
+    assert info.value.rank_errors == {}  # a dead rank raised nothing it could report
 
 
 def _hang_on_rank_one(rank: int, world_size: int, pid_dir: str) -> int:

@@ -9,6 +9,8 @@ A capability this machine lacks (no GPU, missing package, drop not materialized)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 __all__ = [
     "MoeEpError",
     "MoeEpPeerError",
@@ -31,7 +33,15 @@ class MoeEpUnavailableError(MoeEpError, RuntimeError):
 
 
 class MoeEpPeerError(MoeEpError, RuntimeError):
-    """A peer rank failed (died, errored) during a collective; names the rank(s)."""
+    """A peer rank failed (died, errored) during a collective; names the rank(s).
+
+    `rank_errors` maps each failed rank to the class name of the exception it raised, where
+    that is known (`moe_ep.launch.spawn_local` fills it); empty otherwise.
+    """
+
+    def __init__(self, message: str, *, rank_errors: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.rank_errors: dict[int, str] = dict(rank_errors or {})
 
 
 class MoeEpTimeoutError(MoeEpPeerError, TimeoutError):

@@ -49,13 +49,14 @@ def _child(
     try:
         result = fn(rank, world_size, *args)
     except BaseException as exc:
-        conn.send(("err", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        name = type(exc).__name__
+        conn.send(("err", f"{name}: {exc}", traceback.format_exc(), name))
         conn.close()
         os._exit(1)
     try:
         conn.send(("ok", result))
     except Exception as exc:  # unpicklable result
-        conn.send(("err", f"result of rank {rank} could not be sent: {exc!r}", ""))
+        conn.send(("err", f"result of rank {rank} could not be sent: {exc!r}", "", ""))
     conn.close()
 
 
@@ -176,6 +177,7 @@ def spawn_local(
         ranks = [r for r in sorted(outcome) if outcome[r][0] != "ok"]
         raise MoeEpPeerError(
             f"spawn_local: rank(s) {ranks} of world size {world_size} failed:\n"
-            + "\n".join(failures)
+            + "\n".join(failures),
+            rank_errors={r: outcome[r][3] for r in ranks if outcome[r][0] == "err"},
         )
     return [outcome[r][1] for r in range(world_size)]

@@ -222,7 +222,7 @@ def execute(spec: JobSpec) -> tuple[JobSpec, list[dict[str, Any]]]:
         try:
             per_rank = spawn_local(run_job, spec.world_size, spec, timeout_s=600)
         except MoeEpPeerError as exc:
-            if "raised MoeEpUsageError" in str(exc):  # a usage error found on a rank
+            if "MoeEpUsageError" in exc.rank_errors.values():  # a usage error found on a rank
                 raise MoeEpUsageError(str(exc)) from None
             raise
     merged = []
