@@ -1,12 +1,22 @@
-"""Problems and spawned workers of the sm90 and sm100 GPU tests (top-level so they pickle).
+"""Problems, oracles and spawned workers of the sm90 and sm100 GPU tests (top-level so they
+pickle).
 
-Never run on CPU (nor, yet, on a GPU)."""
+The GPU runs have never happened (no GPU lent yet). The CPU-side pieces here (problem
+building, the per-kernel oracle recipe, the worker) are exercised on CPU by
+`test_sm90_gpu_cases.py` through the portable backend configured with each sm90 kernel's
+recipe (its CPU twin), so a slip in them shows up before the first GPU run.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+
+PULL = "sm90_fp8_fp8_bf16_pull_cutedsl"
+PUSH = "sm90_fp8_fp8_bf16_push_cuda"
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,20 @@ CASES = [
 """The problems both GPU test modules run."""
 
 
+@dataclass(frozen=True)
+class Sm90Recipe:
+    """How one sm90 kernel quantizes, as `oracle_forward` options (fp8 blockwise, 128x128
+    weights): `fc1_gate_up_interleave` 8 for the pull kernel (its FC1 scale blocks run over
+    rows interleaved by 8), None for the push kernel (gate-then-up rows, the canonical
+    recipe). With these the oracle computes with the kernel's own weight values bit for bit,
+    so the problems use ordinary random weights."""
+
+    fc1_gate_up_interleave: int | None
+
+
+SM90_RECIPES = {PULL: Sm90Recipe(fc1_gate_up_interleave=8), PUSH: Sm90Recipe(None)}
+
+
 def fp8_exact_weights(e: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """`[e, n, k]` fp32 weights the fp8 recipes reproduce exactly under any grouping of
     64-row groups into 128-row blocks: e4m3 values times 2**-12, every (64-row, 128-col)
@@ -42,7 +66,17 @@ def fp8_exact_weights(e: int, n: int, k: int, gen: torch.Generator) -> torch.Ten
     return q * 2.0**-12
 
 
-def make_problem(case: GpuCase, world_size: int) -> dict[str, torch.Tensor]:
+def make_problem(
+    case: GpuCase, world_size: int, *, weights: str = "fp8_exact"
+) -> dict[str, torch.Tensor]:
+    """Global inputs of `case` on `world_size` ranks: `x [T, H]` bf16, `ids [T, k]` int64
+    (-1 = padded slot), `w [T, k]` fp32, `w13 [E, 2I, H]`, `w2 [E, H, I]` fp32.
+
+    `weights`: "fp8_exact" (`fp8_exact_weights`, what the sm100 tests use) or "random"
+    (`randn / sqrt(K)`, the sm90 tests: their oracle quantizes with each kernel's recipe).
+    """
+    if weights not in ("fp8_exact", "random"):
+        raise ValueError(f"weights must be 'fp8_exact' or 'random', got {weights!r}")
     gen = torch.Generator().manual_seed(case.seed)
     e = case.experts_per_rank * world_size
     t = case.tokens * world_size
@@ -51,35 +85,95 @@ def make_problem(case: GpuCase, world_size: int) -> dict[str, torch.Tensor]:
         ids = torch.zeros(t, case.topk, dtype=torch.int64)
         ids[:, 1:] = torch.randint(0, e, (t, case.topk - 1), generator=gen)
     else:
-        ids = torch.stack([torch.randperm(e, generator=gen)[: case.topk] for _ in range(t)])
+        rows = [torch.randperm(e, generator=gen)[: case.topk] for _ in range(t)]
+        ids = torch.stack(rows) if rows else torch.empty((0, case.topk), dtype=torch.int64)
     pad = torch.rand(t, case.topk, generator=gen) < case.pad_frac
     ids[pad] = -1
     w = torch.rand(t, case.topk, generator=gen)
-    w13 = fp8_exact_weights(e, 2 * case.inter, case.hidden, gen)
-    w2 = fp8_exact_weights(e, case.hidden, case.inter, gen)
+    if weights == "random":
+        w13 = torch.randn(e, 2 * case.inter, case.hidden, generator=gen) / case.hidden**0.5
+        w2 = torch.randn(e, case.hidden, case.inter, generator=gen) / case.inter**0.5
+    else:
+        w13 = fp8_exact_weights(e, 2 * case.inter, case.hidden, gen)
+        w2 = fp8_exact_weights(e, case.hidden, case.inter, gen)
     return {"x": x, "ids": ids, "w": w, "w13": w13, "w2": w2}
 
 
-def run_rank(rank: int, world_size: int, case: GpuCase, kernel: str) -> torch.Tensor:
-    from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
-    from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
+def _weights_kind(kernel: str) -> str:
+    return "random" if kernel in SM90_RECIPES else "fp8_exact"
 
-    p = make_problem(case, world_size)
+
+def problem_for(case: GpuCase, world_size: int, kernel: str) -> dict[str, torch.Tensor]:
+    """`make_problem` with the weights `kernel`'s test uses (random for the sm90 kernels)."""
+    return make_problem(case, world_size, weights=_weights_kind(kernel))
+
+
+def sm90_oracle(case: GpuCase, world_size: int, kernel: str) -> Any:
+    """`oracle_forward` of `case` with `kernel`'s fp8 recipe (`SM90_RECIPES`)."""
+    from moe_ep.oracle import oracle_forward
+
+    p = problem_for(case, world_size, kernel)
+    return oracle_forward(
+        p["x"],
+        p["ids"],
+        p["w"],
+        p["w13"],
+        p["w2"],
+        fmt="fp8",
+        fc1_gate_up_interleave=SM90_RECIPES[kernel].fc1_gate_up_interleave,
+    )
+
+
+def cpu_twin(kernel: str) -> Any:
+    """The portable fp8 config that quantizes exactly as sm90 `kernel` does (runs on CPU)."""
+    from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
+
+    b = SM90_RECIPES[kernel].fc1_gate_up_interleave
+    return Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(fc1_gate_up_interleave=b)
+
+
+def backend_for(case: GpuCase, kernel: str) -> Any:
+    """What the layer is built with: the sm90 configs with `top_k` (so `warmup()` compiles
+    / builds ahead), other kernels by name."""
+    from moe_ep_sm90 import (
+        Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
+        Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
+    )
+
+    if kernel == PULL:
+        return Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(top_k=case.topk)
+    if kernel == PUSH:
+        return Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(top_k=case.topk)
+    return kernel
+
+
+def run_rank(
+    rank: int, world_size: int, case: GpuCase, kernel: str, backend: Any = None
+) -> torch.Tensor:
+    """One rank's output `[tokens, H]` bf16 (on CPU) for `case` through a `MoEEpLayer`.
+
+    `backend` replaces `backend_for(case, kernel)` (the CPU tests pass `cpu_twin(kernel)`);
+    the problem is always `kernel`'s.
+
+    Warning: as a `spawn_local` worker the returned tensor travels through torch's
+    shared-memory pickling, which fails ("FileNotFoundError" in the parent) when the rank
+    exits before the parent reads it; spawn `run_rank_wire` instead.
+    """
+    from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
+
+    p = problem_for(case, world_size, kernel)
     el = case.experts_per_rank
     rows = slice(rank * case.tokens, (rank + 1) * case.tokens)
     experts = slice(rank * el, (rank + 1) * el)
-    backend = (
-        Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(top_k=case.topk)
-        if kernel == "sm90_fp8_fp8_bf16_pull_cutedsl"
-        else kernel
-    )
     layer = MoEEpLayer(
         BootstrapConfig(world_size=world_size, rank=rank),
         FleetParams(
-            num_experts=el * world_size, max_tokens_per_rank=case.tokens, hidden_size=case.hidden
+            num_experts=el * world_size,
+            max_tokens_per_rank=max(case.tokens, 1),  # n == 0 still needs a legal buffer
+            hidden_size=case.hidden,
         ),
         MoEWeightPack(w13=p["w13"][experts], w2=p["w2"][experts]),
-        backend,
+        backend if backend is not None else backend_for(case, kernel),
     )
     try:
         layer.warmup()
@@ -91,7 +185,30 @@ def run_rank(rank: int, world_size: int, case: GpuCase, kernel: str) -> torch.Te
                 topk_weights=p["w"][rows].to(dev),
             )
         )
-        torch.cuda.synchronize()
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
         return out.cpu()
     finally:
         layer.destroy()
+
+
+def run_rank_wire(
+    rank: int, world_size: int, case: GpuCase, kernel: str, backend: Any = None
+) -> np.ndarray:
+    """`run_rank` as a `spawn_local` worker: the bf16 output's bits as int16 numpy (pickles
+    by value); `torch.from_numpy(a).view(torch.bfloat16)` undoes it."""
+    out = run_rank(rank, world_size, case, kernel, backend)
+    return out.contiguous().view(torch.int16).numpy().copy()
+
+
+def sm90_report(
+    case: GpuCase, world_size: int, kernel: str, backend: Any = None, *, timeout_s: float = 600.0
+) -> Any:
+    """Run `case` on `world_size` spawned ranks (`run_rank`) and compare the gathered output
+    with `sm90_oracle`; the `ToleranceReport` (`.ok` when every cell is inside the band)."""
+    from moe_ep.launch import spawn_local
+    from moe_ep.oracle import compare_to_oracle
+
+    outs = spawn_local(run_rank_wire, world_size, case, kernel, backend, timeout_s=timeout_s)
+    got = torch.cat([torch.from_numpy(a).view(torch.bfloat16) for a in outs])
+    return compare_to_oracle(got, sm90_oracle(case, world_size, kernel))

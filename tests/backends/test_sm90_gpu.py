@@ -2,9 +2,12 @@
 
 Never run on a GPU yet.
 
-Weights are fp8-exact (`fp8_exact_weights`), so the pull kernel's FC1 block grouping and the
-oracle's canonical 128x128 recipe agree bit for bit; the remaining differences are
-accumulation order and requantization flips, which the tolerance band covers.
+Weights are ordinary random ones; the oracle quantizes them with each kernel's own recipe
+(`sm90_gpu_cases.SM90_RECIPES`: FC1 interleaved by 8 before its 128x128 blocks for the pull
+kernel, canonical gate-then-up blocks for the push kernel), so it computes with the kernel's
+weight values bit for bit and the remaining differences are accumulation order and
+requantization flips, which the tolerance band covers. The same problems, oracle calls and
+worker run on CPU against each kernel's portable twin in `test_sm90_gpu_cases.py`.
 """
 
 from __future__ import annotations
@@ -12,23 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_hw import require_capability
-from sm90_gpu_cases import CASES, GpuCase, make_problem, run_rank
+from sm90_gpu_cases import CASES, PULL, PUSH, GpuCase, problem_for, sm90_report
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 
 def _check(case: GpuCase, world_size: int, kernel: str) -> None:
-    from moe_ep.launch import spawn_local
-    from moe_ep.oracle import compare_to_oracle, oracle_forward
-
     ok, why = _availability(kernel)
     if not ok:
         pytest.skip(f"{kernel}: {why}")
-    outs = spawn_local(run_rank, world_size, case, kernel, timeout_s=600.0)
-    got = torch.cat(outs)
-    p = make_problem(case, world_size)
-    ref = oracle_forward(p["x"], p["ids"], p["w"], p["w13"], p["w2"], fmt="fp8")
-    report = compare_to_oracle(got, ref)
+    report = sm90_report(case, world_size, kernel)
     assert report.ok, f"{case.name}: {report}"
 
 
@@ -41,7 +37,7 @@ def _availability(kernel: str) -> tuple[bool, str]:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_pull_matches_oracle_ep1(case):
     require_capability((9, 0), "Hopper (sm_90)")
-    _check(case, 1, "sm90_fp8_fp8_bf16_pull_cutedsl")
+    _check(case, 1, PULL)
 
 
 @pytest.mark.multirank
@@ -51,7 +47,7 @@ def test_pull_matches_oracle_multirank(case):
     n = torch.cuda.device_count()
     if n < 2:
         pytest.skip(f"needs 2+ Hopper GPUs, {n} visible")
-    _check(case, min(n, 4), "sm90_fp8_fp8_bf16_pull_cutedsl")
+    _check(case, min(n, 4), PULL)
 
 
 def _require_push_build() -> None:
@@ -66,10 +62,10 @@ def _require_push_build() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_push_matches_oracle_ep1(case):
-    # Never run. Push weights are the canonical 128x128 recipe, as the oracle's.
+    # Never run. Push weights are the canonical 128x128 recipe (SM90_RECIPES[PUSH]).
     require_capability((9, 0), "Hopper (sm_90)")
     _require_push_build()
-    _check(case, 1, "sm90_fp8_fp8_bf16_push_cuda")
+    _check(case, 1, PUSH)
 
 
 @pytest.mark.multirank
@@ -80,14 +76,14 @@ def test_push_matches_oracle_multirank(case):
     n = torch.cuda.device_count()
     if n < 2:
         pytest.skip(f"needs 2+ Hopper GPUs, {n} visible")
-    _check(case, min(n, 4), "sm90_fp8_fp8_bf16_push_cuda")
+    _check(case, min(n, 4), PUSH)
 
 
 def test_pull_staging_on_gpu_matches_cpu_bytes():
     require_capability((9, 0), "Hopper (sm_90)")
     from moe_ep_sm90.fp8_layout import stage_pull_inputs
 
-    p = make_problem(GpuCase("staging", pad_frac=0.2), 1)
+    p = problem_for(GpuCase("staging", pad_frac=0.2), 1, PULL)
     cpu = stage_pull_inputs(p["x"], p["ids"], p["w"], max_tokens=128)
     gpu = stage_pull_inputs(p["x"].cuda(), p["ids"].cuda(), p["w"].cuda(), max_tokens=128)
     assert torch.equal(gpu.activation.cpu().view(torch.uint8), cpu.activation.view(torch.uint8))
