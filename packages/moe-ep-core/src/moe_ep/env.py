@@ -22,6 +22,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV_VARS",
     "EnvVar",
+    "cpu_fused_cache_dir",
+    "cpu_fused_mode",
     "cuda_visible_devices",
     "cute_dsl_arch",
     "local_rank",
@@ -102,6 +104,19 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "0 or 1 (default 0)",
         "1: the GPU tests and the GPU check also build and run the sm90 push kernel "
         "(nvcc builds of several minutes).",
+    ),
+    EnvVar(
+        "MOE_EP_CPU_FUSED",
+        "auto, 0 or 1 (default auto)",
+        "The portable kernels' fused CPU epilogues (SwiGLU, top-k combine; a small C library "
+        "built on first use): auto uses them when a C compiler works (else eager, with one "
+        "warning), 1 requires them (construction fails otherwise), 0 keeps the eager code.",
+    ),
+    EnvVar(
+        "MOE_EP_CPU_FUSED_CACHE",
+        "directory (default ~/.cache/moe-ep/cpu_fused)",
+        "Where the fused CPU epilogue library is built, one file per digest of source, "
+        "compiler, flags and CPU features.",
     ),
     EnvVar(
         "CUTE_DSL_ARCH",
@@ -234,6 +249,23 @@ def push_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
 def push_build_enabled(env: Mapping[str, str] | None = None) -> bool:
     """MOE_EP_PUSH_BUILD: True for "1", False for "0" or unset; anything else is an error."""
     return _zero_one(_raw(env, "MOE_EP_PUSH_BUILD"), "MOE_EP_PUSH_BUILD")
+
+
+def cpu_fused_mode(env: Mapping[str, str] | None = None) -> str:
+    """MOE_EP_CPU_FUSED: "auto" (unset or empty), "0" or "1"; anything else is an error."""
+    raw = _raw(env, "MOE_EP_CPU_FUSED")
+    if raw is None:
+        return "auto"
+    if raw not in ("auto", "0", "1"):
+        raise MoeEpUsageError(
+            f"environment variable MOE_EP_CPU_FUSED must be auto, 0 or 1, got {raw!r}"
+        )
+    return raw
+
+
+def cpu_fused_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """MOE_EP_CPU_FUSED_CACHE as written, None when unset or empty."""
+    return read_env(env).get("MOE_EP_CPU_FUSED_CACHE") or None
 
 
 def cute_dsl_arch(env: Mapping[str, str] | None = None) -> str | None:

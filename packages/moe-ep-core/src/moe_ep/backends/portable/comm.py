@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_ep.backends.portable import cpu_fused
 from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError
 
 __all__ = [
@@ -232,10 +233,12 @@ def combine(
     `y_home [P, H]` holds pair p's row at `p` (send order), or at `rows[p]` when given.
     Padded slots have no pair and add nothing; a token with no valid slot gets exact zeros.
 
-    Works on slices of `c` tokens: gather their `c * k` rows, widen to fp32, scale by the
-    weights, add the slots in order, round into the output; the slice stays in cache. Every
-    step is exact per element (copy, one fp32 product, fp32 adds in slot order, RNE), so a
-    token's result does not depend on the slicing (i.e. on how many tokens the rank holds).
+    bf16 on CPU goes through `cpu_fused.combine` (one pass, same bits) when its library is
+    available. Otherwise works on slices of `c` tokens: gather their `c * k` rows, widen to
+    fp32, scale by the weights, add the slots in order, round into the output; the slice
+    stays in cache. Every step is exact per element (copy, one fp32 product, fp32 adds in
+    slot order, RNE), so a token's result does not depend on the slicing (i.e. on how many
+    tokens the rank holds).
     """
     n, k = int(topk_weights.shape[0]), int(topk_weights.shape[1])
     dev = output.device
@@ -247,8 +250,21 @@ def combine(
     pos[plan.pair_token, plan.pair_slot] = where
     valid[plan.pair_token, plan.pair_slot] = True
     # Padded slots read row 0 with weight 0: they add +-0, i.e. exactly nothing (y finite).
-    w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights)).unsqueeze(2)
-    wsp = workspace or Workspace()
+    w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
+    if not cpu_fused.combine(y_home, pos, w, output):
+        _combine_eager(y_home, pos, w.unsqueeze(2), output, workspace or Workspace())
+    dead = ~valid.any(dim=1)  # rows of +-0 products only: make them +0, not -0
+    if bool(dead.any()):
+        output[dead] = 0
+    return output
+
+
+def _combine_eager(
+    y_home: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, output: torch.Tensor, wsp: Workspace
+) -> None:
+    """`combine`'s sum in torch ops, on cache-sized token slices (`w` is `[n, k, 1]`)."""
+    n, k = int(pos.shape[0]), int(pos.shape[1])
+    dev = output.device
     hidden = int(output.shape[1])
     c = max(1, min(n, COMBINE_BYTES // (4 * k * hidden)))
     gathered = wsp.get("combine_rows", (c * k, hidden), y_home.dtype, dev)
@@ -269,7 +285,3 @@ def combine(
         for j in range(2, k):
             am.add_(tm[:, j])
         om.copy_(am)
-    dead = ~valid.any(dim=1)  # rows of +-0 products only: make them +0, not -0
-    if bool(dead.any()):
-        output[dead] = 0
-    return output

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moe_ep.backends.portable import cpu_fused
 from moe_ep.backends.portable.comm import Workspace
 from moe_ep.backends.portable.recipes import PreparedWeights
 
@@ -61,8 +62,11 @@ def _swiglu(
     """`gu [b, 2I]` -> `h [b, I]`: `requantize(silu(g) * u)` in fp32, rounded into h.
 
     `requantize=None`: the rounding into h is the whole quantization (one fp32 multiply,
-    one rounding).
+    one rounding). bf16 on CPU with `requantize=None` goes through `cpu_fused.swiglu` (one
+    pass) when its library is available.
     """
+    if requantize is None and cpu_fused.swiglu(gu, h, alpha, clamp):
+        return
     b, inter = int(h.shape[0]), int(h.shape[1])
     rows = min(b, SWIGLU_ROWS)
     in_place = gu.dtype == torch.float32  # fp32 GEMM output: work on it directly

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from moe_ep.backends.base import KernelConfig, MegaKernel, RuntimeRequirements
-from moe_ep.backends.portable import comm
+from moe_ep.backends.portable import comm, cpu_fused
 from moe_ep.backends.portable.configs import (
     Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig,
@@ -108,6 +108,8 @@ class PortableTorchKernel(MegaKernel):
         )
         self.recipe = self.make_recipe(config)
         dev = runtime.device
+        if dev.type == "cpu":
+            cpu_fused.library()  # build or load now: MOE_EP_CPU_FUSED=1 fails here, not mid-forward
         moved = MoEWeightPack(
             *(
                 None if t is None else t.to(dev)

@@ -1,0 +1,121 @@
+/* Fused CPU epilogues of the portable kernels (moe-ep's own code; built by cpu_fused.py).
+ *
+ * Each function computes, element for element, the same sequence of fp32 operations as the
+ * eager torch code it replaces (moe_ep/backends/portable/experts.py `_swiglu`, comm.py
+ * `combine`), in one pass over memory instead of one pass per eager op. Built with
+ * -ffp-contract=off so that no multiply-add is fused and every product and sum rounds as
+ * the eager ops do. The one exception is exp() inside silu: a polynomial of our own (about
+ * 1 ulp in fp32), where ATen uses SLEEF; the bf16 result differs from eager in rare last
+ * bits (the tests bound it). All loops are plain C that the compiler vectorizes.
+ */
+#include <stdint.h>
+
+typedef union {
+    float f;
+    uint32_t u;
+    int32_t i;
+} bits32;
+
+static inline float bf16_to_f32(uint16_t b) {
+    bits32 v;
+    v.u = (uint32_t)b << 16;
+    return v.f;
+}
+
+/* Round to nearest even, NaN stays NaN (quietened), as torch's float -> bfloat16 cast. */
+static inline uint16_t f32_to_bf16(float f) {
+    bits32 v;
+    v.f = f;
+    uint32_t rounded = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16;
+    uint32_t quiet_nan = (v.u >> 16) | 0x40u;
+    return (uint16_t)(((v.u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
+}
+
+/* exp(x) in fp32: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial
+ * (Cephes expf coefficients), times 2^(n-1) built in the exponent bits, times 2 (so that
+ * n = 128 still has a normal scale). Overflows to +inf above 88.72 like expf; below -86 it
+ * returns about exp(-86) instead of a smaller value, which makes no difference to the only
+ * use, 1 + exp(x). NaN propagates. */
+static inline float exp_f32(float x) {
+    float c = x < -86.0f ? -86.0f : x;
+    c = c > 88.72283935546875f ? 88.72283935546875f : c;
+    c = c == c ? c : 0.0f;
+    float n = __builtin_fmaf(c, 1.44269504088896341f, 12582912.0f) - 12582912.0f;
+    float r = __builtin_fmaf(n, -0.693145751953125f, c);
+    r = __builtin_fmaf(n, -1.428606765330187045e-06f, r);
+    float p = 1.9875691500e-4f;
+    p = __builtin_fmaf(p, r, 1.3981999507e-3f);
+    p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+    p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+    p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+    p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+    p = __builtin_fmaf(p, r * r, r) + 1.0f;
+    bits32 scale;
+    scale.i = ((int32_t)n + 126) << 23;
+    float e = (p * scale.f) * 2.0f;
+    e = x > 88.72283935546875f ? __builtin_inff() : e;
+    return x == x ? e : x;
+}
+
+/* h[i, :] = bf16(silu(g) * u) for the rows of gu = [g | u] (each `inter` wide), in fp32:
+ * with has_alpha, g and u are first multiplied by alpha; with has_clamp, g <= clamp and
+ * -clamp <= u <= clamp. silu(x) = x / (1 + exp(-x)). Row strides in elements. */
+void moe_ep_swiglu_bf16(const uint16_t *gu, int64_t ld_gu, uint16_t *h, int64_t ld_h,
+                        int64_t rows, int64_t inter, int32_t has_alpha, float alpha,
+                        int32_t has_clamp, float clamp) {
+    alpha = has_alpha ? alpha : 1.0f;
+    clamp = has_clamp ? clamp : __builtin_inff();
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *restrict g = gu + i * ld_gu;
+        const uint16_t *restrict u = g + inter;
+        uint16_t *restrict out = h + i * ld_h;
+        if (!has_alpha && !has_clamp) {
+            for (int64_t j = 0; j < inter; j++) {
+                float x = bf16_to_f32(g[j]);
+                float s = x / (1.0f + exp_f32(-x));
+                out[j] = f32_to_bf16(s * bf16_to_f32(u[j]));
+            }
+            continue;
+        }
+        for (int64_t j = 0; j < inter; j++) {
+            /* alpha = 1 and clamp = inf when not given: both exact no-ops (NaN stays NaN),
+             * so one branch-free loop serves every variant. */
+            float x = bf16_to_f32(g[j]) * alpha;
+            float y = bf16_to_f32(u[j]) * alpha;
+            x = x > clamp ? clamp : x;
+            y = y > clamp ? clamp : y;
+            y = y < -clamp ? -clamp : y;
+            float s = x / (1.0f + exp_f32(-x));
+            out[j] = f32_to_bf16(s * y);
+        }
+    }
+}
+
+#define COMBINE_CHUNK 512
+
+/* out[t, :] = bf16(sum over slots j in order of w[t, j] * y[pos[t, j], :]) in fp32:
+ * term_j = float(y) * w (one rounding), then ((term_0 + term_1) + term_2) + ..., then RNE.
+ * pos [n, k] int64 and w [n, k] fp32 are contiguous; y and out rows have strides ld_y,
+ * ld_out (elements). */
+void moe_ep_combine_bf16(const uint16_t *y, int64_t ld_y, const int64_t *pos, const float *w,
+                         uint16_t *out, int64_t ld_out, int64_t n, int64_t k,
+                         int64_t hidden) {
+    float acc[COMBINE_CHUNK];
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t *p = pos + t * k;
+        const float *wt = w + t * k;
+        uint16_t *restrict o = out + t * ld_out;
+        for (int64_t c0 = 0; c0 < hidden; c0 += COMBINE_CHUNK) {
+            int64_t m = hidden - c0 < COMBINE_CHUNK ? hidden - c0 : COMBINE_CHUNK;
+            const uint16_t *restrict r0 = y + p[0] * ld_y + c0;
+            float w0 = wt[0];
+            for (int64_t c = 0; c < m; c++) acc[c] = bf16_to_f32(r0[c]) * w0;
+            for (int64_t j = 1; j < k; j++) {
+                const uint16_t *restrict r = y + p[j] * ld_y + c0;
+                float wj = wt[j];
+                for (int64_t c = 0; c < m; c++) acc[c] = acc[c] + bf16_to_f32(r[c]) * wj;
+            }
+            for (int64_t c = 0; c < m; c++) o[c0 + c] = f32_to_bf16(acc[c]);
+        }
+    }
+}

@@ -1,0 +1,213 @@
+"""Fused CPU epilogues of the portable kernels: SwiGLU and the top-k combine in one pass each.
+
+The eager versions (`experts._swiglu`, `comm.combine`) make one trip through memory per
+torch op (widen, silu, multiply, round; gather, widen, weight, add per slot, round). On
+CPU these two stages cost as much as a third of the expert GEMMs, so a small C library
+(`cpu_fused.c`, moe-ep's own) does each in one pass with the same fp32 operations in the
+same order. It is compiled on first use with the machine's C compiler (about a second),
+cached under `MOE_EP_CPU_FUSED_CACHE` (default `~/.cache/moe-ep/cpu_fused`) by a digest of
+source, compiler, flags and CPU features, and loaded with ctypes; rows are split over
+`torch.get_num_threads()` threads (ctypes releases the GIL).
+
+Results: the combine is bit-identical to the eager code; SwiGLU uses its own fp32 exp()
+(about 1 ulp) where ATen uses SLEEF, so a rare bf16 output differs from eager by one last
+bit. Both are deterministic and per row, so the bit-identity of the bf16 format across
+world sizes holds as long as every rank uses the same path.
+
+`MOE_EP_CPU_FUSED`: `auto` (default; eager with one warning when no compiler works), `1`
+(required: construction fails with `MoeEpUnavailableError` if it cannot build), `0` (eager).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from moe_ep import env
+from moe_ep.errors import MoeEpUnavailableError
+
+__all__ = ["SOURCE", "combine", "library", "status", "swiglu"]
+
+SOURCE = Path(__file__).with_name("cpu_fused.c")
+_MIN_ROWS_PER_THREAD = 8
+"""Below this many rows per thread the split costs more than it saves."""
+
+_i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
+
+
+def _arch_flags() -> list[str]:
+    if platform.machine() in ("x86_64", "AMD64"):
+        return ["-march=native", "-mprefer-vector-width=512"]
+    return ["-mcpu=native"]
+
+
+def _cpu_features() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return line
+    return ""
+
+
+def _build(cc: str, out_dir: Path) -> Path:
+    """Compile the library into `out_dir` (atomically) and return its path."""
+    base = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-std=c11"]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    errors = []
+    for arch in (_arch_flags(), []):
+        flags = [*base, *arch]
+        key = "\0".join(
+            [SOURCE.read_text(), cc, version.stdout, *flags, platform.machine(), _cpu_features()]
+        )
+        target = out_dir / f"cpu_fused-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+        if target.exists():
+            return target
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+        os.close(fd)
+        proc = subprocess.run(
+            [cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False
+        )
+        if proc.returncode == 0:
+            os.replace(tmp, target)  # atomic: concurrent ranks may build the same file
+            return target
+        os.unlink(tmp)
+        errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-400:]}")
+    raise RuntimeError("; ".join(errors))
+
+
+def _default_cache() -> Path:
+    return Path(env.cpu_fused_cache_dir() or Path.home() / ".cache" / "moe-ep" / "cpu_fused")
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    mode = env.cpu_fused_mode()
+    if mode == "0":
+        return None, "disabled by MOE_EP_CPU_FUSED=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (set CC, or install cc / gcc / clang)"
+    try:
+        lib = ctypes.CDLL(str(_build(cc, _default_cache())))
+    except (OSError, RuntimeError) as exc:
+        return None, f"building {SOURCE.name} failed: {exc}"
+    lib.moe_ep_swiglu_bf16.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32, _f32, _i32, _f32]
+    lib.moe_ep_swiglu_bf16.restype = None
+    lib.moe_ep_combine_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
+    lib.moe_ep_combine_bf16.restype = None
+    return lib, "built and loaded"
+
+
+def status() -> tuple[bool, str]:
+    """(whether the fused CPU epilogues are in use, why / why not); builds on first call."""
+    lib, why = _load()
+    return lib is not None, why
+
+
+_warned = threading.Event()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (eager fallback).
+
+    Raises:
+        MoeEpUnavailableError: MOE_EP_CPU_FUSED=1 and the library cannot be built.
+    """
+    lib, why = _load()
+    if lib is None and env.cpu_fused_mode() == "1":
+        raise MoeEpUnavailableError(f"MOE_EP_CPU_FUSED=1 but the fused CPU epilogues: {why}")
+    if lib is None and env.cpu_fused_mode() == "auto" and not _warned.is_set():
+        _warned.set()
+        warnings.warn(f"moe-ep: eager CPU epilogues (slower): {why}", stacklevel=2)
+    return lib
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moe-ep-cpu-fused")
+
+
+def _split_rows(rows: int, call: Callable[[int, int], None]) -> None:
+    """Run `call(start, stop)` over `rows` split across torch's intra-op thread count."""
+    parts = max(1, min(torch.get_num_threads(), rows // _MIN_ROWS_PER_THREAD))
+    if parts == 1:
+        call(0, rows)
+        return
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    futures = [_pool(parts - 1).submit(call, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    call(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+
+
+def _rows_ok(*tensors: torch.Tensor) -> bool:
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.dim() == 2 and t.stride(1) == 1
+        for t in tensors
+    )
+
+
+def swiglu(gu: torch.Tensor, h: torch.Tensor, alpha: float | None, clamp: float | None) -> bool:
+    """`h [b, I] = bf16(silu(g) * u)` for `gu [b, 2I] = [g | u]` (both bf16, CPU).
+
+    Returns False (nothing written) when the fused path does not apply; the caller then
+    runs the eager code.
+    """
+    lib = library() if _rows_ok(gu, h) else None
+    if lib is None:
+        return False
+    inter = int(h.shape[1])
+    fn, ld_gu, ld_h = lib.moe_ep_swiglu_bf16, gu.stride(0), h.stride(0)
+    gp, hp, a, c = gu.data_ptr(), h.data_ptr(), alpha or 1.0, clamp or 0.0
+
+    def call(s: int, e: int) -> None:
+        fn(gp + 2 * s * ld_gu, ld_gu, hp + 2 * s * ld_h, ld_h, e - s, inter,
+           alpha is not None, a, clamp is not None, c)  # fmt: skip
+
+    _split_rows(int(h.shape[0]), call)
+    return True
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """`out[t] = bf16(sum_j w[t, j] * y[pos[t, j]])`, fp32 terms added in slot order.
+
+    y `[P, H]` and out `[n, H]` bf16 on CPU; pos `[n, k]` int64 (valid rows of y), w `[n, k]`
+    fp32. Returns False (nothing written) when the fused path does not apply.
+    """
+    lib = library() if _rows_ok(y, out) else None
+    if lib is None:
+        return False
+    pos, w = pos.contiguous(), w.to(torch.float32).contiguous()
+    n, k = int(pos.shape[0]), int(pos.shape[1])
+    fn, ld_y, ld_o, hidden = lib.moe_ep_combine_bf16, y.stride(0), out.stride(0), int(y.shape[1])
+    yp, pp, wp, op = y.data_ptr(), pos.data_ptr(), w.data_ptr(), out.data_ptr()
+
+    def call(s: int, e: int) -> None:
+        fn(yp, ld_y, pp + 8 * s * k, wp + 4 * s * k, op + 2 * s * ld_o, ld_o, e - s, k, hidden)
+
+    _split_rows(n, call)
+    return True

@@ -1,0 +1,173 @@
+"""The fused CPU epilogues (`moe_ep.backends.portable.cpu_fused`) against the eager code.
+
+The combine must equal the eager combine bit for bit; SwiGLU may differ from eager (ATen's
+SLEEF exp vs ours) only in rare last bits, and must stay within one bf16 ulp of the exactly
+rounded fp64 formula wherever eager does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_ep.backends.portable import comm, cpu_fused, experts
+from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+
+needs_cc = pytest.mark.skipif(cpu_fused._compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture
+def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[pytest.MonkeyPatch]:
+    """Rebuild state for one test (own cache dir, env), restored afterwards."""
+    monkeypatch.setenv("MOE_EP_CPU_FUSED_CACHE", str(tmp_path / "cache"))
+    cpu_fused._load.cache_clear()
+    cpu_fused._warned.clear()
+    yield monkeypatch
+    cpu_fused._load.cache_clear()
+    cpu_fused._warned.clear()
+
+
+def _eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_fused, "library", lambda: None)
+
+
+def _special_gu(rows: int, inter: int, ld: int, gen: torch.Generator) -> torch.Tensor:
+    """`[rows, 2 * inter]` bf16 view with row stride `ld`: wide normals plus edge values."""
+    buf = (torch.randn(rows, ld, generator=gen) * 6).bfloat16()
+    gu = buf[:, : 2 * inter]
+    edges = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 100.0, -100.0, -88.5,
+             88.8, -87.2, 1e-30, -1e-30, 3e38, -3e38]  # fmt: skip
+    for j, v in enumerate(edges):
+        gu[j % rows, j] = v  # g
+        gu[(j + 1) % rows, inter + j] = 2.5  # its u: finite, so the g edge shows
+        gu[(j + 2) % rows, inter + j + len(edges)] = v  # u edges
+    return gu
+
+
+@needs_cc
+@pytest.mark.parametrize(("alpha", "clamp"), [(None, None), (0.75, None), (None, 7.0), (1.5, 7.0)])
+def test_swiglu_fused_within_one_ulp_of_eager(
+    monkeypatch: pytest.MonkeyPatch, alpha: float | None, clamp: float | None
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    rows, inter = 67, 300  # odd sizes: vector bodies and scalar tails both run
+    gu = _special_gu(rows, inter, 2 * inter + 24, gen)
+    h_pad = torch.empty(rows, inter + 8, dtype=torch.bfloat16)
+    fused = h_pad[:, :inter]  # strided output rows
+    assert cpu_fused.swiglu(gu, fused, alpha, clamp)
+    eager = torch.empty(rows, inter, dtype=torch.bfloat16)
+    with monkeypatch.context() as m:
+        _eager(m)
+        experts._swiglu(gu, eager, alpha, clamp, None, comm.Workspace())
+    nan = torch.isnan(eager)
+    assert torch.equal(torch.isnan(fused), nan)
+    a, b = fused[~nan].view(torch.int16).int(), eager[~nan].view(torch.int16).int()
+    diff = (a - b).abs()
+    assert int(diff.max()) <= 1, "fused SwiGLU more than one bf16 ulp from eager"
+    assert int((diff != 0).sum()) <= max(1, a.numel() // 1000)
+    # and against the fp64 formula (exactly rounded), where finite
+    g, u = gu[:, :inter].double(), gu[:, inter:].double()
+    if alpha is not None:
+        g, u = g * alpha, u * alpha
+    if clamp is not None:
+        g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+    ref = (g * torch.sigmoid(g) * u).bfloat16()
+    ok = torch.isfinite(ref) & torch.isfinite(fused)
+    step = (ref[ok].view(torch.int16).int() - fused[ok].view(torch.int16).int()).abs()
+    assert int(step.max()) <= 1
+
+
+@needs_cc
+@pytest.mark.parametrize(("n", "k", "hidden"), [(37, 1, 700), (37, 2, 512), (64, 8, 1030)])
+def test_combine_fused_equals_eager_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, n: int, k: int, hidden: int
+) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    y = (torch.randn(n * k + 5, hidden, generator=gen) * 50).bfloat16()
+    pos = torch.randint(0, n * k + 5, (n, k), generator=gen)
+    w = torch.rand(n, k, generator=gen)
+    padded = torch.rand(n, k, generator=gen) < 0.2
+    pos[padded], w[padded] = 0, 0.0  # as combine passes padded slots
+    fused = torch.empty(n, hidden, dtype=torch.bfloat16)
+    assert cpu_fused.combine(y, pos, w, fused)
+    eager = torch.empty_like(fused)
+    comm._combine_eager(y, pos, w.unsqueeze(2), eager, comm.Workspace())
+    assert torch.equal(fused.view(torch.int16), eager.view(torch.int16))
+
+
+@needs_cc
+def test_thread_split_gives_the_same_bits() -> None:
+    gen = torch.Generator().manual_seed(9)
+    gu = _special_gu(90, 256, 512, gen)
+    y = torch.randn(400, 384, generator=gen).bfloat16()
+    pos = torch.randint(0, 400, (100, 4), generator=gen)
+    w = torch.rand(100, 4, generator=gen)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            h = torch.empty(90, 256, dtype=torch.bfloat16)
+            o = torch.empty(100, 384, dtype=torch.bfloat16)
+            assert cpu_fused.swiglu(gu, h, None, None) and cpu_fused.combine(y, pos, w, o)
+            outs.append((h.view(torch.int16), o.view(torch.int16)))
+    finally:
+        torch.set_num_threads(threads)
+    for h, o in outs[1:]:
+        assert torch.equal(h, outs[0][0]) and torch.equal(o, outs[0][1])
+
+
+def test_not_applicable_inputs_are_left_to_eager() -> None:
+    gu = torch.randn(4, 8)  # fp32: the eager path handles it
+    h = torch.empty(4, 4)
+    assert not cpu_fused.swiglu(gu, h, None, None)
+    y = torch.randn(4, 6).bfloat16()
+    out = torch.empty(3, 6, dtype=torch.bfloat16)
+    pos, w = torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    assert not cpu_fused.combine(y.t().contiguous().t(), pos, w, out)  # column-major rows
+
+
+@needs_cc
+def test_builds_once_into_the_cache_dir(fresh_load: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert cpu_fused.status() == (True, "built and loaded")
+    built = list((tmp_path / "cache").glob("cpu_fused-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    cpu_fused._load.cache_clear()
+    assert cpu_fused.status()[0]
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*.so")] == [stamp]
+    assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_env_zero_keeps_eager(fresh_load: pytest.MonkeyPatch) -> None:
+    fresh_load.setenv("MOE_EP_CPU_FUSED", "0")
+    assert cpu_fused.status() == (False, "disabled by MOE_EP_CPU_FUSED=0")
+    assert not cpu_fused.swiglu(
+        torch.zeros(2, 8).bfloat16(), torch.empty(2, 4).bfloat16(), None, None
+    )
+
+
+def test_env_bad_value_names_the_variable(fresh_load: pytest.MonkeyPatch) -> None:
+    fresh_load.setenv("MOE_EP_CPU_FUSED", "yes")
+    with pytest.raises(MoeEpUsageError, match="MOE_EP_CPU_FUSED must be auto, 0 or 1, got 'yes'"):
+        cpu_fused.library()
+
+
+@pytest.mark.skipif(shutil.which("false") is None, reason="needs `false`")
+def test_failing_compiler_warns_once_in_auto_and_raises_when_required(
+    fresh_load: pytest.MonkeyPatch,
+) -> None:
+    fresh_load.setenv("CC", str(shutil.which("false")))
+    with pytest.warns(UserWarning, match=r"eager CPU epilogues .*building cpu_fused.c failed"):
+        assert cpu_fused.library() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_fused.library() is None  # warned once only
+    fresh_load.setenv("MOE_EP_CPU_FUSED", "1")
+    with pytest.raises(MoeEpUnavailableError, match=r"MOE_EP_CPU_FUSED=1 but .*failed"):
+        cpu_fused.library()
