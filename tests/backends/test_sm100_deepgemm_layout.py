@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from backend_testing import assert_gpu_staging_equals_cpu
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.deepgemm_layout import (
@@ -188,3 +189,7 @@ def test_staging_zero_tokens_and_bad_inputs():
             torch.zeros(1, 1),
             max_tokens=4,
         )
+
+
+def test_gpu_staging_bytes_equal_cpu():
+    assert_gpu_staging_equals_cpu(stage_deepgemm_inputs, 512)

@@ -254,8 +254,20 @@ def test_buffer_views_other_than_documented_are_refused_and_freed(monkeypatch):
 
 
 def test_shape_rules_before_any_allocation(log):
+    from moe_ep.layer.params import FleetParams, MoEWeightPack
+
     with pytest.raises(MoeEpUsageError, match="hidden_size must be a multiple of 512"):
         _kernel(Config(top_k=2), hidden=256)
+    w13, w2 = torch.zeros(E, 2 * 256, H), torch.zeros(E, H, 256)
+    fleet = FleetParams(num_experts=E, max_tokens_per_rank=T, hidden_size=H)
+    with pytest.raises(MoeEpUsageError, match="intermediate_size must be a multiple of 512"):
+        dg.Sm100Fp8Fp4Bf16DeepgemmKernel.validate_weights(
+            MoEWeightPack(w13=w13, w2=w2), fleet, 1, Config()
+        )
+    with pytest.raises(MoeEpUsageError, match="E_local=2"):
+        dg.Sm100Fp8Fp4Bf16DeepgemmKernel.validate_weights(
+            MoEWeightPack(w13=w13, w2=w2), fleet, 2, Config()
+        )
     assert _of(log, "alloc") == []
 
 
