@@ -41,6 +41,9 @@ _LOAD_BALANCE = ("static", "atomic_counter")
 # The push drop's combine keeps per-token route lists in registers (its kMaxTopK).
 _PUSH_MAX_TOP_K = 8
 _PUSH_TOP_K = (1, 2, 4, 6, 8)
+# Gate/up interleave blocks a pre-quantized pack may declare (moe_ep.quant.GATE_UP_BLOCKS;
+# not imported: importing this package must stay torch-free).
+_GATE_UP_BLOCKS = (8, 16, 32)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,10 +78,23 @@ class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(_Fp8BlockwiseConfig):
     top_k: int | None = None
     """Routes per token, compiled into the kernel; set it so `warmup()` can compile ahead,
     else the first forward compiles."""
+    prequantized_fc1_gate_up_interleave: int | None = None
+    """For a pre-quantized weight pack only (ignored for bf16/fp32 weights): the FC1 row
+    grouping its `w13_scale` was computed over. None: canonical 128x128 blocks over the
+    stored gate-then-up rows (DeepSeek-V3 checkpoints, the portable fp8 backend's packs);
+    usable only where each gate row block's scales equal the up block's at the same offset.
+    8, 16 or 32: rows gate/up-interleaved in blocks of that size before blocking (the
+    kernel's own grouping; the same scale blocks for all three). See `moe_ep_sm90.fp8_packs`."""
 
     def __post_init__(self) -> None:
         if self.top_k is not None:
             check_int(self.top_k, field="top_k")
+        b = self.prequantized_fc1_gate_up_interleave
+        if b is not None and (type(b) is not int or b not in _GATE_UP_BLOCKS):
+            raise MoeEpUsageError(
+                f"prequantized_fc1_gate_up_interleave must be None or one of {_GATE_UP_BLOCKS}, "
+                f"got {b!r} (e.g. 8 for a pack quantized as the kernel does)"
+            )
         check_choice(self.accum_mode, _ACCUM_MODES, field="accum_mode")
         check_clamp(self.gate_up_clamp, field="gate_up_clamp")
         if not isinstance(self.swap_ab, bool):

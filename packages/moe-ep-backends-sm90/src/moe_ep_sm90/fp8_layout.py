@@ -62,11 +62,15 @@ class Fp8BlockWeights:
     w2_scales: torch.Tensor
 
 
-def _check_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+def _check_weights(
+    w13: torch.Tensor, w2: torch.Tensor, *, prequantized: bool = False
+) -> tuple[int, int, int]:
+    """Shapes `[E_local, 2I, H]` / `[E_local, H, I]`, H and I multiples of 128; dtypes
+    bf16/fp32 unless `prequantized` (then `fp8_packs.check_prequantized_pack` checks them)."""
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3:
             raise MoeEpUsageError(f"{name} must be a 3-D tensor, got {type(w).__name__}")
-        if w.dtype not in (torch.bfloat16, torch.float32):
+        if not prequantized and w.dtype not in (torch.bfloat16, torch.float32):
             raise MoeEpUsageError(
                 f"{name} must be bf16 or fp32 (the kernel quantizes it with its own recipe), "
                 f"got {w.dtype}"
@@ -86,20 +90,35 @@ def _check_weights(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
     return e, i, h
 
 
-def check_pack(kernel: str, weights: Any, fleet: Any, world_size: int, config: Any) -> None:
+def check_pack(
+    kernel: str,
+    weights: Any,
+    fleet: Any,
+    world_size: int,
+    config: Any,
+    *,
+    kernel_fc1_interleave: int | None = None,
+) -> None:
     """Checks of a `MoEWeightPack` against one of the sm90 fp8 kernels, before any collective.
 
-    The pack must hold unquantized bf16/fp32 weights (the kernels quantize with their own
-    block grouping), `[E_local, 2I, H]` / `[E_local, H, I]` with `E_local = E / world_size`,
-    and the geometry must pass `config.check_problem` (top_k from the config, else 1).
+    The pack holds bf16/fp32 weights (the kernel quantizes them with its own recipe) or a
+    pre-quantized fp8 pack that fits the kernel's recipe (`fp8_packs`: e4m3, fp32 128x128
+    scales, FC1 scale grouping `kernel_fc1_interleave`, the pack's own grouping from the
+    config's `prequantized_fc1_gate_up_interleave`, None without that field);
+    `[E_local, 2I, H]` / `[E_local, H, I]` with `E_local = E / world_size`; the geometry
+    must pass `config.check_problem` (top_k from the config, else 1).
     """
-    scales = (getattr(weights, "w13_scale", None), getattr(weights, "w2_scale", None))
-    if any(s is not None for s in scales):
-        raise MoeEpUsageError(
-            f"{kernel} takes unquantized (bf16/fp32) weights and quantizes them itself; got a "
-            "pre-quantized MoEWeightPack"
+    prequantized = getattr(weights, "w13_scale", None) is not None
+    e, i, h = _check_weights(weights.w13, weights.w2, prequantized=prequantized)
+    if prequantized:
+        from moe_ep_sm90.fp8_packs import check_prequantized_pack
+
+        check_prequantized_pack(
+            kernel,
+            weights,
+            pack_fc1_interleave=getattr(config, "prequantized_fc1_gate_up_interleave", None),
+            kernel_fc1_interleave=kernel_fc1_interleave,
         )
-    e, i, h = _check_weights(weights.w13, weights.w2)
     e_expected = fleet.num_experts // world_size if world_size else 0
     if e != e_expected or h != fleet.hidden_size:
         raise MoeEpUsageError(

@@ -19,7 +19,13 @@ from moe_ep.backends.support.pooled import PooledKernel, StagedCall, compile_col
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 from moe_ep_sm90.drops import PULL_DROP, load_pull_api
-from moe_ep_sm90.fp8_layout import check_pack, prepare_pull_weights, stage_pull_inputs
+from moe_ep_sm90.fp8_layout import (
+    PULL_GATE_UP_BLOCK,
+    check_pack,
+    prepare_pull_weights,
+    stage_pull_inputs,
+)
+from moe_ep_sm90.fp8_packs import pack_on as _pack_on
 from moe_ep_sm90.pull_args import (
     ArgSpec,
     PullGeometry,
@@ -72,7 +78,9 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
     """Fused dispatch (peers pull tokens over NVLink) + FC1 + SwiGLU + FC2 + combine, fp8.
 
     Weights are quantized once in `__init__` (`fp8_layout.prepare_pull_weights`, blockwise
-    128x128, FC1 gate/up interleaved by 8, K-major views). Inputs are quantized per call
+    128x128, FC1 gate/up interleaved by 8, K-major views), or taken from a pre-quantized
+    pack that fits that recipe (`fp8_packs`; see the config's
+    `prequantized_fc1_gate_up_interleave`). Inputs are quantized per call
     (1x128) into symmetric staging buffers of `max_tokens_per_rank` rows; padded rows carry
     id -1. Layers with the same config and geometry share one compiled kernel and its
     workspaces (`WorkspacePool`).
@@ -94,10 +102,25 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
     ) -> None:
-        """Local checks before any collective: pack shapes, unquantized weights, geometry."""
-        check_pack(cls.kernel_name, weights, fleet, world_size, config)
+        """Local checks before any collective: pack shapes, dtypes, a pre-quantized pack's
+        fit to the kernel's recipe (`fp8_packs`), geometry."""
+        check_pack(
+            cls.kernel_name,
+            weights,
+            fleet,
+            world_size,
+            config,
+            kernel_fc1_interleave=PULL_GATE_UP_BLOCK,
+        )
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Any:
+        if weights.prequantized:
+            from moe_ep_sm90.fp8_packs import pull_weights_from_pack
+
+            return pull_weights_from_pack(
+                _pack_on(weights, device),
+                pack_fc1_interleave=self.cfg.prequantized_fc1_gate_up_interleave,
+            )
         return prepare_pull_weights(weights.w13.to(device), weights.w2.to(device))
 
     # -- staging ------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from moe_ep_sm90.fp8_layout import (
     prepare_push_weights,
     stage_push_inputs,
 )
+from moe_ep_sm90.fp8_packs import pack_on, push_weights_from_pack
 from moe_ep_sm90.pull_args import PullGeometry as PushGeometry
 from moe_ep_sm90.push_build import PUSH_DEPS_DROP
 from moe_ep_sm90.push_launch import PushPipe, PushWeights
@@ -100,7 +101,8 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
     ) -> None:
-        """Local checks before any collective: pack shapes, unquantized weights, geometry."""
+        """Local checks before any collective: pack shapes, dtypes, a pre-quantized pack's
+        fit to the kernel's recipe (`fp8_packs`: canonical grouping), geometry, knobs."""
         check_pack(cls.kernel_name, weights, fleet, world_size, config)
         check_launchable(config)
 
@@ -108,7 +110,10 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
         check_launchable(config)
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> PushWeights:
-        p = prepare_push_weights(weights.w13.to(device), weights.w2.to(device))
+        if weights.prequantized:
+            p = push_weights_from_pack(pack_on(weights, device))
+        else:
+            p = prepare_push_weights(weights.w13.to(device), weights.w2.to(device))
         return PushWeights(p.w13, p.w13_scales, p.w2, p.w2_scales)
 
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
