@@ -110,17 +110,15 @@ def test_listing_has_the_five_names_unavailable_with_reasons_and_no_aliases():
         assert alias not in infos
         assert infos[name].available is False  # no GPU on the test machines
         assert infos[name].reason
-    # No GPU here: every one of them names that; deepgemm names its missing package and
-    # missing launch path; the other four have launch paths (never run on a GPU).
+    # No GPU here: every one of them names that; deepgemm also names its missing package;
+    # all five have launch paths (never run on a GPU), so none reports one missing.
     for name, *_ in KERNELS:
         assert "no CUDA device visible" in infos[name].reason or "compute capability" in (
             infos[name].reason
         )
     assert "deep_gemm" in infos["sm100_fp8_fp4_bf16_deepgemm"].reason
-    assert "no launch path" in infos["sm100_fp8_fp4_bf16_deepgemm"].reason
     for name, *_ in KERNELS:
-        if name != "sm100_fp8_fp4_bf16_deepgemm":
-            assert "launch path" not in infos[name].reason
+        assert "launch path" not in infos[name].reason
 
 
 def test_cli_kernels_json_lists_canonical_names_only():
@@ -186,17 +184,22 @@ def test_check_problem_rejects_unsupported_geometry(
 
 
 def test_shape_multiples_differ_per_kernel():
-    # 64-multiples are the CuTe DSL sm100 drop's rule; fp8 blockwise needs 128.
+    # 64-multiples are the CuTe DSL sm100 drop's rule; fp8 blockwise needs 128; DeepGEMM's
+    # mega-MoE needs 512.
     ok_64 = {**GOOD, "hidden_size": 64 * 17, "intermediate_size": 64 * 9}
     moe_ep_sm100.Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig().check_problem(**ok_64)
     moe_ep_sm100.Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig().check_problem(**ok_64)
     for cfg in (
         moe_ep_sm90.Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(),
         moe_ep_sm90.Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig(),
-        moe_ep_sm100.Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig(),
     ):
         with pytest.raises(MoeEpUsageError, match="multiple of 128"):
             cfg.check_problem(**ok_64)
+    deepgemm = moe_ep_sm100.Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig()
+    for bad in ({"hidden_size": 128 * 5}, {"intermediate_size": 128 * 3}):
+        with pytest.raises(MoeEpUsageError, match="multiple of 512"):
+            deepgemm.check_problem(**{**GOOD, **bad})
+    deepgemm.check_problem(**{**GOOD, "hidden_size": 512 * 3, "intermediate_size": 512})
 
 
 def test_push_top_k_limit_and_config_top_k_mismatch():

@@ -84,9 +84,9 @@ class Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig(_Sm100Config):
 class Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig(_Sm100Config):
     """DeepGEMM's Blackwell mega-MoE: fp8 activations (1x32 UE8M0), fp4 weights.
 
-    Sizes must be multiples of 128: a conservative rule, not checked against `deep_gemm`
-    (not installed where this was written).
+    Hidden and intermediate sizes must be multiples of 512 (DeepGEMM's mega-MoE rule, read
+    from its sources; see docs/backends.md).
     """
 
     kernel_name: ClassVar[str] = "sm100_fp8_fp4_bf16_deepgemm"
-    shape_multiple: ClassVar[int] = 128
+    shape_multiple: ClassVar[int] = 512

@@ -59,7 +59,7 @@ __all__ = [
 
 DEEPGEMM_RECIPE = (1, 1, 32)
 """(activation rows, weight rows, K) per scale: the only recipe the mega-MoE accepts."""
-DEEPGEMM_SHAPE_MULTIPLE = 512
+DEEPGEMM_SHAPE_MULTIPLE = Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig.shape_multiple
 """H and I: one token's activation scales (H/32 UE8M0 bytes) must fill whole 16-byte TMA
 units (DeepGEMM PR #371 describes this rule and proposes relaxing it; not relied on)."""
 
