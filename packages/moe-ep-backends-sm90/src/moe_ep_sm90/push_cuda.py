@@ -1,8 +1,9 @@
 """`sm90_fp8_fp8_bf16_push_cuda`: the Hopper push-style CUDA mega-MoE (fp8 blockwise).
 
 Warning:
-    The launch path (`push_build` module build and load, `push_launch.PushPipe`: the torch
-    symmetric-memory window, the protocol's rounds) has NEVER RUN ON A GPU. What is verified
+    The launch path (`push_build` module build and load, the peer checks of `push_peers`,
+    `push_launch.PushPipe`: the torch symmetric-memory window, the protocol's rounds) has
+    NEVER RUN ON A GPU. What is verified
     on CPU: weight preparation and input staging (`fp8_layout`); both translation units
     compile for sm_90a with nvcc (`compile_check`); the a2a module builds and loads through
     `tvm_ffi` (`slow` test); the window layout; the order and arguments of one round's module
@@ -137,12 +138,33 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
 
     # -- internals ----------------------------------------------------------------------
     def _compile(self, g: PushGeometry) -> PushPipe:
-        """Build + load the modules, create the pipe, compile the GEMMs (GPU; never run)."""
-        from moe_ep_sm90 import push_build
+        """Build + load the modules, agree on the peers, create the pipe, compile the GEMMs
+        (GPU; never run).
+
+        The peer check (`push_peers.agree_on_peers`) is the first collective here and comes
+        before the window rendezvous: a local failure so far (module build, device query),
+        a second host, a shared GPU or a pair without NVLink-native atomics raises the same
+        `MoeEpUnavailableError` on every rank.
+        """
+        from moe_ep_sm90 import push_build, push_peers
         from moe_ep_sm90.push_layout import push_layout
 
-        built = push_build.build_modules(push_build.find_sources())
-        a2a, gemm = push_build.load_modules(built)
+        a2a: Any = None
+        gemm: Any = None
+        local_exc: BaseException | None = None
+        try:
+            built = push_build.build_modules(push_build.find_sources())
+            a2a, gemm = push_build.load_modules(built)
+            local = push_peers.local_report(self.runtime.device)
+        except Exception as exc:
+            local_exc = exc
+            local = push_peers.PeerReport("", -1, "", 0, f"{type(exc).__name__}: {exc}")
+        push_peers.agree_on_peers(
+            self.runtime,
+            local,
+            lambda device, peer: push_peers.p2p_problem(a2a, device, peer),
+            local_exc=local_exc,
+        )
         layout = push_layout(
             ep_size=g.world_size,
             rank=g.rank,

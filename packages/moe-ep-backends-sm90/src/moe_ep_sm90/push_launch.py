@@ -8,8 +8,9 @@ Warning:
     bf16, then `sm90_silu_mul_quant_grouped`), no dedup, no grouped combine. What is tested
     on CPU: the window layout (`push_layout`) and the order and arguments of the module
     calls of one round, against recording fakes (`tests/backends/test_sm90_push_launch.py`).
-    Not done: FlashInfer's peer checks (single node, NVLink-native atomics between every pair
-    of ranks) and its fingerprint handshake of the construction arguments.
+    The peer checks (single node, NVLink-native atomics between every pair of ranks) run
+    before `create` (`push_peers`, from `push_cuda._compile`). Not done: FlashInfer's
+    fingerprint handshake of the construction arguments.
 
 The window comes from torch's symmetric memory (`torch.distributed._symmetric_memory`:
 `empty` + `rendezvous` over the EP group), whose `buffer_ptrs_dev` is the device array of
