@@ -193,3 +193,32 @@ def test_staging_zero_tokens_and_bad_inputs():
 
 def test_gpu_staging_bytes_equal_cpu():
     assert_gpu_staging_equals_cpu(stage_deepgemm_inputs, 512)
+
+
+def test_portable_fp8_fp4_activations_equal_the_staged_kernel_inputs():
+    """The oracle recipe quantizes FC1 and FC2 inputs as the kernel does (1x32 UE8M0)."""
+    from moe_ep.backends.portable.recipes import Fp8Fp4Recipe
+    from moe_ep.quant import dequantize_fp8_blockwise, e8m0_to_float32
+
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(6, H, generator=g) * 3).to(torch.bfloat16)
+    x[2, 64:96] = 100.0  # one loud 32-block: a 1x128 recipe would coarsen its neighbours
+    recipe = Fp8Fp4Recipe()
+    portable = recipe.unpack(recipe.pack(x), H)
+    st = stage_deepgemm_inputs(
+        x, torch.zeros(6, 1, dtype=torch.int64), torch.ones(6, 1), max_tokens=6
+    )
+    kernel = dequantize_fp8_blockwise(
+        st.activation, e8m0_to_float32(unpack_ue8m0(st.activation_scales)), block=(1, 32)
+    )
+    assert torch.equal(portable.float(), kernel.float())
+    # FC2 input: the same 1x32 rule on the SwiGLU output
+    h = torch.randn(6, I, generator=g) * 2
+    h[0, :32] *= 300
+    st_h = stage_deepgemm_inputs(
+        h.bfloat16(), torch.zeros(6, 1, dtype=torch.int64), torch.ones(6, 1), max_tokens=6
+    )
+    want = dequantize_fp8_blockwise(
+        st_h.activation, e8m0_to_float32(unpack_ue8m0(st_h.activation_scales)), block=(1, 32)
+    )
+    assert torch.equal(recipe.requantize(h.bfloat16().float()).float(), want.float())

@@ -68,10 +68,10 @@ def _qdq_act(x: torch.Tensor, fmt: str, global_scale: float) -> torch.Tensor:
     x = x.float()
     if fmt == "bf16":
         return x.to(torch.bfloat16).double()
-    if fmt in ("fp8", "fp8_fp4"):
-        sf = "fp32" if fmt == "fp8" else "ue8m0"
-        d, s = quant.quantize_fp8_blockwise(x, block=(1, 128), scale_format=sf)
-        return quant.dequantize_fp8_blockwise(d, s, block=(1, 128)).double()
+    if fmt in ("fp8", "fp8_fp4"):  # fp8: DeepSeek-V3 1x128 fp32; fp8_fp4: DeepGEMM 1x32 UE8M0
+        sf, b = ("fp32", 128) if fmt == "fp8" else ("ue8m0", 32)
+        d, s = quant.quantize_fp8_blockwise(x, block=(1, b), scale_format=sf)
+        return quant.dequantize_fp8_blockwise(d, s, block=(1, b)).double()
     if fmt == "mxfp8":
         return quant.dequantize_mxfp8(*quant.quantize_mxfp8(x, rule="ceil")).double()
     if fmt == "nvfp4":

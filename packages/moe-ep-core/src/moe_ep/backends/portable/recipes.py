@@ -178,6 +178,8 @@ class Fp8BlockRecipe(Recipe):
     name = "fp8"
     quantized_weight_dtypes = (torch.float8_e4m3fn,)
     k_multiple = 128
+    act_block = 128
+    """Activation (FC1 and FC2 input) elements per scale along K."""
     act_scale_format = "fp32"
     scale_desc = "fp32"
 
@@ -186,11 +188,11 @@ class Fp8BlockRecipe(Recipe):
         return (e, -(-rows // 128), cols // 128)
 
     def row_bytes(self, hidden: int) -> int:
-        return hidden + 4 * (hidden // 128)
+        return hidden + 4 * (hidden // self.act_block)
 
     def _qdq_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quant.quantize_fp8_blockwise(
-            x, block=(1, 128), scale_format=self.act_scale_format, check_finite=False
+            x, block=(1, self.act_block), scale_format=self.act_scale_format, check_finite=False
         )
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,14 +200,14 @@ class Fp8BlockRecipe(Recipe):
         return torch.cat([_bytes(data), _bytes(scales)], dim=1)
 
     def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
-        data, scales = _split(payload, [hidden, 4 * (hidden // 128)])
+        data, scales = _split(payload, [hidden, 4 * (hidden // self.act_block)])
         return quant.dequantize_fp8_blockwise(
-            data.view(torch.float8_e4m3fn), scales.view(torch.float32), block=(1, 128)
+            data.view(torch.float8_e4m3fn), scales.view(torch.float32), block=(1, self.act_block)
         )
 
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
         data, scales = self._qdq_parts(h)
-        return quant.dequantize_fp8_blockwise(data, scales, block=(1, 128))
+        return quant.dequantize_fp8_blockwise(data, scales, block=(1, self.act_block))
 
     def __init__(self, fc1_gate_up_interleave: int | None = None) -> None:
         self.fc1_gate_up_interleave = fc1_gate_up_interleave
@@ -338,11 +340,13 @@ class Nvfp4Recipe(Recipe):
 
 
 class Fp8Fp4Recipe(Fp8BlockRecipe):
-    """DeepGEMM fp8 x fp4: e4m3 1x128 activations with UE8M0 scales, mxfp4 weights."""
+    """DeepGEMM fp8 x fp4 (its mega-MoE recipe (1, 1, 32)): e4m3 1x32 activations with UE8M0
+    scales, mxfp4 weights (e2m1, E8M0 per 32)."""
 
     name = "fp8_fp4"
     quantized_weight_dtypes = (torch.uint8,)
-    k_multiple = 128
+    k_multiple = 32
+    act_block = 32
     act_scale_format = "ue8m0"
     scale_desc = "E8M0 uint8"
 
