@@ -84,6 +84,7 @@ def test_info_reports_torch_and_device(capsys: pytest.CaptureFixture[str]) -> No
     assert torch.__version__ in out
     assert "gloo" in out
     assert "resolved device" in out
+    assert "fused CPU epilogues" in out
 
 
 def test_unknown_command_is_a_usage_error() -> None:

@@ -20,6 +20,7 @@ def environment_report() -> dict[str, str]:
     import torch
     import torch.distributed as dist
 
+    from moe_ep.backends.portable import cpu_fused
     from moe_ep.device import describe_device_resolution
 
     cuda = torch.cuda.is_available()
@@ -45,6 +46,7 @@ def environment_report() -> dict[str, str]:
             installed.append(f"{dist_name} {importlib.metadata.version(dist_name)}")
         except importlib.metadata.PackageNotFoundError:
             installed.append(f"{dist_name} (not installed)")
+    fused, fused_why = cpu_fused.status()
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -55,6 +57,7 @@ def environment_report() -> dict[str, str]:
         "dist backends": ", ".join(backends) or "none",
         "moe-ep packages": "; ".join(installed),
         "resolved device": describe_device_resolution(),
+        "fused CPU epilogues": f"{'in use' if fused else 'not in use'} ({fused_why})",
     }
 
 
