@@ -21,10 +21,13 @@ from sm90_gpu_cases import (
     GpuCase,
     cpu_twin,
     problem_for,
+    push_reference,
     sm90_oracle,
+    sm90_reference,
     sm90_report,
 )
 
+from moe_ep import quant
 from moe_ep.oracle import compare_to_oracle
 
 KERNELS = (PULL, PUSH)
@@ -78,3 +81,42 @@ def test_problem_shapes_padding_and_zero_tokens() -> None:
     ref = sm90_oracle(_small(CASES[4]), 1, PUSH)
     assert ref.exact.shape == (0, 256)
     assert compare_to_oracle(torch.zeros(0, 256, dtype=torch.bfloat16), ref).ok
+
+
+def test_push_reference_follows_the_drop_token_by_token() -> None:
+    # The push GPU tests compare with `push_reference` (the drop's bf16 intermediates); here
+    # it is restated one (token, slot) at a time from the steps of `sm90_push_a2a_ops.cu`.
+    case = GpuCase("tiny", tokens=5, hidden=256, inter=128, experts_per_rank=3, topk=2, seed=9)
+    p = problem_for(replace(case, pad_frac=0.3), 1, PUSH)
+    w128, a128 = (128, 128), (1, 128)
+
+    def qdq(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+        d, sc = quant.quantize_fp8_blockwise(t.float(), block=block)
+        return quant.dequantize_fp8_blockwise(d, sc, block=block)
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).float()
+
+    want = torch.zeros(p["x"].shape, dtype=torch.float64)
+    for t in range(p["x"].shape[0]):
+        xq = qdq(p["x"][t : t + 1], a128)[0].double()
+        acc = torch.zeros(p["x"].shape[1], dtype=torch.float32)
+        for j in range(case.topk):
+            e = int(p["ids"][t, j])
+            if e < 0:
+                continue
+            w13q, w2q = qdq(p["w13"][e : e + 1], w128)[0], qdq(p["w2"][e : e + 1], w128)[0]
+            g = bf16((w13q[: case.inter].double() @ xq).float())
+            u = bf16((w13q[case.inter :].double() @ xq).float())
+            h = bf16(g / (1 + torch.exp(-g)) * u)
+            y = bf16((w2q.double() @ qdq(h[None], a128)[0].double()).float())
+            acc += bf16(y * p["w"][t, j])
+        want[t] = acc.double()
+    got = push_reference(p)
+    assert bool((p["ids"] == -1).any())
+    assert torch.equal(got, want)
+    # The bf16 intermediates matter: the push reference is not the oracle's exact value.
+    ref = sm90_reference(case, 1, PUSH)
+    assert torch.equal(ref.exact, push_reference(problem_for(case, 1, PUSH)))
+    assert not torch.equal(ref.exact, sm90_oracle(case, 1, PUSH).exact)
+    assert torch.equal(sm90_reference(case, 1, PULL).exact, sm90_oracle(case, 1, PULL).exact)
