@@ -9,6 +9,8 @@ Compares one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) wit
   - a naive per-expert loop with the layer's math (gather, gate / up / down matmuls, SwiGLU
     in fp32, weighted fp32 index_add): target > 1x speed-up, on the prefill shape and on a
     decode-like shape;
+  - the same layer with the fused CPU epilogues switched off (eager torch SwiGLU and
+    combine; `moe_ep.backends.portable.cpu_fused`), to show what they buy;
   - for reference, the same loop all in bf16 (SwiGLU, weighting and index_add in bf16, as
     common eager MoE code does; fewer passes, less accurate);
 and reports the resident memory a forward adds against inputs + outputs + one copy of the
@@ -39,7 +41,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
-from moe_ep.backends.portable import comm, experts, kernel
+from moe_ep.backends.portable import comm, cpu_fused, experts, kernel
 from moe_ep.launch import free_port
 
 PREFILL = {"T": 4096, "H": 2048, "I": 1024, "E": 16, "k": 4}
@@ -138,6 +140,16 @@ def peak_rss_during(fn: Callable[[], object]) -> int:
     return max(peak, rss_bytes()) - base
 
 
+def eager_epilogues(fn: Callable[[], object]) -> object:
+    """Run `fn` with the fused CPU epilogues switched off (the eager torch SwiGLU / combine)."""
+    saved = cpu_fused.library
+    cpu_fused.library = lambda: None
+    try:
+        return fn()
+    finally:
+        cpu_fused.library = saved
+
+
 def time_shape(shape: dict[str, int], reps: int) -> dict[str, float | bool]:
     """Round-robin minimum times (s) of the layer and the baselines on one shape."""
     p = problem(shape)
@@ -151,9 +163,10 @@ def time_shape(shape: dict[str, int], reps: int) -> dict[str, float | bool]:
     w2d = p["w2"][0].t()
     gu_d = torch.empty(pairs, 2 * i, dtype=torch.bfloat16)
     y_d = torch.empty(pairs, h, dtype=torch.bfloat16)
-    t_layer, t_dense, t_naive, t_naive16 = best_of(
+    t_layer, t_eager, t_dense, t_naive, t_naive16 = best_of(
         [
             lambda: layer(tensors),
+            lambda: eager_epilogues(lambda: layer(tensors)),
             lambda: (torch.mm(xd, w13d, out=gu_d), torch.mm(hd, w2d, out=y_d)),
             lambda: naive_forward(p),
             lambda: naive_bf16_forward(p),
@@ -164,6 +177,7 @@ def time_shape(shape: dict[str, int], reps: int) -> dict[str, float | bool]:
     layer.destroy()
     return {
         "layer": t_layer,
+        "eager": t_eager,
         "dense": t_dense,
         "naive": t_naive,
         "naive16": t_naive16,
@@ -287,7 +301,7 @@ def main() -> None:
         "--stages", action="store_true", help="also print a per-stage breakdown at 1 thread"
     )
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=160)
     rows = []
     shapes = (("prefill", PREFILL), ("decode", DECODE))
     with Progress(console=console, transient=True) as progress:
@@ -310,6 +324,7 @@ def main() -> None:
         "dense GEMMs",
         "naive loop",
         "layer/dense",
+        "eager-epilogue layer/layer",
         "naive/layer",
         "naive-bf16/layer",
         "layer TFLOP/s",
@@ -324,6 +339,7 @@ def main() -> None:
             f"{r['dense'] * 1e3:.1f} ms",
             f"{r['naive'] * 1e3:.1f} ms",
             f"{r['layer'] / r['dense']:.2f}x (target <= 1.3)",
+            f"{r['eager'] / r['layer']:.2f}x",
             f"{r['naive'] / r['layer']:.2f}x (target > 1)",
             f"{r['naive16'] / r['layer']:.2f}x",
             f"{flops / r['layer'] / 1e12:.2f}",
