@@ -268,7 +268,12 @@ def sm90_report(
     from moe_ep.launch import spawn_local
     from moe_ep.oracle import compare_to_oracle
 
-    outs = spawn_local(run_rank_wire, world_size, case, kernel, backend, timeout_s=timeout_s)
+    # A CPU twin runs on CPU also where GPUs are visible (the GPU check runs these tests too,
+    # often with fewer GPUs than ranks).
+    env = {"CUDA_VISIBLE_DEVICES": ""} if backend is not None else None
+    outs = spawn_local(
+        run_rank_wire, world_size, case, kernel, backend, timeout_s=timeout_s, env=env
+    )
     got = torch.cat([torch.from_numpy(a).view(torch.bfloat16) for a in outs])
     ref = (sm90_oracle if backend is not None else sm90_reference)(case, world_size, kernel)
     return compare_to_oracle(got, ref)
