@@ -160,3 +160,33 @@ def test_a_bad_pair_fails_every_rank_together_before_the_window(
 def test_the_failing_rank_chains_its_own_error(results) -> None:
     assert "nvcc exited with status 1" in results[1]["rank1_build_fails"]["cause"]
     assert results[0]["rank1_build_fails"]["cause"] == "None"
+
+
+def _late_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 reaches the check after the runtime's timeout: rank 0's wait is bounded."""
+    import moe_ep_sm90.push_peers as push_peers
+    from moe_ep import BootstrapConfig, runtime
+
+    out: dict[str, Any] = {}
+    with runtime.acquire(BootstrapConfig(world_size, rank, timeout_s=2)) as rt:
+        if rank == 1:
+            time.sleep(3.5)
+        start = time.monotonic()
+        try:
+            push_peers.agree_on_peers(
+                rt, push_peers.PeerReport("node-a", rank, f"GPU-{rank}", 2), lambda d, p: None
+            )
+            out["raised"] = None
+        except Exception as exc:
+            out["raised"] = type(exc).__name__
+            out["message"] = str(exc)
+        out["elapsed"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.multirank
+def test_a_peer_that_never_arrives_is_a_bounded_timeout() -> None:
+    res = spawn_local(_late_worker, 2, timeout_s=60, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert res[0]["raised"] == "MoeEpTimeoutError", res[0]
+    assert "peer check: not every rank arrived within 2 s (world size 2" in res[0]["message"]
+    assert res[0]["elapsed"] < 2 + 3, res[0]
