@@ -25,7 +25,7 @@ from moe_ep_sm90.fp8_layout import (
     prepare_pull_weights,
     prepare_push_weights,
 )
-from moe_ep_sm90.fp8_packs import check_prequantized_pack
+from moe_ep_sm90.fp8_packs import check_prequantized_pack, quantize_pull_pack
 from moe_ep_sm90.pull_cutedsl import Sm90Fp8Fp8Bf16PullCutedslKernel as Pull
 from moe_ep_sm90.push_cuda import Sm90Fp8Fp8Bf16PushCudaKernel as Push
 
@@ -74,6 +74,18 @@ def test_pull_pack_quantized_over_interleaved_rows_equals_the_recipe(b: int) -> 
     w13, w2 = _weights()
     cfg = Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(prequantized_fc1_gate_up_interleave=b)
     _assert_same(_prepared(Pull, cfg, _paired_pack(w13, w2, b)), prepare_pull_weights(w13, w2))
+
+
+def test_quantize_pull_pack_is_the_paired_pack() -> None:
+    w13, w2 = _weights(5)
+    got, want = quantize_pull_pack(w13, w2), _paired_pack(w13, w2, 8)
+    for name in ("w13", "w2"):
+        assert torch.equal(
+            getattr(got, name).view(torch.uint8), getattr(want, name).view(torch.uint8)
+        )
+        assert torch.equal(getattr(got, f"{name}_scale"), getattr(want, f"{name}_scale"))
+    cfg = Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(prequantized_fc1_gate_up_interleave=8)
+    _assert_same(_prepared(Pull, cfg, got), prepare_pull_weights(w13, w2))
 
 
 def test_pull_canonical_pack_with_matching_gate_up_scales_equals_the_recipe() -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "pack_on",
     "pull_weights_from_pack",
     "push_weights_from_pack",
+    "quantize_pull_pack",
 ]
 
 _BLOCK = 128
@@ -125,8 +126,31 @@ def _check_canonical_fits_paired(kernel: str, s13: torch.Tensor, i: int) -> None
         "when each gate block's scale equals the up block's at the same offset, and expert "
         f"{ex}, row block {j}, column block {c} has gate scale {float(gate[ex, j, c])!r} vs up "
         f"scale {float(up[ex, j, c])!r}. Pass bf16/fp32 weights (the kernel quantizes them), "
-        "or a pack quantized over interleaved rows with the config's "
-        "prequantized_fc1_gate_up_interleave=8"
+        "or a pack quantized over interleaved rows (moe_ep_sm90.fp8_packs.quantize_pull_pack) "
+        "with the config's prequantized_fc1_gate_up_interleave=8"
+    )
+
+
+def quantize_pull_pack(w13: torch.Tensor, w2: torch.Tensor) -> Any:
+    """A pre-quantized `MoEWeightPack` in the pull kernel's grouping (use it with the config's
+    `prequantized_fc1_gate_up_interleave=8`), e.g. to quantize once and store.
+
+    Args:
+        w13: `[E_local, 2I, H]` bf16/fp32, gate rows then up rows.
+        w2: `[E_local, H, I]` bf16/fp32.
+
+    Returns:
+        e4m3 `w13` (gate-then-up rows) with fp32 `w13_scale [E_local, 2I/128, H/128]` taken
+        over rows interleaved by 8; e4m3 `w2` with canonical 128x128 fp32 `w2_scale`.
+    """
+    from moe_ep.layer.params import MoEWeightPack
+    from moe_ep.quant import deinterleave_gate_up, interleave_gate_up, quantize_fp8_blockwise
+
+    block = (_BLOCK, _BLOCK)
+    q13, s13 = quantize_fp8_blockwise(interleave_gate_up(w13, PULL_GATE_UP_BLOCK), block=block)
+    q2, s2 = quantize_fp8_blockwise(w2, block=block)
+    return MoEWeightPack(
+        w13=deinterleave_gate_up(q13, PULL_GATE_UP_BLOCK), w2=q2, w13_scale=s13, w2_scale=s2
     )
 
 
