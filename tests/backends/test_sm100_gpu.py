@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_hw import require_capability
-from sm90_gpu_cases import CASES, GpuCase, make_problem, run_rank
+from sm90_gpu_cases import CASES, GpuCase, problem_for, run_rank_wire
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm100]
 
@@ -31,9 +31,11 @@ def _check(case: GpuCase, world_size: int, kernel: str) -> None:
     ok, why = get_kernel(kernel).availability()
     if not ok:
         pytest.skip(f"{kernel}: {why}")
-    outs = spawn_local(run_rank, world_size, case, kernel, timeout_s=600.0)
-    got = torch.cat(outs)
-    p = make_problem(case, world_size)
+    # numpy bits back from the ranks: torch's shared-memory pickling of a returned tensor
+    # fails when the rank exits before the parent reads it
+    outs = spawn_local(run_rank_wire, world_size, case, kernel, timeout_s=600.0)
+    got = torch.cat([torch.from_numpy(a).view(torch.bfloat16) for a in outs])
+    p = problem_for(case, world_size, kernel)
     ref = oracle_forward(p["x"], p["ids"], p["w"], p["w13"], p["w2"], fmt=KERNELS[kernel])
     report = compare_to_oracle(got, ref)
     assert report.ok, f"{kernel} {case.name}: {report}"
