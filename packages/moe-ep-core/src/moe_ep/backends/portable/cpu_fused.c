@@ -4,7 +4,9 @@
  * eager torch code it replaces (moe_ep/backends/portable/experts.py `_swiglu`, comm.py
  * `combine`), in one pass over memory instead of one pass per eager op. Built with
  * -ffp-contract=off so that no multiply-add is fused and every product and sum rounds as
- * the eager ops do. The one exception is exp() inside silu: a polynomial of our own (about
+ * the eager ops do. Rows are split over `threads` OpenMP threads (built with -fopenmp, the
+ * process's libgomp is torch's own, so the pool is shared; without OpenMP it runs serially);
+ * every row is computed alone, so the split never changes a bit. The one exception is exp() inside silu: a polynomial of our own (about
  * 1 ulp in fp32), where ATen uses SLEEF; the bf16 result differs from eager in rare last
  * bits (the tests bound it). All loops are plain C that the compiler vectorizes.
  */
@@ -62,9 +64,11 @@ static inline float exp_f32(float x) {
  * -clamp <= u <= clamp. silu(x) = x / (1 + exp(-x)). Row strides in elements. */
 void moe_ep_swiglu_bf16(const uint16_t *gu, int64_t ld_gu, uint16_t *h, int64_t ld_h,
                         int64_t rows, int64_t inter, int32_t has_alpha, float alpha,
-                        int32_t has_clamp, float clamp) {
+                        int32_t has_clamp, float clamp, int32_t threads) {
     alpha = has_alpha ? alpha : 1.0f;
     clamp = has_clamp ? clamp : __builtin_inff();
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t *restrict g = gu + i * ld_gu;
         const uint16_t *restrict u = g + inter;
@@ -98,10 +102,12 @@ void moe_ep_swiglu_bf16(const uint16_t *gu, int64_t ld_gu, uint16_t *h, int64_t 
  * pos [n, k] int64 and w [n, k] fp32 are contiguous; y and out rows have strides ld_y,
  * ld_out (elements). */
 void moe_ep_combine_bf16(const uint16_t *y, int64_t ld_y, const int64_t *pos, const float *w,
-                         uint16_t *out, int64_t ld_out, int64_t n, int64_t k,
-                         int64_t hidden) {
-    float acc[COMBINE_CHUNK];
+                         uint16_t *out, int64_t ld_out, int64_t n, int64_t k, int64_t hidden,
+                         int32_t threads) {
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < n; t++) {
+        float acc[COMBINE_CHUNK];
         const int64_t *p = pos + t * k;
         const float *wt = w + t * k;
         uint16_t *restrict o = out + t * ld_out;
