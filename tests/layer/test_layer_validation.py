@@ -237,3 +237,15 @@ def test_destroy_is_idempotent_and_use_after_destroy_raises() -> None:
     for call in (lambda: built(t), lambda: built.stage_inputs(t), built.warmup):
         with pytest.raises(MoeEpUsageError, match="destroyed"):
             call()
+
+
+def test_weight_pack_to_moves_every_tensor_and_keeps_none() -> None:
+    w13, w2 = torch.ones(2, 8, 4), torch.ones(2, 4, 4)
+    s13, s2 = torch.ones(2, 1, 1), torch.ones(2, 1, 1)
+    plain = MoEWeightPack(w13, w2).to("cpu")
+    assert plain.w13 is w13 and plain.w2 is w2  # already there: not copied
+    assert plain.w13_scale is None and plain.w2_global_scale is None
+    pack = MoEWeightPack(w13.bfloat16(), w2.bfloat16(), s13, s2).to(torch.device("meta"))
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        assert getattr(pack, name).device.type == "meta", name
+    assert pack.prequantized and pack.w13_global_scale is None

@@ -41,13 +41,8 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
     )
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Mxfp8Weights:
-        s13, s2 = weights.w13_scale, weights.w2_scale
-        return prepare_mxfp8_weights(
-            weights.w13.to(device),
-            weights.w2.to(device),
-            None if s13 is None else s13.to(device),
-            None if s2 is None else s2.to(device),
-        )
+        w = weights.to(device)
+        return prepare_mxfp8_weights(w.w13, w.w2, w.w13_scale, w.w2_scale)
 
     def _stage(self, tensors: MoEEpTensors, max_tokens: int) -> StagedBuffers:
         return stage_mxfp8_inputs(

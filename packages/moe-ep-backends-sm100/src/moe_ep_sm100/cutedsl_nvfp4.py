@@ -48,18 +48,16 @@ class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
     packed_fp4: ClassVar[bool] = True
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Nvfp4Weights:
-        def dev(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
-
+        w = weights.to(device)
         return prepare_nvfp4_weights(
-            weights.w13.to(device),
-            weights.w2.to(device),
+            w.w13,
+            w.w2,
             input_norm_const=self.cfg.input_norm_const,
             hidden_norm_const=self.cfg.hidden_norm_const,
-            w13_scale=dev(weights.w13_scale),
-            w2_scale=dev(weights.w2_scale),
-            w13_global_scale=dev(weights.w13_global_scale),
-            w2_global_scale=dev(weights.w2_global_scale),
+            w13_scale=w.w13_scale,
+            w2_scale=w.w2_scale,
+            w13_global_scale=w.w13_global_scale,
+            w2_global_scale=w.w2_global_scale,
         )
 
     def _stage(self, tensors: MoEEpTensors, max_tokens: int) -> StagedBuffers:

@@ -155,13 +155,8 @@ class Sm100Fp8Fp4Bf16DeepgemmKernel(PooledKernel):
         return _checked_intermediate(self.kernel_name, weights, fleet, world_size, self.cfg)
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> DeepgemmWeights:
-        s13, s2 = weights.w13_scale, weights.w2_scale
-        return prepare_deepgemm_weights(
-            weights.w13.to(device),
-            weights.w2.to(device),
-            None if s13 is None else s13.to(device),
-            None if s2 is None else s2.to(device),
-        )
+        w = weights.to(device)
+        return prepare_deepgemm_weights(w.w13, w.w2, w.w13_scale, w.w2_scale)
 
     # -- MegaKernel ---------------------------------------------------------------------
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:

@@ -29,7 +29,6 @@ from moe_ep_sm90.fp8_layout import PULL_GATE_UP_BLOCK, Fp8BlockWeights
 
 __all__ = [
     "check_prequantized_pack",
-    "pack_on",
     "pull_weights_from_pack",
     "push_weights_from_pack",
     "quantize_pull_pack",
@@ -151,18 +150,6 @@ def quantize_pull_pack(w13: torch.Tensor, w2: torch.Tensor) -> Any:
     q2, s2 = quantize_fp8_blockwise(w2, block=block)
     return MoEWeightPack(
         w13=deinterleave_gate_up(q13, PULL_GATE_UP_BLOCK), w2=q2, w13_scale=s13, w2_scale=s2
-    )
-
-
-def pack_on(weights: Any, device: torch.device) -> Any:
-    """The pre-quantized pack's payloads and scale planes on `device` (a new pack)."""
-    from moe_ep.layer.params import MoEWeightPack
-
-    return MoEWeightPack(
-        w13=weights.w13.to(device),
-        w2=weights.w2.to(device),
-        w13_scale=weights.w13_scale.to(device),
-        w2_scale=weights.w2_scale.to(device),
     )
 
 

@@ -25,7 +25,6 @@ from moe_ep_sm90.fp8_layout import (
     prepare_pull_weights,
     stage_pull_inputs,
 )
-from moe_ep_sm90.fp8_packs import pack_on as _pack_on
 from moe_ep_sm90.pull_args import (
     ArgSpec,
     PullGeometry,
@@ -118,7 +117,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
             from moe_ep_sm90.fp8_packs import pull_weights_from_pack
 
             return pull_weights_from_pack(
-                _pack_on(weights, device),
+                weights.to(device),
                 pack_fc1_interleave=self.cfg.prequantized_fc1_gate_up_interleave,
             )
         return prepare_pull_weights(weights.w13.to(device), weights.w2.to(device))

@@ -30,7 +30,7 @@ from moe_ep_sm90.fp8_layout import (
     prepare_push_weights,
     stage_push_inputs,
 )
-from moe_ep_sm90.fp8_packs import pack_on, push_weights_from_pack
+from moe_ep_sm90.fp8_packs import push_weights_from_pack
 from moe_ep_sm90.pull_args import PullGeometry as PushGeometry
 from moe_ep_sm90.push_build import PUSH_DEPS_DROP
 from moe_ep_sm90.push_launch import PushPipe, PushWeights
@@ -112,7 +112,7 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> PushWeights:
         if weights.prequantized:
-            p = push_weights_from_pack(pack_on(weights, device))
+            p = push_weights_from_pack(weights.to(device))
         else:
             p = prepare_push_weights(weights.w13.to(device), weights.w2.to(device))
         return PushWeights(p.w13, p.w13_scales, p.w2, p.w2_scales)

@@ -104,6 +104,22 @@ class MoEWeightPack:
         if self.w13_global_scale is not None and self.w13_scale is None:
             raise MoeEpUsageError("global scales given without w13_scale / w2_scale")
 
+    def to(self, device: torch.device | str) -> MoEWeightPack:
+        """The same pack with every tensor on `device` (tensors already there are kept)."""
+        return MoEWeightPack(
+            *(
+                None if t is None else t.to(device)
+                for t in (
+                    self.w13,
+                    self.w2,
+                    self.w13_scale,
+                    self.w2_scale,
+                    self.w13_global_scale,
+                    self.w2_global_scale,
+                )
+            )  # type: ignore[arg-type]
+        )
+
     @property
     def prequantized(self) -> bool:
         """True when the scale planes are given (w13 / w2 hold quantized payloads)."""

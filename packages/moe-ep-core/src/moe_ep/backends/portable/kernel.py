@@ -110,20 +110,7 @@ class PortableTorchKernel(MegaKernel):
         dev = runtime.device
         if dev.type == "cpu":
             cpu_fused.library()  # build or load now: MOE_EP_CPU_FUSED=1 fails here, not mid-forward
-        moved = MoEWeightPack(
-            *(
-                None if t is None else t.to(dev)
-                for t in (
-                    weights.w13,
-                    weights.w2,
-                    weights.w13_scale,
-                    weights.w2_scale,
-                    weights.w13_global_scale,
-                    weights.w2_global_scale,
-                )
-            )  # type: ignore[arg-type]
-        )
-        self.prepared = self.recipe.prepare(moved)
+        self.prepared = self.recipe.prepare(weights.to(dev))
         self.workspace = comm.Workspace()
 
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
