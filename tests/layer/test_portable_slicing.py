@@ -147,3 +147,37 @@ def test_swiglu_slices_match_the_direct_formula(
     h = torch.empty(b, inter, dtype=dtype)
     experts._swiglu(gu.clone(), h, alpha, clamp, rq, comm.Workspace())
     assert torch.equal(h, expected)
+
+
+@pytest.mark.parametrize("clamp", [None, 1.5])
+def test_grouped_mm_branch_matches_the_per_expert_loop(
+    monkeypatch: pytest.MonkeyPatch, clamp: float | None
+) -> None:
+    """The CUDA branch (`torch._grouped_mm`, int32 offsets), forced on CPU, against the loop:
+    same rows, empty experts included; on CPU both give the same bits."""
+    g = torch.Generator().manual_seed(11)
+    e, h, inter, rows_n = 4, 64, 32, 24
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).bfloat16()
+    rows = torch.randn(rows_n, h, generator=g).bfloat16()
+    counts = [9, 0, 13, 5]
+    src_row = torch.randint(0, rows_n, (sum(counts),), generator=g)
+    prepared = Bf16Recipe().prepare(MoEWeightPack(w13, w2))
+    assert not experts.grouped_mm_applies(prepared, rows.device)  # CPU: the loop
+    loop = torch.empty(sum(counts), h, dtype=torch.bfloat16)
+    experts.run_experts(rows, src_row, counts, prepared, None, clamp, loop, comm.Workspace())
+    calls: list[torch.Tensor] = []
+    real = torch._grouped_mm
+
+    def spy(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+        calls.append(offs)
+        return real(a, b, offs=offs)
+
+    monkeypatch.setattr(experts, "grouped_mm_applies", lambda w, d: True)
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    grouped = torch.empty_like(loop)
+    experts.run_experts(rows, src_row, counts, prepared, None, clamp, grouped, comm.Workspace())
+    assert len(calls) == 2
+    assert all(o.dtype == torch.int32 and o.tolist() == [9, 9, 22, 27] for o in calls)
+    diff = (grouped.float() - loop.float()).abs()
+    assert torch.equal(grouped, loop), float(diff.max())

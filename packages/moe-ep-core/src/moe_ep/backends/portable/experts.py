@@ -8,13 +8,16 @@ several fp32 round-trips, and the workspace stays small and warm across forwards
 
 On CPU a per-expert `mm` loop measured faster than `torch._grouped_mm` (which also loops
 over groups on CPU): FC1 136 vs 170 ms, FC2 63 vs 97 ms at 1 thread on the prefill shape.
+On CUDA, bf16 weights without per-expert alphas go through `torch._grouped_mm` with int32
+offsets instead (`grouped_mm_applies`): all local experts' rows in two grouped GEMMs, SwiGLU
+in one pass between them. That branch has never run on a GPU; the CPU tests force it
+(`torch._grouped_mm` runs on CPU too) and compare it with the per-expert loop.
 
 Determinism: an expert's blocks, their GEMMs and the SwiGLU slices depend only on that
 expert's rows (the same matrix, in global (token, slot) order, at every world size), so the
 bf16 result is bit-identical across world sizes given the same intra-op thread count
 (oneDNN may split K across threads for large K).
 
-The CUDA path is the same code (an `mm` per expert block); it has never run on a GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from moe_ep.backends.portable import cpu_fused
 from moe_ep.backends.portable.comm import Workspace
 from moe_ep.backends.portable.recipes import PreparedWeights
 
-__all__ = ["ROW_BLOCK", "SMALL_M", "SWIGLU_ROWS", "run_experts"]
+__all__ = ["ROW_BLOCK", "SMALL_M", "SWIGLU_ROWS", "grouped_mm_applies", "run_experts"]
 
 ROW_BLOCK = 2048
 """Rows per GEMM call: bounds the workspace when routing is skewed."""
@@ -68,7 +71,7 @@ def _swiglu(
     if requantize is None and cpu_fused.swiglu(gu, h, alpha, clamp):
         return
     b, inter = int(h.shape[0]), int(h.shape[1])
-    rows = min(b, SWIGLU_ROWS)
+    rows = b if gu.device.type == "cuda" else min(b, SWIGLU_ROWS)  # CPU: cache-sized slices
     in_place = gu.dtype == torch.float32  # fp32 GEMM output: work on it directly
     if not in_place:
         buf = ws.get("swiglu_gu", (rows, 2 * inter), torch.float32, gu.device)
@@ -95,6 +98,35 @@ def _swiglu(
             h[s:e].copy_(g if requantize is None else requantize(g))
 
 
+def grouped_mm_applies(weights: PreparedWeights, device: torch.device) -> bool:
+    """Whether `run_experts` uses `torch._grouped_mm`: CUDA, bf16 weights, no alphas."""
+    return (
+        device.type == "cuda"
+        and weights.w2t.dtype == torch.bfloat16
+        and weights.alpha13 is None
+        and weights.alpha2 is None
+    )
+
+
+def _run_grouped(
+    rows: torch.Tensor,
+    src_row: torch.Tensor,
+    counts: list[int],
+    weights: PreparedWeights,
+    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
+    swiglu_clamp: float | None,
+    y: torch.Tensor,
+    ws: Workspace,
+) -> None:
+    """`run_experts` as two `torch._grouped_mm` calls (int32 group end offsets)."""
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(rows.device)
+    xs = rows.index_select(0, src_row)
+    gu = torch._grouped_mm(xs, weights.w13t, offs=offs)
+    h = torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype, device=gu.device)
+    _swiglu(gu, h, None, swiglu_clamp, requantize, ws)
+    y.copy_(torch._grouped_mm(h, weights.w2t, offs=offs))
+
+
 def run_experts(
     rows: torch.Tensor,
     src_row: torch.Tensor,
@@ -116,6 +148,10 @@ def run_experts(
     to the compute dtype,
     `y = h @ w2t` (times alpha2), rounded to bf16.
     """
+    if grouped_mm_applies(weights, rows.device):
+        if sum(counts):
+            _run_grouped(rows, src_row, counts, weights, requantize, swiglu_clamp, y, ws)
+        return
     hidden = int(weights.w2t.shape[2])
     inter = int(weights.w2t.shape[1])
     cdt, dev = weights.w2t.dtype, rows.device
