@@ -171,3 +171,28 @@ def test_failing_compiler_warns_once_in_auto_and_raises_when_required(
     fresh_load.setenv("MOE_EP_CPU_FUSED", "1")
     with pytest.raises(MoeEpUnavailableError, match=r"MOE_EP_CPU_FUSED=1 but .*failed"):
         cpu_fused.library()
+
+
+@needs_cc
+def test_run_single_threaded_gives_each_task_one_thread_and_restores_the_caller() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cpu_fused.parallel_workers(torch.device("cpu")) == 2
+        assert cpu_fused.parallel_workers(torch.device("meta")) == 1
+        seen: list[tuple[str, int]] = []
+
+        def task(name: str) -> None:
+            torch.mm(torch.randn(64, 64), torch.randn(64, 64))  # a parallel torch op first
+            seen.append((name, torch.get_num_threads()))
+
+        cpu_fused.run_single_threaded([lambda: task("caller"), lambda: task("worker")])
+        assert sorted(seen) == [("caller", 1), ("worker", 1)]
+        assert torch.get_num_threads() == 2  # the caller's own setting is back
+        with pytest.raises(ValueError, match="boom"):
+            cpu_fused.run_single_threaded(
+                [lambda: None, lambda: (_ for _ in ()).throw(ValueError("boom"))]
+            )
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -181,3 +181,67 @@ def test_grouped_mm_branch_matches_the_per_expert_loop(
     assert all(o.dtype == torch.int32 and o.tolist() == [9, 9, 22, 27] for o in calls)
     diff = (grouped.float() - loop.float()).abs()
     assert torch.equal(grouped, loop), float(diff.max())
+
+
+def test_balanced_runs_are_contiguous_nonempty_and_even() -> None:
+    tasks = [(e, 10 * e, b) for e, b in enumerate([5, 5, 5, 5, 5, 5, 5, 5])]
+    for parts in (1, 2, 3, 8):
+        runs = experts._balanced(tasks, parts)
+        assert len(runs) == parts and all(runs)
+        assert [t for run in runs for t in run] == tasks  # contiguous, in order, complete
+    assert [sum(b for *_, b in run) for run in experts._balanced(tasks, 2)] == [20, 20]
+    skew = [(0, 0, 100), (1, 100, 1), (2, 101, 1)]
+    assert [len(r) for r in experts._balanced(skew, 3)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "counts", [[40, 0, 25, 31, 7], [300, 2, 1, 0, 3], [0, 0, 90, 0, 0]], ids=["mixed", "hot", "one"]
+)
+def test_expert_blocks_split_over_threads_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, counts: list[int]
+) -> None:
+    """Blocks spread over worker threads (one OpenMP thread each) write exactly what the
+    sequential loop writes, skewed and single-expert routing included."""
+    g = torch.Generator().manual_seed(5)
+    e, h, inter = len(counts), 64, 48
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).bfloat16()
+    rows = torch.randn(50, h, generator=g).bfloat16()
+    src_row = torch.randint(0, 50, (sum(counts),), generator=g)
+    prepared = Bf16Recipe().prepare(MoEWeightPack(w13, w2))
+    monkeypatch.setattr(experts, "ROW_BLOCK", 64)  # the hot expert spans several blocks
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        monkeypatch.setattr(experts.cpu_fused, "parallel_workers", lambda d: 1)
+        want = torch.empty(sum(counts), h, dtype=torch.bfloat16)
+        experts.run_experts(rows, src_row, counts, prepared, None, None, want, comm.Workspace())
+        for workers in (2, 3):
+            monkeypatch.setattr(experts.cpu_fused, "parallel_workers", lambda d, n=workers: n)
+            got = torch.full_like(want, float("nan"))
+            experts.run_experts(rows, src_row, counts, prepared, None, None, got, comm.Workspace())
+            assert torch.equal(got, want), workers
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_failing_worker_block_raises_in_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = experts._run_blocks
+
+    def flaky(tasks: list[tuple[int, int, int]], *args: object, **kwargs: object) -> None:
+        if tasks[0][0] == 2:
+            raise RuntimeError("block of expert 2 failed")
+        real(tasks, *args, **kwargs)  # type: ignore[arg-type]
+
+    g = torch.Generator().manual_seed(1)
+    w13 = torch.randn(3, 16, 8, generator=g).bfloat16()
+    w2 = torch.randn(3, 8, 8, generator=g).bfloat16()
+    prepared = Bf16Recipe().prepare(MoEWeightPack(w13, w2))
+    monkeypatch.setattr(experts.cpu_fused, "parallel_workers", lambda d: 3)
+    monkeypatch.setattr(experts, "_run_blocks", flaky)
+    y = torch.empty(6, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="block of expert 2 failed"):
+        experts.run_experts(
+            torch.randn(4, 8).bfloat16(), torch.tensor([0, 1, 2, 3, 0, 1]), [2, 2, 2],
+            prepared, None, None, y, comm.Workspace(),
+        )  # fmt: skip

@@ -38,6 +38,7 @@ class Workspace:
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        self._subs: dict[str, Workspace] = {}
 
     def get(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -53,8 +54,16 @@ class Workspace:
             self._bufs[name] = buf
         return buf[:nbytes].view(dtype).view(shape)
 
+    def sub(self, name: str) -> Workspace:
+        """A nested workspace kept under `name` (e.g. one per worker thread)."""
+        sub = self._subs.get(name)
+        if sub is None:
+            sub = self._subs[name] = Workspace()
+        return sub
+
     def clear(self) -> None:
         self._bufs.clear()
+        self._subs.clear()
 
 
 @dataclass

@@ -11,6 +11,9 @@
  * bits (the tests bound it). All loops are plain C that the compiler vectorizes.
  */
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef union {
     float f;
@@ -124,4 +127,24 @@ void moe_ep_combine_bf16(const uint16_t *y, int64_t ld_y, const int64_t *pos, co
             for (int64_t c = 0; c < m; c++) o[c0 + c] = f32_to_bf16(acc[c]);
         }
     }
+}
+
+/* The calling thread's OpenMP thread count (torch's libgomp when built with -fopenmp):
+ * -1 without OpenMP. */
+int32_t moe_ep_omp_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return -1;
+#endif
+}
+
+/* Set the calling thread's OpenMP thread count (its own ICV only; other threads keep
+ * theirs). No-op without OpenMP. */
+void moe_ep_omp_set_threads(int32_t n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
 }

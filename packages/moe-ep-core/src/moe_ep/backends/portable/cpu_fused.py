@@ -32,6 +32,8 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,15 @@ import torch
 from moe_ep import env
 from moe_ep.errors import MoeEpUnavailableError
 
-__all__ = ["SOURCE", "combine", "library", "status", "swiglu"]
+__all__ = [
+    "SOURCE",
+    "combine",
+    "library",
+    "parallel_workers",
+    "run_single_threaded",
+    "status",
+    "swiglu",
+]
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 _MIN_ROWS_PER_THREAD = 16
@@ -124,6 +134,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     lib.moe_ep_swiglu_bf16.restype = None
     lib.moe_ep_combine_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32]
     lib.moe_ep_combine_bf16.restype = None
+    lib.moe_ep_omp_max_threads.argtypes = []
+    lib.moe_ep_omp_max_threads.restype = _i32
+    lib.moe_ep_omp_set_threads.argtypes = [_i32]
+    lib.moe_ep_omp_set_threads.restype = None
     return lib, "built and loaded"
 
 
@@ -149,6 +163,63 @@ def library() -> ctypes.CDLL | None:
         _warned.set()
         warnings.warn(f"moe-ep: eager CPU epilogues (slower): {why}", stacklevel=2)
     return lib
+
+
+def parallel_workers(device: torch.device) -> int:
+    """How many threads `run_single_threaded` spreads work over: torch's intra-op thread
+    count on CPU when the library has OpenMP and torch's parallel backend is OpenMP (the
+    same libgomp), else 1."""
+    n = torch.get_num_threads()
+    if device.type != "cpu" or n < 2:
+        return 1
+    lib = library()
+    if lib is None or lib.moe_ep_omp_max_threads() < 1 or not _torch_uses_openmp():
+        return 1
+    return n
+
+
+@functools.cache
+def _torch_uses_openmp() -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def _single_threaded_worker() -> None:
+    torch.get_num_threads()  # torch's per-thread OpenMP init first, or it would undo ours
+    lib = library()
+    if lib is not None:
+        lib.moe_ep_omp_set_threads(1)
+
+
+@functools.cache
+def _workers(n: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(
+        max_workers=n, thread_name_prefix="moe-ep-cpu", initializer=_single_threaded_worker
+    )
+
+
+def run_single_threaded(tasks: list[Callable[[], None]]) -> None:
+    """Run `tasks` at once, each on its own thread with one OpenMP thread (torch ops and the
+    fused kernels inside run serially): the first on the calling thread, the rest on a
+    persistent pool. Waits for all; re-raises the first failure.
+
+    For independent pieces of work that each run as well on one core (per-expert GEMMs of
+    ~1000 rows: two at once on two threads beat each on two threads in turn)."""
+    lib = library()
+    if lib is None:
+        for task in tasks:
+            task()
+        return
+    futures = [_workers(len(tasks) - 1).submit(task) for task in tasks[1:]] if tasks[1:] else []
+    before = lib.moe_ep_omp_max_threads()
+    lib.moe_ep_omp_set_threads(1)
+    try:
+        tasks[0]()
+    finally:
+        lib.moe_ep_omp_set_threads(before)
+        errors = [f.exception() for f in futures]
+    for err in errors:
+        if err is not None:
+            raise err
 
 
 def _threads(rows: int) -> int:

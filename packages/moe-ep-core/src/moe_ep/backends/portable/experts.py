@@ -22,6 +22,7 @@ bf16 result is bit-identical across world sizes given the same intra-op thread c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -152,34 +153,90 @@ def run_experts(
         if sum(counts):
             _run_grouped(rows, src_row, counts, weights, requantize, swiglu_clamp, y, ws)
         return
+    block = min(ROW_BLOCK, max(counts, default=0))
+    if block == 0:
+        return
+    tasks = []  # (local expert, first pair, rows): the unit of work, fixed by the routing
+    start = 0
+    for e, count in enumerate(counts):
+        tasks += [(e, s, min(block, start + count - s)) for s in range(start, start + count, block)]
+        start += count
+    workers = cpu_fused.parallel_workers(rows.device)
+    if workers == 1:
+        _run_blocks(tasks, rows, src_row, weights, requantize, swiglu_clamp, y, ws, block)
+        return
+    # Each thread runs whole blocks with one OpenMP thread: on CPU two ~1000-row GEMMs side by
+    # side beat each split over two threads, and a block's bits do not depend on the intra-op
+    # thread count (always one), so neither does the output; even one block runs this way.
+    run = functools.partial(
+        _run_blocks,
+        rows=rows,
+        src_row=src_row,
+        weights=weights,
+        requantize=requantize,
+        swiglu_clamp=swiglu_clamp,
+        y=y,
+        block=block,
+    )
+    cpu_fused.run_single_threaded(
+        [
+            functools.partial(run, chunk, ws=ws if i == 0 else ws.sub(f"thread{i}"))
+            for i, chunk in enumerate(_balanced(tasks, min(workers, len(tasks))))
+        ]
+    )
+
+
+def _balanced(tasks: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """`tasks` cut into `parts` contiguous non-empty runs of about equal rows."""
+    total = sum(b for _, _, b in tasks)
+    chunks: list[list[tuple[int, int, int]]] = [[]]
+    done = 0
+    for i, task in enumerate(tasks):
+        left = len(tasks) - i  # keep one task for each run still to open
+        if (
+            chunks[-1]
+            and len(chunks) < parts
+            and (done >= total * len(chunks) / parts or left == parts - len(chunks))
+        ):
+            chunks.append([])
+        chunks[-1].append(task)
+        done += task[2]
+    return chunks
+
+
+def _run_blocks(
+    tasks: list[tuple[int, int, int]],
+    rows: torch.Tensor,
+    src_row: torch.Tensor,
+    weights: PreparedWeights,
+    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
+    swiglu_clamp: float | None,
+    y: torch.Tensor,
+    ws: Workspace,
+    block: int,
+) -> None:
+    """gather -> FC1 -> SwiGLU -> FC2 for each (expert, first pair, rows) task, into y."""
     hidden = int(weights.w2t.shape[2])
     inter = int(weights.w2t.shape[1])
     cdt, dev = weights.w2t.dtype, rows.device
     alpha13 = None if weights.alpha13 is None else weights.alpha13.tolist()
     alpha2 = None if weights.alpha2 is None else weights.alpha2.tolist()
     direct = cdt == torch.bfloat16 and alpha2 is None  # FC2 writes y's bf16 rows itself
-    block = min(ROW_BLOCK, max(counts, default=0))
-    if block == 0:
-        return
     xe_buf = ws.get("expert_x", (block, int(rows.shape[1])), cdt, dev)
     gu_buf = ws.get("expert_gu", (block, 2 * inter), cdt, dev)
     h_buf = ws.get("expert_h", (block, inter), cdt, dev)
     y_buf = None if direct else ws.get("expert_y", (block, hidden), cdt, dev)
-    start = 0
-    for e, count in enumerate(counts):
-        for s in range(start, start + count, block):
-            b = min(block, start + count - s)
-            xe, gu, h = xe_buf[:b], gu_buf[:b], h_buf[:b]
-            torch.index_select(rows, 0, src_row[s : s + b], out=xe)
-            _mm(xe, weights.w13t[e], gu, ws, "fc1_t")
-            a13 = None if alpha13 is None else alpha13[e]
-            _swiglu(gu, h, a13, swiglu_clamp, requantize, ws)
-            if y_buf is None:
-                _mm(h, weights.w2t[e], y[s : s + b], ws, "fc2_t")
-            else:
-                ye = y_buf[:b]
-                _mm(h, weights.w2t[e], ye, ws, "fc2_t")
-                if alpha2 is not None:  # the product in fp32, then rounded to bf16
-                    ye = ye.mul_(alpha2[e]) if cdt == torch.float32 else ye.float() * alpha2[e]
-                y[s : s + b].copy_(ye)
-        start += count
+    for e, s, b in tasks:
+        xe, gu, h = xe_buf[:b], gu_buf[:b], h_buf[:b]
+        torch.index_select(rows, 0, src_row[s : s + b], out=xe)
+        _mm(xe, weights.w13t[e], gu, ws, "fc1_t")
+        a13 = None if alpha13 is None else alpha13[e]
+        _swiglu(gu, h, a13, swiglu_clamp, requantize, ws)
+        if y_buf is None:
+            _mm(h, weights.w2t[e], y[s : s + b], ws, "fc2_t")
+        else:
+            ye = y_buf[:b]
+            _mm(h, weights.w2t[e], ye, ws, "fc2_t")
+            if alpha2 is not None:  # the product in fp32, then rounded to bf16
+                ye = ye.mul_(alpha2[e]) if cdt == torch.float32 else ye.float() * alpha2[e]
+            y[s : s + b].copy_(ye)
