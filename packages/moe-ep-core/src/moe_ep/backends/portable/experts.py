@@ -15,8 +15,10 @@ in one pass between them. That branch has never run on a GPU; the CPU tests forc
 
 Determinism: an expert's blocks, their GEMMs and the SwiGLU slices depend only on that
 expert's rows (the same matrix, in global (token, slot) order, at every world size), so the
-bf16 result is bit-identical across world sizes given the same intra-op thread count
-(oneDNN may split K across threads for large K).
+bf16 result is bit-identical across world sizes. At 2+ intra-op threads on CPU (with the
+fused library) the blocks are spread over threads that each run one OpenMP thread, so
+every GEMM is a one-thread GEMM and the result does not depend on the thread count either;
+otherwise it needs the same thread count (oneDNN may split K across threads for large K).
 
 """
 
