@@ -110,7 +110,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "auto, 0 or 1 (default auto)",
         "The portable kernels' fused CPU epilogues (SwiGLU, top-k combine; a small C library "
         "built on first use): auto uses them when a C compiler works (else eager, with one "
-        "warning), 1 requires them (construction fails otherwise), 0 keeps the eager code.",
+        "warning), 1 requires them (construction fails otherwise), 0 keeps the eager code "
+        "(and splits each expert GEMM over the intra-op threads instead of spreading "
+        "one-thread expert blocks over them).",
     ),
     EnvVar(
         "MOE_EP_CPU_FUSED_CACHE",
