@@ -107,3 +107,43 @@ def test_bad_weights_on_one_rank_fail_the_peer_fast() -> None:
     assert bad["outcome"][0] == "MoeEpUsageError" and "w13 must be" in bad["outcome"][1]
     assert good["outcome"][0] in ("MoeEpPeerError", "MoeEpTimeoutError"), good
     assert good["elapsed"] < 3 * TIMEOUT_S
+
+
+def _mismatch_worker(rank: int, world_size: int, what: str) -> dict[str, Any]:
+    """Every rank's arguments are valid on their own; rank 1's differ from rank 0's."""
+    from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer
+    from moe_ep.backends.portable import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig as Cfg
+
+    torch.set_num_threads(1)
+    tokens = 16 if (what == "fleet" and rank == 1) else 8
+    cfg = Cfg(dedup=not (what == "config" and rank == 1))
+    start = time.monotonic()
+    try:
+        layer = MoEEpLayer(
+            BootstrapConfig(world_size, rank, timeout_s=TIMEOUT_S),
+            FleetParams(E, tokens, H),
+            _weights(rank),
+            cfg,
+        )
+        layer.destroy()
+        outcome = ("ok", "")
+    except Exception as exc:
+        outcome = (type(exc).__name__, str(exc))
+    return {"outcome": outcome, "elapsed": time.monotonic() - start}
+
+
+@pytest.mark.parametrize(
+    ("what", "field", "rank1_value"),
+    [("fleet", "fleet_params", "max_tokens_per_rank=16"), ("config", "config", "dedup=False")],
+)
+def test_ranks_asking_for_different_layers_all_raise_at_construction(
+    what: str, field: str, rank1_value: str
+) -> None:
+    results = spawn_local(_mismatch_worker, 2, what, timeout_s=60)
+    for rank, r in enumerate(results):
+        kind, message = r["outcome"]
+        assert kind == "MoeEpUsageError", (rank, r)
+        assert "the EP ranks asked for different layers" in message
+        assert f"{field}: rank(s) [0]" in message and "rank(s) [1]" in message
+        assert rank1_value in message
+        assert r["elapsed"] < TIMEOUT_S  # a gather, not a timeout

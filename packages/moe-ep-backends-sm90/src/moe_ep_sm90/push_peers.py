@@ -22,15 +22,13 @@ Both gathers are bounded by the runtime's timeout.
 
 from __future__ import annotations
 
-import datetime
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moe_ep.errors import MoeEpTimeoutError, MoeEpUnavailableError
+from moe_ep.errors import MoeEpUnavailableError
 
-__all__ = ["PeerReport", "agree_on_peers", "gather_json", "local_report", "p2p_problem"]
+__all__ = ["PeerReport", "agree_on_peers", "local_report", "p2p_problem"]
 
 _KERNEL = "sm90_fp8_fp8_bf16_push_cuda"
 
@@ -84,52 +82,6 @@ def p2p_problem(a2a: Any, device: int, peer: int) -> str | None:
     return None
 
 
-def _wait(work: Any, timeout: datetime.timedelta, what: str, rank: int, world: int) -> None:
-    try:
-        done = work.wait(timeout)
-    except Exception as exc:
-        raise MoeEpTimeoutError(
-            f"{what}: not every rank arrived within {timeout.total_seconds():g} s (world size "
-            f"{world}, seen from rank {rank}): {exc}"
-        ) from exc
-    if done is False:
-        raise MoeEpTimeoutError(
-            f"{what}: not every rank arrived within {timeout.total_seconds():g} s (world size "
-            f"{world}, seen from rank {rank})"
-        )
-
-
-def gather_json(
-    group: Any, payload: Any, *, device: Any, timeout: datetime.timedelta, what: str
-) -> list[Any]:
-    """Every rank's JSON-able `payload`, in rank order (collective over `group`).
-
-    Two `all_gather`s (lengths, then padded UTF-8 bytes) of tensors on `device` (CPU for
-    gloo, the rank's GPU for NCCL), each wait bounded by `timeout`.
-
-    Raises:
-        MoeEpTimeoutError: a gather did not complete in time (names `what`, the world size
-            and this rank).
-    """
-    import torch
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    data = json.dumps(payload, sort_keys=True).encode()
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    _wait(dist.all_gather(sizes, size, group=group, async_op=True), timeout, what, rank, world)
-    lengths = [int(s.item()) for s in sizes]
-    buf = torch.zeros(max(lengths), dtype=torch.uint8)
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buf = buf.to(device)
-    outs = [torch.empty_like(buf) for _ in range(world)]
-    _wait(dist.all_gather(outs, buf, group=group, async_op=True), timeout, what, rank, world)
-    return [
-        json.loads(bytes(o[:n].cpu().tolist()).decode()) for o, n in zip(outs, lengths, strict=True)
-    ]
-
-
 def _topology_problems(reports: list[PeerReport]) -> list[str]:
     """What every rank can judge from the gathered reports alone (same result everywhere)."""
     problems = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error]
@@ -180,7 +132,7 @@ def agree_on_peers(
     """Collective: return on every rank, or raise the same error on every rank.
 
     Args:
-        runtime: gives `group`, `rank`, `device` (where the gather tensors live), `timeout`.
+        runtime: the `moe_ep.runtime.Runtime` (its `rank` and bounded `gather_json`).
         local: this rank's report; a non-empty `error` fails the check for everyone.
         probe: this rank's pair query (`p2p_problem` bound to the loaded a2a module).
         local_exc: the exception behind `local.error`, chained on this rank.
@@ -190,12 +142,11 @@ def agree_on_peers(
         MoeEpTimeoutError: a peer did not reach the check within the runtime's timeout.
     """
     what = f"{_KERNEL} peer check"
-    opts = {"device": runtime.device, "timeout": runtime.timeout, "what": what}
-    reports = [PeerReport(**r) for r in gather_json(runtime.group, asdict(local), **opts)]
+    reports = [PeerReport(**r) for r in runtime.gather_json(asdict(local), what=what)]
     problems = _topology_problems(reports)
     if not problems:
         mine = _pair_problems(reports, runtime.rank, probe)
-        problems = [p for per_rank in gather_json(runtime.group, mine, **opts) for p in per_rank]
+        problems = [p for per_rank in runtime.gather_json(mine, what=what) for p in per_rank]
     if problems:
         raise MoeEpUnavailableError(
             f"{_KERNEL} cannot run on this EP group (seen from rank {runtime.rank} of "

@@ -9,6 +9,7 @@ import torch
 from moe_ep.backends.base import KernelConfig, MegaKernel
 from moe_ep.config import BootstrapConfig
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.layer.agreement import agree_on_setup, setup_fingerprint
 from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
 from moe_ep.layer.validation import validate_forward, validate_weight_pack
 
@@ -51,7 +52,9 @@ class MoEEpLayer:
     Construction (collective) validates everything locally first (expert count against the
     world size, weight shapes / dtypes / packed fp4 halves / scale planes, the kernel's
     availability), then acquires the runtime (`moe_ep.runtime.acquire`, which joins or
-    creates the process group), prepares the weights once, and ends with a barrier.
+    creates the process group), checks that every rank asked for the same kernel, config,
+    fleet params and weight shapes (one bounded gather; a mismatch raises `MoeEpUsageError`
+    on every rank), prepares the weights once, and ends with a barrier.
 
     Args:
         bootstrap: how this rank joins the fleet (`moe_ep.BootstrapConfig`).
@@ -105,6 +108,10 @@ class MoEEpLayer:
 
         self._runtime = acquire(bootstrap, requirements=kernel_cls.requirements)
         try:
+            agree_on_setup(
+                self._runtime,
+                setup_fingerprint(kernel_cls.kernel_name, config, fleet_params, weights),
+            )
             self._kernel: MegaKernel = kernel_cls(
                 config=config, fleet=fleet_params, runtime=self._runtime, weights=weights
             )

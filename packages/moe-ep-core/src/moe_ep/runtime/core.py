@@ -11,6 +11,7 @@ hang.
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -134,6 +135,22 @@ class Runtime:
                 timeout.
         """
         _barrier(self._live(), "moe-ep barrier")
+
+    def gather_json(self, payload: Any, *, what: str) -> list[Any]:
+        """Collective: every rank's JSON-able `payload` in rank order, bounded by `timeout`
+        (`moe_ep.runtime.gather.gather_json`; world size 1 skips the collective).
+
+        Raises:
+            MoeEpTimeoutError: a rank did not arrive in time (names `what`).
+        """
+        state = self._live()
+        if state.world_size == 1:
+            return [json.loads(json.dumps(payload, sort_keys=True))]  # same form as gathered
+        from moe_ep.runtime.gather import gather_json
+
+        return gather_json(
+            state.group, payload, device=state.device, timeout=state.timeout, what=what
+        )
 
     def release(self) -> None:
         """Drop this handle; idempotent. The last release tears down what moe-ep created
