@@ -110,6 +110,7 @@ def oracle_forward(
     act_global_scale: float = 1.0,
     hidden_global_scale: float = 1.0,
     fc1_gate_up_interleave: int | None = None,
+    topk_weight_before_fc2: bool = False,
 ) -> OracleResult:
     """Reference forward on global inputs.
 
@@ -125,6 +126,9 @@ def oracle_forward(
             order; b in `quant.GATE_UP_BLOCKS` interleaves gate/up rows in blocks of b first
             and de-interleaves the dequantized values (changes only formats whose weight
             blocks span rows, i.e. fp8 128x128; the sm90 pull kernel's FC1 with b=8).
+        topk_weight_before_fc2: multiply each pair's SwiGLU output by its top-k weight
+            before the FC2 input is quantized, and sum the FC2 outputs unweighted (the sm100
+            kernels' and DeepGEMM's order; the portable config knob of the same name).
     """
     b = fc1_gate_up_interleave
     if b is not None and (type(b) is not int or b not in quant.GATE_UP_BLOCKS):
@@ -161,6 +165,8 @@ def oracle_forward(
             g = g.clamp(max=swiglu_clamp)
             u = u.clamp(-swiglu_clamp, swiglu_clamp)
         h = F.silu(g) * u
+        if topk_weight_before_fc2:
+            h = h * wts[tok, slot][:, None]
         hq = _qdq_act(h.float(), fmt, hidden_global_scale)
         y = hq @ w2q[ex].t()
         scale2 = 1.0 if gs2 is None else 1.0 / float(hidden_global_scale * gs2[ex])
@@ -172,11 +178,12 @@ def oracle_forward(
             flip[c : c + _FLIP_CHUNK] = (aw2 * step[c : c + _FLIP_CHUNK, None, :]).amax(dim=-1)
         flip_all[tok, slot] = flip.double() * scale2
     flips = torch.zeros((t, hdim), dtype=torch.float64)
+    weight = torch.ones_like(wts) if topk_weight_before_fc2 else wts  # applied already
     for j in range(ids.shape[1]):
-        term = wts[:, j : j + 1] * y_all[:, j]
+        term = weight[:, j : j + 1] * y_all[:, j]
         exact += term
         terms += term.abs()
-        flips += wts[:, j : j + 1].abs() * flip_all[:, j]
+        flips += weight[:, j : j + 1].abs() * flip_all[:, j]
     return OracleResult(exact.to(torch.bfloat16), exact, terms, flips)
 
 

@@ -136,6 +136,8 @@ class Received:
     pair_row: torch.Tensor
     pair_expert: torch.Tensor
     pair_counts: list[int]
+    pair_weight: torch.Tensor | None = None
+    """`[P_recv]` fp32 top-k weight of each received pair, when sent."""
 
 
 def _a2a(
@@ -170,8 +172,12 @@ def exchange(
     rank: int,
     world_size: int,
     workspace: Workspace | None = None,
+    pair_weight: torch.Tensor | None = None,
 ) -> Received:
-    """Counts exchange, then payload rows and pair metadata (three `all_to_all_single`s)."""
+    """Counts exchange, then payload rows and pair metadata (three `all_to_all_single`s).
+
+    pair_weight: `[P]` fp32 per pair (send order), sent as a third metadata column.
+    """
     dev = payload.device
     counts = torch.tensor([plan.row_counts, plan.pair_counts], dtype=torch.int64).t().contiguous()
     recv_counts = torch.empty_like(counts)
@@ -182,19 +188,28 @@ def exchange(
     ws_ = workspace or Workspace()
     rows = ws_.get("recv_rows", (sum(recv_rows_n), int(payload.shape[1])), payload.dtype, dev)
     _a2a(rows, payload, recv_rows_n, plan.row_counts, group, "dispatch payload", rank)
-    meta = plan.pair_meta.new_empty((sum(recv_pairs_n), 2))
-    _a2a(meta, plan.pair_meta, recv_pairs_n, plan.pair_counts, group, "dispatch metadata", rank)
+    send_meta = plan.pair_meta
+    if pair_weight is not None:  # fp32 bits ride along as int32
+        bits = pair_weight.to(torch.float32).contiguous().view(torch.int32)
+        send_meta = torch.cat([send_meta, bits[:, None]], dim=1)
+    meta = send_meta.new_empty((sum(recv_pairs_n), int(send_meta.shape[1])))
+    _a2a(meta, send_meta, recv_pairs_n, plan.pair_counts, group, "dispatch metadata", rank)
     src = torch.repeat_interleave(
         torch.arange(world_size, device=dev), torch.tensor(recv_pairs_n, device=dev)
     )
     row_start = torch.cumsum(rc[:, 0], 0) - rc[:, 0]
     pair_row = meta[:, 0].long() + row_start.to(dev)[src]
-    return Received(rows, pair_row, meta[:, 1].long(), recv_pairs_n)
+    weight = None if pair_weight is None else meta[:, 2].contiguous().view(torch.float32)
+    return Received(rows, pair_row, meta[:, 1].long(), recv_pairs_n, weight)
 
 
-def local_received(token_payload: torch.Tensor, plan: DispatchPlan) -> Received:
+def local_received(
+    token_payload: torch.Tensor, plan: DispatchPlan, pair_weight: torch.Tensor | None = None
+) -> Received:
     """World size 1: `token_payload [n, B]` (every token, unselected) is already here."""
-    return Received(token_payload, plan.pair_token, plan.pair_meta[:, 1].long(), plan.pair_counts)
+    return Received(
+        token_payload, plan.pair_token, plan.pair_meta[:, 1].long(), plan.pair_counts, pair_weight
+    )
 
 
 def return_rows(

@@ -38,12 +38,18 @@ class PortableConfig(KernelConfig):
     """If set, SwiGLU clamps the gate to `<= c` and the up projection to `[-c, c]`."""
     dedup: bool = True
     """Send a token once per destination rank (not once per top-k slot routed there)."""
+    topk_weight_before_fc2: bool = False
+    """Multiply each pair's SwiGLU output by its top-k weight before the FC2 input is
+    quantized (and sum the FC2 outputs unweighted), as the sm100 CuTe DSL kernels
+    (`apply_topk_in_fc1`) and DeepGEMM's mega-MoE do; False keeps the public math (the
+    weight applied in the fp32 top-k sum). Same value, different rounding."""
 
     def __post_init__(self) -> None:
         if self.swiglu_clamp is not None:
             _positive_float("swiglu_clamp", self.swiglu_clamp)
-        if not isinstance(self.dedup, bool):
-            raise MoeEpUsageError(f"dedup must be a bool, got {self.dedup!r}")
+        for name in ("dedup", "topk_weight_before_fc2"):
+            if not isinstance(getattr(self, name), bool):
+                raise MoeEpUsageError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

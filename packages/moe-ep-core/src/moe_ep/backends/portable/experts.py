@@ -64,14 +64,18 @@ def _swiglu(
     clamp: float | None,
     requantize: Callable[[torch.Tensor], torch.Tensor] | None,
     ws: Workspace,
+    row_scale: torch.Tensor | None = None,
 ) -> None:
     """`gu [b, 2I]` -> `h [b, I]`: `requantize(silu(g) * u)` in fp32, rounded into h.
+
+    row_scale: `[b]` fp32, multiplies each row of `silu(g) * u` before `requantize` (the
+    top-k weight applied before FC2).
 
     `requantize=None`: the rounding into h is the whole quantization (one fp32 multiply,
     one rounding). bf16 on CPU with `requantize=None` goes through `cpu_fused.swiglu` (one
     pass) when its library is available.
     """
-    if requantize is None and cpu_fused.swiglu(gu, h, alpha, clamp):
+    if requantize is None and row_scale is None and cpu_fused.swiglu(gu, h, alpha, clamp):
         return
     b, inter = int(h.shape[0]), int(h.shape[1])
     rows = b if gu.device.type == "cuda" else min(b, SWIGLU_ROWS)  # CPU: cache-sized slices
@@ -92,10 +96,12 @@ def _swiglu(
             g.clamp_(max=clamp)
             u.clamp_(-clamp, clamp)
         F.silu(g, inplace=True)
-        if requantize is None and h.dtype == g.dtype:
+        if requantize is None and row_scale is None and h.dtype == g.dtype:
             torch.mul(g, u, out=h[s:e])
         else:
             g.mul_(u)  # h = silu(g) * u in fp32
+            if row_scale is not None:
+                g.mul_(row_scale[s:e, None])
             # copy_ rounds to h's dtype (RNE) where needed; an fp32 mul with a bf16 `out`
             # measured 2x slower than this in-place mul plus a rounding copy (same bits).
             h[s:e].copy_(g if requantize is None else requantize(g))
@@ -120,13 +126,14 @@ def _run_grouped(
     swiglu_clamp: float | None,
     y: torch.Tensor,
     ws: Workspace,
+    pair_scale: torch.Tensor | None,
 ) -> None:
     """`run_experts` as two `torch._grouped_mm` calls (int32 group end offsets)."""
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(rows.device)
     xs = rows.index_select(0, src_row)
     gu = torch._grouped_mm(xs, weights.w13t, offs=offs)
     h = torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype, device=gu.device)
-    _swiglu(gu, h, None, swiglu_clamp, requantize, ws)
+    _swiglu(gu, h, None, swiglu_clamp, requantize, ws, pair_scale)
     y.copy_(torch._grouped_mm(h, weights.w2t, offs=offs))
 
 
@@ -139,6 +146,8 @@ def run_experts(
     swiglu_clamp: float | None,
     y: torch.Tensor,
     ws: Workspace,
+    *,
+    pair_scale: torch.Tensor | None = None,
 ) -> None:
     """Write `y [P, H]` bf16, pair p's expert output, pairs grouped by local expert.
 
@@ -149,11 +158,14 @@ def run_experts(
     `[g; u] = x @ w13t`, `h = silu(g) * u` in fp32 (per-expert alpha13 applied to g and u
     first; clamp: g <= c, |u| <= c), FC2 input = `requantize(h)` (None: h itself) rounded
     to the compute dtype,
-    `y = h @ w2t` (times alpha2), rounded to bf16.
+    `y = h @ w2t` (times alpha2), rounded to bf16. pair_scale: `[P]` fp32 per pair (same
+    order), multiplies h before `requantize` (the top-k weight applied before FC2).
     """
     if grouped_mm_applies(weights, rows.device):
         if sum(counts):
-            _run_grouped(rows, src_row, counts, weights, requantize, swiglu_clamp, y, ws)
+            _run_grouped(
+                rows, src_row, counts, weights, requantize, swiglu_clamp, y, ws, pair_scale
+            )
         return
     block = min(ROW_BLOCK, max(counts, default=0))
     if block == 0:
@@ -165,7 +177,9 @@ def run_experts(
         start += count
     workers = cpu_fused.parallel_workers(rows.device)
     if workers == 1:
-        _run_blocks(tasks, rows, src_row, weights, requantize, swiglu_clamp, y, ws, block)
+        _run_blocks(
+            tasks, rows, src_row, weights, requantize, swiglu_clamp, y, ws, block, pair_scale
+        )
         return
     # Each thread runs whole blocks with one OpenMP thread: on CPU two ~1000-row GEMMs side by
     # side beat each split over two threads, and a block's bits do not depend on the intra-op
@@ -179,6 +193,7 @@ def run_experts(
         swiglu_clamp=swiglu_clamp,
         y=y,
         block=block,
+        pair_scale=pair_scale,
     )
     cpu_fused.run_single_threaded(
         [
@@ -216,6 +231,7 @@ def _run_blocks(
     y: torch.Tensor,
     ws: Workspace,
     block: int,
+    pair_scale: torch.Tensor | None = None,
 ) -> None:
     """gather -> FC1 -> SwiGLU -> FC2 for each (expert, first pair, rows) task, into y."""
     hidden = int(weights.w2t.shape[2])
@@ -233,7 +249,8 @@ def _run_blocks(
         torch.index_select(rows, 0, src_row[s : s + b], out=xe)
         _mm(xe, weights.w13t[e], gu, ws, "fc1_t")
         a13 = None if alpha13 is None else alpha13[e]
-        _swiglu(gu, h, a13, swiglu_clamp, requantize, ws)
+        scale = None if pair_scale is None else pair_scale[s : s + b]
+        _swiglu(gu, h, a13, swiglu_clamp, requantize, ws, scale)
         if y_buf is None:
             _mm(h, weights.w2t[e], y[s : s + b], ws, "fc2_t")
         else:

@@ -129,8 +129,12 @@ class PortableTorchKernel(MegaKernel):
         st: StagedInputs = staged
         rt = self.runtime
         ws, rank = rt.world_size, rt.rank
+        before_fc2 = self.pconfig.topk_weight_before_fc2
+        pair_weight = (
+            st.topk_weights[st.plan.pair_token, st.plan.pair_slot].float() if before_fc2 else None
+        )
         if ws == 1:
-            recv = comm.local_received(st.payload, st.plan)
+            recv = comm.local_received(st.payload, st.plan, pair_weight)
         else:
             recv = comm.exchange(
                 st.plan,
@@ -139,6 +143,7 @@ class PortableTorchKernel(MegaKernel):
                 rank=rank,
                 world_size=ws,
                 workspace=self.workspace,
+                pair_weight=pair_weight,
             )
         st.payload = st.payload[:0]  # the send buffer is no longer needed
         hidden = self.fleet.hidden_size
@@ -157,20 +162,21 @@ class PortableTorchKernel(MegaKernel):
             self.pconfig.swiglu_clamp,
             y_sorted,
             wsp,
+            pair_scale=None if recv.pair_weight is None else recv.pair_weight[order],
         )
         del rows, recv.rows
+        # weights already applied before FC2: the top-k sum adds the rows as they are
+        combine_w = torch.ones_like(st.topk_weights) if before_fc2 else st.topk_weights
         if ws == 1:  # no return trip: combine reads the expert-sorted rows in place
             where = torch.empty_like(order)
             where[order] = torch.arange(pairs, device=order.device)
-            return comm.combine(
-                y_sorted, st.plan, st.topk_weights, st.output, rows=where, workspace=wsp
-            )
+            return comm.combine(y_sorted, st.plan, combine_w, st.output, rows=where, workspace=wsp)
         y = wsp.get("y_send", (pairs, hidden), torch.bfloat16, y_sorted.device)
         y.index_copy_(0, order, y_sorted)
         y_home = comm.return_rows(
             y, recv, st.plan, group=rt.group, rank=rank, world_size=ws, workspace=wsp
         )
-        return comm.combine(y_home, st.plan, st.topk_weights, st.output, workspace=wsp)
+        return comm.combine(y_home, st.plan, combine_w, st.output, workspace=wsp)
 
     def destroy(self) -> None:
         """Drop the receive buffers (idempotent)."""
