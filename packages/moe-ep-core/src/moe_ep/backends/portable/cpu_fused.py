@@ -90,12 +90,11 @@ def _build(cc: str, out_dir: Path) -> Path:
     compiler without it gets the serial library)."""
     base = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-std=c11"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    same_for_all = [SOURCE.read_text(), cc, version.stdout, platform.machine(), _cpu_features()]
     errors = []
     for extra in ([*_arch_flags(), "-fopenmp"], ["-fopenmp"], []):
         flags = [*base, *extra]
-        key = "\0".join(
-            [SOURCE.read_text(), cc, version.stdout, *flags, platform.machine(), _cpu_features()]
-        )
+        key = "\0".join([*same_for_all, *flags])
         target = out_dir / f"cpu_fused-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
         if target.exists():
             return target
@@ -157,12 +156,15 @@ def library() -> ctypes.CDLL | None:
         MoeEpUnavailableError: MOE_EP_CPU_FUSED=1 and the library cannot be built.
     """
     lib, why = _load()
-    if lib is None and env.cpu_fused_mode() == "1":
+    if lib is not None:
+        return lib
+    mode = env.cpu_fused_mode()  # read only on the fallback path: library() runs per block
+    if mode == "1":
         raise MoeEpUnavailableError(f"MOE_EP_CPU_FUSED=1 but the fused CPU epilogues: {why}")
-    if lib is None and env.cpu_fused_mode() == "auto" and not _warned.is_set():
+    if mode == "auto" and not _warned.is_set():
         _warned.set()
         warnings.warn(f"moe-ep: eager CPU epilogues (slower): {why}", stacklevel=2)
-    return lib
+    return None
 
 
 def parallel_workers(device: torch.device) -> int:

@@ -175,15 +175,6 @@ def run_experts(
     for e, count in enumerate(counts):
         tasks += [(e, s, min(block, start + count - s)) for s in range(start, start + count, block)]
         start += count
-    workers = cpu_fused.parallel_workers(rows.device)
-    if workers == 1:
-        _run_blocks(
-            tasks, rows, src_row, weights, requantize, swiglu_clamp, y, ws, block, pair_scale
-        )
-        return
-    # Each thread runs whole blocks with one OpenMP thread: on CPU two ~1000-row GEMMs side by
-    # side beat each split over two threads, and a block's bits do not depend on the intra-op
-    # thread count (always one), so neither does the output; even one block runs this way.
     run = functools.partial(
         _run_blocks,
         rows=rows,
@@ -195,6 +186,13 @@ def run_experts(
         block=block,
         pair_scale=pair_scale,
     )
+    workers = cpu_fused.parallel_workers(rows.device)
+    if workers == 1:
+        run(tasks, ws=ws)
+        return
+    # Each thread runs whole blocks with one OpenMP thread: on CPU two ~1000-row GEMMs side by
+    # side beat each split over two threads, and a block's bits do not depend on the intra-op
+    # thread count (always one), so neither does the output; even one block runs this way.
     cpu_fused.run_single_threaded(
         [
             functools.partial(run, chunk, ws=ws if i == 0 else ws.sub(f"thread{i}"))
