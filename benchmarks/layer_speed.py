@@ -9,8 +9,10 @@ Compares one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) wit
   - a naive per-expert loop with the layer's math (gather, gate / up / down matmuls, SwiGLU
     in fp32, weighted fp32 index_add): target > 1x speed-up, on the prefill shape and on a
     decode-like shape;
-  - the same layer with the fused CPU epilogues switched off (eager torch SwiGLU and
-    combine; `moe_ep.backends.portable.cpu_fused`), to show what they buy;
+  - the same layer with the fused CPU library switched off, as with MOE_EP_CPU_FUSED=0
+    (eager torch SwiGLU and combine, and at 2+ threads each GEMM split over the threads
+    instead of one-thread expert blocks side by side; `moe_ep.backends.portable.cpu_fused`),
+    to show what it buys;
   - for reference, the same loop all in bf16 (SwiGLU, weighting and index_add in bf16, as
     common eager MoE code does; fewer passes, less accurate);
 and reports the resident memory a forward adds against inputs + outputs + one copy of the
@@ -141,7 +143,8 @@ def peak_rss_during(fn: Callable[[], object]) -> int:
 
 
 def eager_epilogues(fn: Callable[[], object]) -> object:
-    """Run `fn` with the fused CPU epilogues switched off (the eager torch SwiGLU / combine)."""
+    """Run `fn` with the fused CPU library switched off (as MOE_EP_CPU_FUSED=0: eager SwiGLU /
+    combine, GEMMs split over the intra-op threads)."""
     saved = cpu_fused.library
     cpu_fused.library = lambda: None
     try:
