@@ -83,6 +83,30 @@ def test_swiglu_fused_within_one_ulp_of_eager(
 
 
 @needs_cc
+@pytest.mark.parametrize(("alpha", "clamp"), [(None, None), (0.75, 7.0)])
+def test_swiglu_vector_body_equals_the_scalar_loop(
+    alpha: float | None, clamp: float | None
+) -> None:
+    """Rows of 300 run 16-wide vector bodies where the CPU has them; rows of one element run
+    the scalar loop only: every element must come out with the same bits either way."""
+    gen = torch.Generator().manual_seed(5)
+    rows, inter = 40, 300
+    gu = _special_gu(rows, inter, 2 * inter, gen).contiguous()
+    tiny = (torch.randn(inter, generator=gen) * 1e-20).bfloat16()
+    gu[3, :inter], gu[3, inter:] = tiny, tiny  # products far below fp32's smallest normal
+    gu[4, :inter] = (torch.randn(inter, generator=gen) * 1e-19).bfloat16()
+    gu[4, inter:] = (torch.randn(inter, generator=gen) * 2e-19).bfloat16()  # near it
+    h = torch.empty(rows, inter, dtype=torch.bfloat16)
+    assert cpu_fused.swiglu(gu, h, alpha, clamp)
+    one = torch.stack([gu[:, :inter].reshape(-1), gu[:, inter:].reshape(-1)], 1).contiguous()
+    h_one = torch.empty(rows * inter, 1, dtype=torch.bfloat16)
+    assert cpu_fused.swiglu(one, h_one, alpha, clamp)
+    assert torch.equal(h.view(torch.int16).reshape(-1), h_one.view(torch.int16).reshape(-1))
+    sub = h[3].float().abs()
+    assert bool(((sub > 0) & (sub < torch.finfo(torch.float32).tiny)).any())  # subnormals ran
+
+
+@needs_cc
 @pytest.mark.parametrize(("n", "k", "hidden"), [(37, 1, 700), (37, 2, 512), (64, 8, 1030)])
 def test_combine_fused_equals_eager_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch, n: int, k: int, hidden: int
