@@ -8,7 +8,10 @@
  * process's libgomp is torch's own, so the pool is shared; without OpenMP it runs serially);
  * every row is computed alone, so the split never changes a bit. The one exception is exp() inside silu: a polynomial of our own (about
  * 1 ulp in fp32), where ATen uses SLEEF; the bf16 result differs from eager in rare last
- * bits (the tests bound it). All loops are plain C that the compiler vectorizes.
+ * bits (the tests bound it). The loops are plain C that the compiler vectorizes; with
+ * AVX-512 (F + BF16) each row's 16-wide body is written out with intrinsics instead,
+ * the same operations lane for lane, so both give the same bits (tested element by
+ * element) and machines with and without AVX-512 agree.
  */
 #include <stdint.h>
 #ifdef _OPENMP
@@ -111,6 +114,18 @@ static inline __m512 exp_f32x16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* silu of every bf16 value (indexed by its bits), by the scalar formula: silu of a bf16 g
+ * is one load instead of an exp and a division (1.3-1.6x faster SwiGLU, same bits). Filled
+ * when the library is loaded (65536 formula evaluations, well under a millisecond). */
+static float silu_of_bf16[65536];
+
+__attribute__((constructor)) static void fill_silu_of_bf16(void) {
+    for (uint32_t b = 0; b < 65536; b++) {
+        float x = bf16_to_f32((uint16_t)b);
+        silu_of_bf16[b] = x / (1.0f + exp_f32(-x));
+    }
+}
+
 /* The first inter - inter % 16 outputs of one row of moe_ep_swiglu_bf16; returns how many.
  * `scaled` (alpha and clamp applied) is a constant at each call, so each variant compiles
  * to its own loop. */
@@ -122,12 +137,16 @@ static inline __attribute__((always_inline)) int64_t swiglu_row_avx512(
     int64_t j = 0;
     for (; j + 16 <= inter; j += 16) {
         __m512 x = bf16x16_to_f32(g + j), y = bf16x16_to_f32(u + j);
+        __m512 s;
         if (scaled) { /* min / max return their second operand if either is NaN: NaN stays */
             x = _mm512_min_ps(hi, _mm512_mul_ps(x, a));
             y = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_mul_ps(y, a)));
+            __m512 e = exp_f32x16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            s = _mm512_div_ps(x, _mm512_add_ps(one, e));
+        } else {
+            __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + j)));
+            s = _mm512_i32gather_ps(bits, silu_of_bf16, 4);
         }
-        __m512 e = exp_f32x16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, e));
         _mm256_storeu_si256((__m256i *)(out + j), f32x16_to_bf16(_mm512_mul_ps(s, y)));
     }
     return j;
