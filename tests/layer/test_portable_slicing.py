@@ -3,6 +3,9 @@ token slices) changes nothing: checked in process against direct formulas."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -183,15 +186,26 @@ def test_grouped_mm_branch_matches_the_per_expert_loop(
     assert torch.equal(grouped, loop), float(diff.max())
 
 
-def test_balanced_runs_are_contiguous_nonempty_and_even() -> None:
-    tasks = [(e, 10 * e, b) for e, b in enumerate([5, 5, 5, 5, 5, 5, 5, 5])]
-    for parts in (1, 2, 3, 8):
-        runs = experts._balanced(tasks, parts)
-        assert len(runs) == parts and all(runs)
-        assert [t for run in runs for t in run] == tasks  # contiguous, in order, complete
-    assert [sum(b for *_, b in run) for run in experts._balanced(tasks, 2)] == [20, 20]
-    skew = [(0, 0, 100), (1, 100, 1), (2, 101, 1)]
-    assert [len(r) for r in experts._balanced(skew, 3)] == [1, 1, 1]
+def test_task_queue_hands_each_task_to_one_thread_largest_first() -> None:
+    tasks = [(e % 7, 3 * e, 1 + (e * 37) % 11) for e in range(2000)]
+    queue = experts._TaskQueue(tasks)
+    taken: list[list[tuple[int, int, int]]] = [[] for _ in range(4)]
+    start = threading.Barrier(4)
+
+    def drain(i: int) -> None:
+        start.wait()
+        for task in queue:
+            taken[i].append(task)
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = [task for part in taken for task in part]
+    assert sorted(got) == sorted(tasks)  # each exactly once
+    assert all(part == sorted(part, key=lambda t: -t[2]) for part in taken)  # largest first
+    assert list(queue) == []
 
 
 @pytest.mark.parametrize(
@@ -228,10 +242,11 @@ def test_expert_blocks_split_over_threads_give_the_same_bits(
 def test_a_failing_worker_block_raises_in_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
     real = experts._run_blocks
 
-    def flaky(tasks: list[tuple[int, int, int]], *args: object, **kwargs: object) -> None:
-        if tasks[0][0] == 2:
-            raise RuntimeError("block of expert 2 failed")
-        real(tasks, *args, **kwargs)  # type: ignore[arg-type]
+    def flaky(tasks: Iterable[tuple[int, int, int]], *args: object, **kwargs: object) -> None:
+        for task in tasks:
+            if task[0] == 2:
+                raise RuntimeError("block of expert 2 failed")
+            real([task], *args, **kwargs)  # type: ignore[arg-type]
 
     g = torch.Generator().manual_seed(1)
     w13 = torch.randn(3, 16, 8, generator=g).bfloat16()

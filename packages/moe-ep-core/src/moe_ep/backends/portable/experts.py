@@ -25,7 +25,8 @@ otherwise it needs the same thread count (oneDNN may split K across threads for 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -192,35 +193,36 @@ def run_experts(
         return
     # Each thread runs whole blocks with one OpenMP thread: on CPU two ~1000-row GEMMs side by
     # side beat each split over two threads, and a block's bits do not depend on the intra-op
-    # thread count (always one), so neither does the output; even one block runs this way.
+    # thread count (always one) or on which thread runs it, so neither does the output. The
+    # threads take blocks from one queue, largest first, so they finish together even when
+    # the routing or a busy core makes blocks unequal; even one block runs this way.
+    queue = _TaskQueue(tasks)
     cpu_fused.run_single_threaded(
         [
-            functools.partial(run, chunk, ws=ws if i == 0 else ws.sub(f"thread{i}"))
-            for i, chunk in enumerate(_balanced(tasks, min(workers, len(tasks))))
+            functools.partial(run, queue, ws=ws if i == 0 else ws.sub(f"thread{i}"))
+            for i in range(min(workers, len(tasks)))
         ]
     )
 
 
-def _balanced(tasks: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
-    """`tasks` cut into `parts` contiguous non-empty runs of about equal rows."""
-    total = sum(b for _, _, b in tasks)
-    chunks: list[list[tuple[int, int, int]]] = [[]]
-    done = 0
-    for i, task in enumerate(tasks):
-        left = len(tasks) - i  # keep one task for each run still to open
-        if (
-            chunks[-1]
-            and len(chunks) < parts
-            and (done >= total * len(chunks) / parts or left == parts - len(chunks))
-        ):
-            chunks.append([])
-        chunks[-1].append(task)
-        done += task[2]
-    return chunks
+class _TaskQueue:
+    """Hands each (expert, first pair, rows) task to exactly one thread, largest first."""
+
+    def __init__(self, tasks: list[tuple[int, int, int]]) -> None:
+        self._left = sorted(tasks, key=lambda task: task[2])  # popped from the end
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        while True:
+            with self._lock:
+                if not self._left:
+                    return
+                task = self._left.pop()
+            yield task
 
 
 def _run_blocks(
-    tasks: list[tuple[int, int, int]],
+    tasks: Iterable[tuple[int, int, int]],
     rows: torch.Tensor,
     src_row: torch.Tensor,
     weights: PreparedWeights,
