@@ -50,3 +50,38 @@ def test_a_rank_side_usage_error_is_a_usage_error(
     else:
         assert main(argv) == expected
         assert "rank 1 failed" in capsys.readouterr().err
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_more_ranks_than_gpus_is_refused_before_spawning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import moe_ep.launch
+
+    def no_spawn(*args: object, **kwargs: object) -> None:
+        raise AssertionError("spawned ranks")
+
+    monkeypatch.setattr(moe_ep.launch, "spawn_local", no_spawn)
+    monkeypatch.delenv("MEGA_SINGLE_GPU_GLOO", raising=False)
+    _fake_gpus(monkeypatch, 1)
+    assert main(["run", "--world-size", "2"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "world size 2 spawns one rank per CUDA device, but 1 are visible" in err
+    assert "MEGA_SINGLE_GPU_GLOO=1" in err
+
+
+@pytest.mark.parametrize(
+    ("gpus", "share", "expected"), [(0, "0", 2), (1, "0", 1), (1, "1", 2), (2, "0", 2), (8, "0", 2)]
+)
+def test_demo_runs_one_rank_on_a_single_gpu(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, share: str, expected: int
+) -> None:
+    from moe_ep.cli import jobs
+
+    _fake_gpus(monkeypatch, gpus)
+    monkeypatch.setenv("MEGA_SINGLE_GPU_GLOO", share)
+    assert jobs._demo_world_size() == expected

@@ -189,10 +189,24 @@ def _under_torchrun() -> bool:
 
 
 def preflight(spec: JobSpec) -> None:
-    """Checks that need no rank: the spec itself and each kernel's shape rules."""
+    """Checks that need no rank: the spec itself, enough GPUs for the spawned ranks, and each
+    kernel's shape rules."""
     from moe_ep.layer.layer import resolve_backend
 
     spec.validate()
+    if not _under_torchrun():  # spawned ranks bind cuda:0..N-1 (LOCAL_RANK = rank)
+        import torch
+
+        from moe_ep import env
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if 0 < count < spec.world_size and not env.single_gpu_gloo():
+            raise MoeEpUsageError(
+                f"world size {spec.world_size} spawns one rank per CUDA device, but "
+                f"{count} are visible (CUDA_VISIBLE_DEVICES={env.cuda_visible_devices()}); "
+                f"use --world-size <= {count}, or MEGA_SINGLE_GPU_GLOO=1 to let ranks share "
+                "GPUs (gloo)"
+            )
     for kernel in spec.kernels:
         kernel_cls, config = resolve_backend(kernel)
         ok, reason = kernel_cls.availability()
@@ -286,6 +300,17 @@ def _report(spec: JobSpec, merged: list[dict[str, Any]], *, info: bool) -> int:
     return EXIT_CHECK_FAILED if failed else EXIT_OK
 
 
+def _demo_world_size() -> int:
+    """2 ranks, except on a machine with one CUDA device (NCCL wants a GPU per rank) unless
+    MEGA_SINGLE_GPU_GLOO=1 lets ranks share it: there 1."""
+    import torch
+
+    from moe_ep import env
+
+    one_gpu = torch.cuda.is_available() and torch.cuda.device_count() < 2
+    return 1 if one_gpu and not env.single_gpu_gloo() else 2
+
+
 def _demo_kernels() -> tuple[str, ...]:
     import torch
 
@@ -319,8 +344,9 @@ def add_parsers(sub: Any) -> None:
     demo = sub.add_parser(
         "demo",
         help="every portable format (+ the best GPU kernel) on 2 ranks vs the oracle",
-        description="Run every portable format on 2 local ranks on a small DeepSeek-like "
-        "shape, check each against the oracle and print one table. Exit 1 if a check fails.",
+        description="Run every portable format on 2 local ranks (1 on a machine with one "
+        "GPU) on a small DeepSeek-like shape, check each against the oracle and print one "
+        "table. Exit 1 if a check fails.",
     )
     demo.add_argument("--iters", type=int, default=3, help="timed forwards per kernel (3)")
     run = sub.add_parser(
@@ -346,7 +372,8 @@ def add_parsers(sub: Any) -> None:
 def run_command(args: argparse.Namespace) -> int:
     """Run `demo` or `run`; returns the exit code (1 when a check fails)."""
     if args.command == "demo":
-        spec = JobSpec(kernels=_demo_kernels(), world_size=2, iters=args.iters, **DEMO_SHAPE)
+        ws = _demo_world_size()
+        spec = JobSpec(kernels=_demo_kernels(), world_size=ws, iters=args.iters, **DEMO_SHAPE)
         spec.validate()
         from moe_ep.cli.report import print_info
 
