@@ -23,6 +23,8 @@
 #   5. runs the backend tests: the CPU ones (layouts, lifecycles of the four launch paths with
 #      the GPU pieces faked, the CuTe DSL and nvcc compile checks) plus those marked sm90
 #      (pytest -m): pull (and push) against the oracle; sm100 GPU tests skip (Blackwell only);
+#   5b. runs each portable kernel on the GPU (NCCL, EP1) against the oracle (`moe-ep run
+#      --check`): the portable CUDA path, never run before;
 #   6. times one forward of the pull kernel (and the push kernel with MOE_EP_PUSH_BUILD=1)
 #      against the portable fp8 backend at EP1.
 # Logs go to OUT_DIR (default $OUT, else ./gpu_check_out). Exit status: pytest's.
@@ -113,9 +115,24 @@ timeout 420 "$PY" -m pytest tests/backends -m "not (slow or sm100)" -q -rs \
 RC=${PIPESTATUS[0]}
 say "pytest exit status $RC"
 
+say "5b/6 portable kernels on CUDA (NCCL, EP1) vs the oracle: moe-ep run --check (90 s cap)"
+# Scripts that spawn ranks run from a file: spawned children re-import the parent's main
+# module by path, which a script read from stdin does not have.
+cat > "$OUT_DIR/portable_cuda.py" <<'EOF'
+from moe_ep.cli import main
+
+if __name__ == "__main__":  # spawned ranks re-import this file
+    for kernel in ("any_bf16_bf16_bf16_torch", "any_fp8_fp8_bf16_torch",
+                   "any_mxfp8_mxfp8_bf16_torch", "any_nvfp4_nvfp4_bf16_torch",
+                   "any_fp8_fp4_bf16_torch"):
+        code = main(["run", "--world-size", "1", "--kernel", kernel, "--check", "--iters", "3"])
+        print(f"  {kernel}: exit {code}", flush=True)
+EOF
+timeout 90 "$PY" "$OUT_DIR/portable_cuda.py" 2>&1 | tee "$OUT_DIR/portable_cuda.txt"
+
 BENCH_CAP=120; [ "${MOE_EP_PUSH_BUILD:-0}" = "1" ] && BENCH_CAP=240
 say "6/6 benchmark: one EP1 forward, pull (and push) vs portable fp8 (${BENCH_CAP} s cap)"
-timeout "$BENCH_CAP" "$PY" - <<'EOF' 2>&1 | tee "$OUT_DIR/bench.txt"
+cat > "$OUT_DIR/bench.py" <<'EOF'
 import os, torch
 from moe_ep.launch import spawn_local
 
@@ -158,22 +175,24 @@ def bench(rank, world, kernel):
     finally:
         layer.destroy()
 
-print(f"shape: T={T} H={H} I={I} E={E} top-{K}, EP1, mean of 10 forwards after 3 warm-ups")
-res = {}
-kernels = ["any_fp8_fp8_bf16_torch", "sm90_fp8_fp8_bf16_pull_cutedsl"]
-if os.environ.get("MOE_EP_PUSH_BUILD") == "1":
-    kernels.append("sm90_fp8_fp8_bf16_push_cuda")
-for kernel in kernels:
-    try:
-        res[kernel] = spawn_local(bench, 1, kernel, timeout_s=110.0)[0]
-    except Exception as exc:  # report and go on: the benchmark is not a test
-        res[kernel] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
-    print(f"  {kernel}: {res[kernel] if isinstance(res[kernel], str) else f'{res[kernel]:.3f} ms'}")
-base = res["any_fp8_fp8_bf16_torch"]
-for kernel in kernels[1:]:
-    if isinstance(base, float) and isinstance(res[kernel], float):
-        print(f"  speed-up {kernel} vs portable: {base / res[kernel]:.2f}x")
+if __name__ == "__main__":  # spawned ranks re-import this file
+    print(f"shape: T={T} H={H} I={I} E={E} top-{K}, EP1, mean of 10 forwards after 3 warm-ups")
+    res = {}
+    kernels = ["any_fp8_fp8_bf16_torch", "sm90_fp8_fp8_bf16_pull_cutedsl"]
+    if os.environ.get("MOE_EP_PUSH_BUILD") == "1":
+        kernels.append("sm90_fp8_fp8_bf16_push_cuda")
+    for kernel in kernels:
+        try:
+            res[kernel] = spawn_local(bench, 1, kernel, timeout_s=110.0)[0]
+        except Exception as exc:  # report and go on: the benchmark is not a test
+            res[kernel] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+        print(f"  {kernel}: {res[kernel] if isinstance(res[kernel], str) else f'{res[kernel]:.3f} ms'}")
+    base = res["any_fp8_fp8_bf16_torch"]
+    for kernel in kernels[1:]:
+        if isinstance(base, float) and isinstance(res[kernel], float):
+            print(f"  speed-up {kernel} vs portable: {base / res[kernel]:.2f}x")
 EOF
+timeout "$BENCH_CAP" "$PY" "$OUT_DIR/bench.py" 2>&1 | tee "$OUT_DIR/bench.txt"
 
 say "done in $(( $(date +%s) - START )) s; missing packages: ${MISSING[*]:-none}"
 exit "$RC"
