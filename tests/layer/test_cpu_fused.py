@@ -128,15 +128,25 @@ def test_combine_fused_equals_eager_bit_for_bit(
 ) -> None:
     gen = torch.Generator().manual_seed(n + k)
     y = (torch.randn(n * k + 5, hidden, generator=gen) * 50).bfloat16()
-    pos = torch.randint(0, n * k + 5, (n, k), generator=gen)
+    y[0], y[1] = float("nan"), float("inf")  # rows no valid slot reads: must not leak
+    pos = torch.randint(2, n * k + 5, (n, k), generator=gen)
     w = torch.rand(n, k, generator=gen)
-    padded = torch.rand(n, k, generator=gen) < 0.2
-    pos[padded], w[padded] = 0, 0.0  # as combine passes padded slots
+    pos[torch.rand(n, k, generator=gen) < 0.2] = -1  # padded slots, as combine passes them
+    pos[3] = -1  # a token with no valid slot
     fused = torch.empty(n, hidden, dtype=torch.bfloat16)
     assert cpu_fused.combine(y, pos, w, fused)
     eager = torch.empty_like(fused)
     comm._combine_eager(y, pos, w.unsqueeze(2), eager, comm.Workspace())
     assert torch.equal(fused.view(torch.int16), eager.view(torch.int16))
+    # the definition, slot by slot: +0 for a padded slot, else one fp32 product; fp32 sums
+    acc = torch.zeros(n, hidden)
+    for j in range(k):
+        term = torch.where(
+            (pos[:, j] >= 0)[:, None], y[pos[:, j].clamp(min=0)].float() * w[:, j, None], 0.0
+        )
+        acc = term if j == 0 else acc + term
+    assert torch.equal(fused.view(torch.int16), acc.bfloat16().view(torch.int16))
+    assert bool(torch.isfinite(fused).all()) and not bool(fused[3].view(torch.int16).any())
 
 
 @needs_cc

@@ -249,3 +249,18 @@ def test_weight_pack_to_moves_every_tensor_and_keeps_none() -> None:
     for name in ("w13", "w2", "w13_scale", "w2_scale"):
         assert getattr(pack, name).device.type == "meta", name
     assert pack.prequantized and pack.w13_global_scale is None
+
+
+def test_one_tokens_overflow_stays_in_that_token(layer: MoEEpLayer) -> None:
+    """Token 0 (finite but huge) overflows its expert's output to inf / NaN; it is the first
+    pair of expert 0, i.e. row 0 of the expert outputs. Token 1 has a padded slot: its output
+    must still be its one valid slot's, finite (a padded slot reads no row)."""
+    t = _inputs(n=2, k=2)
+    x = t.hidden_states.clone()
+    x[0] = 3e38
+    ids = torch.tensor([[0, 1], [2, -1]])
+    out = layer(MoEEpTensors(x, ids, t.topk_weights))
+    assert not bool(torch.isfinite(out[0]).all())  # the overflow is real
+    alone = layer(MoEEpTensors(x[1:], ids[1:], t.topk_weights[1:]))
+    assert bool(torch.isfinite(out[1]).all())
+    assert torch.equal(out[1], alone[0])

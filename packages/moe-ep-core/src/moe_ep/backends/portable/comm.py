@@ -255,7 +255,8 @@ def combine(
     """`output[t] = bf16(sum_j w[t, j] * y[t, j])`, fp32, slots in increasing order.
 
     `y_home [P, H]` holds pair p's row at `p` (send order), or at `rows[p]` when given.
-    Padded slots have no pair and add nothing; a token with no valid slot gets exact zeros.
+    Padded slots have no pair: their term is exactly +0 and reads no row (so an inf / NaN
+    in another token's row stays there); a token with no valid slot gets exact zeros.
 
     bf16 on CPU goes through `cpu_fused.combine` (one pass, same bits) when its library is
     available. Otherwise works on slices of `c` tokens: gather their `c * k` rows, widen to
@@ -269,17 +270,10 @@ def combine(
     if y_home.shape[0] == 0 or n == 0:
         return output.zero_()
     where = torch.arange(int(plan.pair_token.numel()), device=dev) if rows is None else rows
-    pos = torch.zeros((n, k), dtype=torch.int64, device=dev)
-    valid = torch.zeros((n, k), dtype=torch.bool, device=dev)
+    pos = torch.full((n, k), -1, dtype=torch.int64, device=dev)  # -1: padded, reads no row
     pos[plan.pair_token, plan.pair_slot] = where
-    valid[plan.pair_token, plan.pair_slot] = True
-    # Padded slots read row 0 with weight 0: they add +-0, i.e. exactly nothing (y finite).
-    w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
-    if not cpu_fused.combine(y_home, pos, w, output):
-        _combine_eager(y_home, pos, w.unsqueeze(2), output, workspace or Workspace())
-    dead = ~valid.any(dim=1)  # rows of +-0 products only: make them +0, not -0
-    if bool(dead.any()):
-        output[dead] = 0
+    if not cpu_fused.combine(y_home, pos, topk_weights, output):
+        _combine_eager(y_home, pos, topk_weights.unsqueeze(2), output, workspace or Workspace())
     return output
 
 
@@ -296,10 +290,12 @@ def _combine_eager(
     acc = wsp.get("combine_acc", (c, hidden), torch.float32, dev)
     for t0 in range(0, n, c):
         m = min(c, n - t0)
-        g = torch.index_select(y_home, 0, pos[t0 : t0 + m].reshape(-1), out=gathered[: m * k])
+        pm = pos[t0 : t0 + m]
+        g = torch.index_select(y_home, 0, pm.reshape(-1).clamp(min=0), out=gathered[: m * k])
         tm, am, om = terms[:m], acc[:m], output[t0 : t0 + m]
         tm.view(m * k, hidden).copy_(g)
         tm.mul_(w[t0 : t0 + m])
+        tm.masked_fill_(pm.unsqueeze(2) < 0, 0.0)  # padded slots: +0 whatever row 0 holds
         if k == 1:
             om.copy_(tm[:, 0])
             continue

@@ -202,12 +202,15 @@ void moe_ep_swiglu_bf16(const uint16_t *gu, int64_t ld_gu, uint16_t *h, int64_t 
  * how many. Same operations in the same order: one product and one sum rounding per term. */
 static int64_t combine_row_avx512(const uint16_t *y, int64_t ld_y, const int64_t *p,
                                   const float *wt, uint16_t *o, int64_t k, int64_t hidden) {
+    const __m512 zero = _mm512_setzero_ps();
     int64_t c = 0;
     for (; c + 16 <= hidden; c += 16) {
-        __m512 acc = _mm512_mul_ps(bf16x16_to_f32(y + p[0] * ld_y + c), _mm512_set1_ps(wt[0]));
-        for (int64_t j = 1; j < k; j++) {
-            __m512 term = _mm512_mul_ps(bf16x16_to_f32(y + p[j] * ld_y + c), _mm512_set1_ps(wt[j]));
-            acc = _mm512_add_ps(acc, term);
+        __m512 acc = zero;
+        for (int64_t j = 0; j < k; j++) {
+            __m512 term = p[j] < 0 ? zero
+                                   : _mm512_mul_ps(bf16x16_to_f32(y + p[j] * ld_y + c),
+                                                   _mm512_set1_ps(wt[j]));
+            acc = j == 0 ? term : _mm512_add_ps(acc, term);
         }
         _mm256_storeu_si256((__m256i *)(o + c), f32x16_to_bf16(acc));
     }
@@ -215,8 +218,11 @@ static int64_t combine_row_avx512(const uint16_t *y, int64_t ld_y, const int64_t
 }
 #endif
 
-/* out[t, :] = bf16(sum over slots j in order of w[t, j] * y[pos[t, j], :]) in fp32:
- * term_j = float(y) * w (one rounding), then ((term_0 + term_1) + term_2) + ..., then RNE.
+#define COMBINE_CHUNK 512
+
+/* out[t, :] = bf16(sum over slots j in order of term_j) in fp32, term_j = float(y[pos[t, j],
+ * :]) * w[t, j] (one rounding), or +0 for a padded slot (pos[t, j] < 0: no row is read, so
+ * another token's inf / NaN cannot leak in); ((term_0 + term_1) + term_2) + ..., then RNE.
  * pos [n, k] int64 and w [n, k] fp32 are contiguous; y and out rows have strides ld_y,
  * ld_out (elements). */
 void moe_ep_combine_bf16(const uint16_t *y, int64_t ld_y, const int64_t *pos, const float *w,
@@ -235,13 +241,16 @@ void moe_ep_combine_bf16(const uint16_t *y, int64_t ld_y, const int64_t *pos, co
 #endif
         for (int64_t c0 = first; c0 < hidden; c0 += COMBINE_CHUNK) {
             int64_t m = hidden - c0 < COMBINE_CHUNK ? hidden - c0 : COMBINE_CHUNK;
-            const uint16_t *restrict r0 = y + p[0] * ld_y + c0;
-            float w0 = wt[0];
-            for (int64_t c = 0; c < m; c++) acc[c] = bf16_to_f32(r0[c]) * w0;
-            for (int64_t j = 1; j < k; j++) {
-                const uint16_t *restrict r = y + p[j] * ld_y + c0;
+            for (int64_t j = 0; j < k; j++) {
+                const uint16_t *restrict r = y + (p[j] < 0 ? 0 : p[j] * ld_y) + c0;
                 float wj = wt[j];
-                for (int64_t c = 0; c < m; c++) acc[c] = acc[c] + bf16_to_f32(r[c]) * wj;
+                if (p[j] < 0) {
+                    for (int64_t c = 0; c < m; c++) acc[c] = j == 0 ? 0.0f : acc[c] + 0.0f;
+                } else if (j == 0) {
+                    for (int64_t c = 0; c < m; c++) acc[c] = bf16_to_f32(r[c]) * wj;
+                } else {
+                    for (int64_t c = 0; c < m; c++) acc[c] = acc[c] + bf16_to_f32(r[c]) * wj;
+                }
             }
             for (int64_t c = 0; c < m; c++) o[c0 + c] = f32_to_bf16(acc[c]);
         }

@@ -256,8 +256,9 @@ def swiglu(gu: torch.Tensor, h: torch.Tensor, alpha: float | None, clamp: float 
 def combine(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
     """`out[t] = bf16(sum_j w[t, j] * y[pos[t, j]])`, fp32 terms added in slot order.
 
-    y `[P, H]` and out `[n, H]` bf16 on CPU; pos `[n, k]` int64 (valid rows of y), w `[n, k]`
-    fp32. Returns False (nothing written) when the fused path does not apply.
+    y `[P, H]` and out `[n, H]` bf16 on CPU; pos `[n, k]` int64 (rows of y, or -1 for a
+    padded slot: a +0 term, no row read), w `[n, k]` fp32. Returns False (nothing written)
+    when the fused path does not apply.
     """
     lib = library() if _rows_ok(y, out) else None
     if lib is None:
