@@ -66,6 +66,18 @@ _GEMM_DEFINES = (
     "-DCUTLASS_ENABLE_GDC_FOR_SM90=1",
 )
 _COMMON_CUDA = ("-std=c++17", "--compiler-options=-fPIC", "--expt-relaxed-constexpr")
+# What FlashInfer's `gen_jit_spec` adds to every CUDA module (jit/core.py, release build).
+# The dtype switches matter: without FLASHINFER_ENABLE_FP8_E4M3 the GEMM binding's
+# `is_fp8_e4m3fn` is `return false` and every `moe_gemm` call refuses its fp8 inputs.
+_FLASHINFER_CUDA = (
+    "-use_fast_math",
+    "-DFLASHINFER_ENABLE_F16",
+    "-DFLASHINFER_ENABLE_BF16",
+    "-DFLASHINFER_ENABLE_FP8_E4M3",
+    "-DFLASHINFER_ENABLE_FP8_E5M2",
+    "-DNDEBUG",
+    "-O3",
+)
 # Sources under the deps drop's csrc/ linked into the GEMM module.
 COMMON_SOURCES = (
     "nv_internal/cpp/common/envUtils.cpp",
@@ -165,7 +177,7 @@ def find_sources() -> PushSources:
 def module_flags(arch: str = "sm_90a") -> list[str]:
     """nvcc flags of the GEMM module for `arch` (FlashInfer's, with the arch substituted)."""
     gencode = f"-gencode=arch=compute_{arch[3:]},code={arch}"
-    return [*_COMMON_CUDA, gencode, *_SM90A[1:], *_GEMM_DEFINES]
+    return [*_COMMON_CUDA, *_FLASHINFER_CUDA, gencode, *_SM90A[1:], *_GEMM_DEFINES]
 
 
 def source_digest(s: PushSources, flags: list[str]) -> str:
@@ -268,6 +280,7 @@ def a2a_library_command(s: PushSources, out: Path, *, nvcc: str = "nvcc") -> lis
     return [
         nvcc,
         *_COMMON_CUDA,
+        *_FLASHINFER_CUDA,
         *_SM90A,
         *_includes(s, [src.parent]),
         str(src),

@@ -1,0 +1,76 @@
+"""The push modules' nvcc flags against the drop's own sources (CPU; nvcc preprocessor only).
+
+A flag slip here compiles cleanly and fails only at the first GPU call, so the binding is
+preprocessed with exactly the flags `build_modules` uses and the dtype checks it compiles
+are read back.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from backend_testing import require_drop
+
+from moe_ep_sm90.drops import PUSH_DROP
+
+
+def _require_push() -> None:
+    require_drop(PUSH_DROP, cutlass=False)
+    from moe_ep_sm90.push_build import PUSH_DEPS_DROP
+
+    require_drop(PUSH_DEPS_DROP, cutlass=False)
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed")
+
+
+def _preprocessed_binding(tmp_path: Path) -> str:
+    from moe_ep_sm90 import push_build
+
+    s = push_build.find_sources()
+    cmd = push_build.binding_cubin_command(s, tmp_path / "gen", tmp_path / "x.cubin")
+    i = cmd.index("-cubin")
+    # The module's flags and includes, host preprocessing only (about 2 s).
+    cmd = [*cmd[:i], "-E", "-Xcompiler", "-P", *cmd[i + 3 :]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_gemm_binding_accepts_fp8_e4m3_with_the_module_flags(tmp_path):
+    # Without FLASHINFER_ENABLE_FP8_E4M3 (FlashInfer's JIT adds it to every module) the
+    # binding's `is_fp8_e4m3fn` compiles to `return false` and every moe_gemm call raises
+    # "input and weight must be float8_e4m3fn".
+    _require_push()
+    text = _preprocessed_binding(tmp_path)
+    m = re.search(r"is_fp8_e4m3fn\(DLDataType\s*\w*\)\s*\{(.*?)\}", text, re.S)
+    assert m, "is_fp8_e4m3fn not found in the preprocessed binding"
+    body = m.group(1)
+    assert "return false" not in body, body
+    assert "float8_e4m3fn_code" in body, body
+
+
+def test_every_flashinfer_switch_the_drop_tests_is_defined():
+    # Each FLASHINFER_ENABLE_* the drop's sources test is defined for both modules.
+    _require_push()
+    from moe_ep_sm90 import push_build
+
+    s = push_build.find_sources()
+    used: set[str] = set()
+    for path in sorted((s.drop_src).rglob("*")):
+        if path.suffix in (".cu", ".cuh", ".h"):
+            used |= set(
+                re.findall(
+                    r"#\s*if(?:def|.*defined\()\s*\(?(FLASHINFER_ENABLE_\w+)", path.read_text()
+                )
+            )
+    assert "FLASHINFER_ENABLE_FP8_E4M3" in used
+    gemm = set(push_build.module_flags())
+    a2a = set(push_build.a2a_library_command(s, Path("x.so")))
+    for macro in sorted(used):
+        assert f"-D{macro}" in gemm, macro
+        assert f"-D{macro}" in a2a, macro
