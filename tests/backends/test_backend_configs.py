@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from backend_hw import cuda_capability
 
 import moe_ep_sm90
 import moe_ep_sm100
@@ -103,33 +104,85 @@ def test_kernel_alias_resolves_with_warning_and_config_finds_kernel(
     assert kernel.requirements.cuda
 
 
+def _hardware_reason(name: str, cap: tuple[int, int] | None) -> str | None:
+    """What every listing must say about `name` given cuda:0's capability `cap` (None: no
+    CUDA device); None: no claim.
+
+    No CUDA device: unavailable, naming that. A GPU of another arch: unavailable, naming
+    the compute capability. The kernel's own arch: whether it runs depends on packages,
+    drops and nvcc, so only an unavailable kernel's reason is checked (non-empty); the
+    GPU check runs this module on an H200 too.
+    """
+    if cap is None:
+        return "no CUDA device visible"
+    needed = (9, 0) if name.startswith("sm90_") else (10, 0)
+    return None if cap == needed else "compute capability"
+
+
+def _check_listed(name: str, available: bool, reason: str, cap: tuple[int, int] | None) -> None:
+    want = _hardware_reason(name, cap)
+    if want is not None:
+        assert available is False and want in reason, (name, available, reason)
+    elif not available:
+        assert reason, name
+    else:
+        assert reason == "", (name, reason)
+
+
 def test_listing_has_the_five_names_unavailable_with_reasons_and_no_aliases():
     infos = {i.name: i for i in available_kernels()}
     for name, alias, *_ in KERNELS:
         assert name in infos
         assert alias not in infos
-        assert infos[name].available is False  # no GPU on the test machines
-        assert infos[name].reason
-    # No GPU here: every one of them names that; deepgemm also names its missing package;
-    # all five have launch paths (never run on a GPU), so none reports one missing.
-    for name, *_ in KERNELS:
-        assert "no CUDA device visible" in infos[name].reason or "compute capability" in (
-            infos[name].reason
-        )
-    assert "deep_gemm" in infos["sm100_fp8_fp4_bf16_deepgemm"].reason
+        _check_listed(name, infos[name].available, infos[name].reason, cuda_capability())
+    # deepgemm also names its missing package (never installed here); all five have launch
+    # paths (never run on a GPU), so none reports one missing.
+    if "deep_gemm" not in sys.modules:
+        assert "deep_gemm" in infos["sm100_fp8_fp4_bf16_deepgemm"].reason
     for name, *_ in KERNELS:
         assert "launch path" not in infos[name].reason
 
 
+def test_listing_expectations_follow_the_hardware():
+    # The expectations above, on each kind of machine (the GPU check runs them on an H200).
+    for cap, sm90, sm100 in (
+        (None, "no CUDA device visible", "no CUDA device visible"),
+        ((9, 0), None, "compute capability"),
+        ((10, 0), "compute capability", None),
+        ((8, 0), "compute capability", "compute capability"),
+    ):
+        assert _hardware_reason("sm90_fp8_fp8_bf16_pull_cutedsl", cap) == sm90
+        assert _hardware_reason("sm100_mxfp8_mxfp8_bf16_cutedsl", cap) == sm100
+    hopper = (9, 0)
+    _check_listed("sm90_fp8_fp8_bf16_pull_cutedsl", True, "", hopper)
+    _check_listed("sm90_fp8_fp8_bf16_push_cuda", False, "nvcc is not on PATH", hopper)
+    for name, available, reason in (
+        ("sm100_nvfp4_nvfp4_bf16_cutedsl", True, ""),
+        ("sm90_fp8_fp8_bf16_pull_cutedsl", False, ""),
+        ("sm90_fp8_fp8_bf16_pull_cutedsl", True, "why not"),
+    ):
+        with pytest.raises(AssertionError):
+            _check_listed(name, available, reason, hopper)
+    with pytest.raises(AssertionError):
+        _check_listed("sm90_fp8_fp8_bf16_pull_cutedsl", True, "", None)
+
+
 def test_cli_kernels_json_lists_canonical_names_only():
     script = Path(sys.executable).parent / "moe-ep"
+    # An interpreter whose console scripts live elsewhere (pip --user on the GPU machine)
+    # runs the same entry point through -c.
+    cmd = (
+        [str(script)]
+        if script.is_file()
+        else [sys.executable, "-c", "import sys; from moe_ep.cli import main; sys.exit(main())"]
+    )
     out = subprocess.run(
-        [str(script), "kernels", "--json"], capture_output=True, text=True, check=False, timeout=120
+        [*cmd, "kernels", "--json"], capture_output=True, text=True, check=False, timeout=120
     )
     assert out.returncode == 0, out.stderr
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     for name, alias, *_ in KERNELS:
-        assert rows[name]["available"] is False and rows[name]["reason"]
+        _check_listed(name, rows[name]["available"], rows[name]["reason"], cuda_capability())
         assert alias not in rows
 
 
