@@ -24,3 +24,16 @@ def require_capability(required: tuple[int, int], label: str) -> None:
             f"needs a {label} GPU (compute capability {required[0]}.{required[1]}), "
             f"cuda:0 is {cap[0]}.{cap[1]}"
         )
+
+
+def require_capability_at_least(required: tuple[int, int], why: str) -> None:
+    """Skip the calling test unless cuda:0 has compute capability >= `required`; `why` says
+    what needs it (e.g. PTX only Blackwell assembles)."""
+    cap = cuda_capability()
+    if cap is None:
+        pytest.skip(f"{why}; no CUDA device visible on this machine")
+    if cap < required:
+        pytest.skip(
+            f"{why}: needs compute capability >= {required[0]}.{required[1]}, "
+            f"cuda:0 is {cap[0]}.{cap[1]}"
+        )
