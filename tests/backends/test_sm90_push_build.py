@@ -74,3 +74,33 @@ def test_every_flashinfer_switch_the_drop_tests_is_defined():
     for macro in sorted(used):
         assert f"-D{macro}" in gemm, macro
         assert f"-D{macro}" in a2a, macro
+
+
+def test_gemm_link_finds_a_versioned_only_nvrtc_and_records_rpaths(tmp_path):
+    # torch's cu13 wheel dir holds libnvrtc.so.13 but no libnvrtc.so: a plain -lnvrtc
+    # cannot find it there, and nothing puts that dir on the loader's path at run time.
+    from moe_ep_sm90 import push_build
+
+    wheel = tmp_path / "nvidia" / "cu13" / "lib"
+    wheel.mkdir(parents=True)
+    (wheel / "libnvrtc.so.13").write_bytes(b"")
+    (wheel / "libnvrtc-builtins.so.13.2").write_bytes(b"")
+    tvm = tmp_path / "tvm_ffi" / "lib"
+    s = push_build.PushSources(
+        drop_src=tmp_path,
+        deps_src=tmp_path,
+        tvm_include=tmp_path,
+        tvm_lib_dir=tvm,
+        cuda_wheel_include=None,
+        cuda_wheel_lib=wheel,
+    )
+    flags = push_build._link_flags(s, driver=True)
+    i = flags.index("-l:libnvrtc.so.13")
+    assert flags[i - 1] == f"-L{wheel}"
+    assert "-lnvrtc" not in flags
+    for d in (wheel, tvm):
+        j = flags.index(f"-rpath={d}")
+        assert flags[j - 1] == "-Xlinker"
+    (wheel / "libnvrtc.so").write_bytes(b"")  # a toolkit-style dir: the plain name wins
+    assert "-lnvrtc" in push_build._link_flags(s, driver=True)
+    assert not any("nvrtc" in f for f in push_build._link_flags(s, driver=False))

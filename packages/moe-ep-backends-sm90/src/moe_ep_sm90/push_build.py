@@ -264,13 +264,31 @@ def default_cache_dir() -> Path:
     return Path(cache) if cache else Path.home() / ".cache" / "moe-ep" / "sm90_push"
 
 
+def _lib_flag(stem: str, dirs: list[Path]) -> list[str]:
+    """`-L<dir> -l<stem>`, or `-L<dir> -l:lib<stem>.so.<N>` where `dir` holds only the
+    versioned file (torch's `nvidia/cu13/lib` ships `libnvrtc.so.13`, no `libnvrtc.so`);
+    plain `-l<stem>` (nvcc's own library dirs) when no listed dir has it."""
+    for d in dirs:
+        if (d / f"lib{stem}.so").is_file():
+            return [f"-L{d}", f"-l{stem}"]
+        versioned = sorted(d.glob(f"lib{stem}.so.[0-9]*"), key=lambda p: len(p.name))
+        if versioned:
+            return [f"-L{d}", f"-l:{versioned[0].name}"]
+    return [f"-l{stem}"]
+
+
 def _link_flags(s: PushSources, *, driver: bool) -> list[str]:
-    flags = ["-shared", f"-L{s.tvm_lib_dir}", "-ltvm_ffi", "-lcudart"]
+    wheel = [s.cuda_wheel_lib] if s.cuda_wheel_lib is not None else []
+    flags = ["-shared", *(f"-L{d}" for d in wheel), f"-L{s.tvm_lib_dir}", "-ltvm_ffi", "-lcudart"]
     if driver:  # the GEMM module calls the driver API and NVRTC
         nvcc_root = Path(shutil.which("nvcc") or "nvcc").resolve().parents[1]
-        flags += [f"-L{nvcc_root / 'lib64' / 'stubs'}", "-lcuda", "-lnvrtc"]
-    if s.cuda_wheel_lib is not None:
-        flags.insert(1, f"-L{s.cuda_wheel_lib}")
+        # nvcc links against its toolkit's stubs itself; this adds a toolkit found by path
+        flags += [f"-L{nvcc_root / 'lib64' / 'stubs'}", "-lcuda"]
+        flags += _lib_flag("nvrtc", [*wheel, nvcc_root / "lib64"])
+    # The loader finds libtvm_ffi / the wheel's CUDA libraries without LD_LIBRARY_PATH
+    # (libnvrtc.so.13 is not loaded by torch before the module is).
+    for d in (*wheel, s.tvm_lib_dir):
+        flags += ["-Xlinker", f"-rpath={d}"]
     return flags
 
 
