@@ -135,3 +135,41 @@ def test_unavailable_kernel_raises_before_compiling(monkeypatch):
     with pytest.raises(MoeEpUnavailableError, match="no CUDA device visible"):
         k.warmup()
     k.destroy()
+
+
+def test_symmetric_staging_is_allocated_as_bytes(monkeypatch):
+    # nvshmem4py sizes an allocation from its dtype table; releases without fp8 in it
+    # refuse `tensor(shape, dtype=float8_e4m3fn)`. The fake accepts bytes only, as those do.
+    import sys
+    import types
+
+    calls: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def tensor(shape, dtype=torch.float32):
+        calls.append((tuple(shape), dtype))
+        if dtype is not torch.uint8:
+            raise ValueError(f"Unsupported torch dtype: {dtype}")
+        return torch.full(shape, 7, dtype=dtype)
+
+    core = types.ModuleType("nvshmem.core")
+    core.tensor = tensor  # type: ignore[attr-defined]
+    root = types.ModuleType("nvshmem")
+    root.core = core  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "nvshmem", root)
+    monkeypatch.setitem(sys.modules, "nvshmem.core", core)
+    g = pull.PullGeometry(
+        world_size=2,
+        rank=1,
+        max_tokens_per_rank=16,
+        top_k=4,
+        num_experts=E,
+        hidden_size=H,
+        intermediate_size=I,
+    )
+    for spec in pull._staging_specs(g):
+        dtype = getattr(torch, spec.dtype)
+        t = pull.symmetric_zeros(spec.shape, dtype)
+        assert t.shape == spec.shape and t.dtype == dtype and t.is_contiguous()
+        assert not t.view(torch.uint8).any()
+        assert calls[-1] == ((t.numel() * t.element_size(),), torch.uint8)
+    assert {getattr(torch, s.dtype) for s in pull._staging_specs(g)} >= {torch.float8_e4m3fn}

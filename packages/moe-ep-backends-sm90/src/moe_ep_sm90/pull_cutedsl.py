@@ -173,9 +173,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
         shared_ws.zero_()
         staging: dict[str, torch.Tensor] = {}
         for spec in _staging_specs(g):
-            t = nvshmem.core.tensor(spec.shape, dtype=getattr(torch, spec.dtype))
-            t.zero_()
-            staging[spec.name] = t
+            staging[spec.name] = symmetric_zeros(spec.shape, getattr(torch, spec.dtype))
         staging["topk_idx"].fill_(-1)
         weights_by_name = {
             "fc1_weight": self.prepared.w13,
@@ -222,6 +220,22 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
 
     def _launch(self, entry: _Compiled) -> None:
         entry.compiled(**entry.launch_args)
+
+
+def symmetric_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed `shape` / `dtype` tensor on the NVSHMEM symmetric heap (collective), allocated
+    as bytes and viewed as `dtype`: nvshmem4py sizes allocations from its own dtype table,
+    which older releases lack fp8 in (the drop's runner allocates fp8 the same way).
+    `nvshmem.core.free_tensor` frees it (same data pointer)."""
+    import math
+
+    import nvshmem.core
+    import torch
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    t = nvshmem.core.tensor((nbytes,), dtype=torch.uint8)
+    t.zero_()
+    return t.view(dtype).view(shape)
 
 
 def _staging_specs(g: PullGeometry) -> tuple[ArgSpec, ...]:
