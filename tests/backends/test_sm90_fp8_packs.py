@@ -172,3 +172,35 @@ def test_pack_interleave_knob_is_validated(value: object) -> None:
         Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(
             prequantized_fc1_gate_up_interleave=value  # type: ignore[arg-type]
         )
+
+
+def test_rank_slices_of_a_pack_reach_the_kernels_16_byte_aligned():
+    # One rank's experts sliced from a global pack start mid-allocation: with H/128 = 9 and
+    # I/128 = 3 an expert's w2_scale is 27 fp32 = 108 bytes, so expert 1 starts misaligned
+    # for the kernels' assumed 16-byte alignment. The prepared tensors are aligned copies
+    # with the same values.
+    from moe_ep_sm90.fp8_packs import pull_weights_from_pack, push_weights_from_pack
+
+    g = torch.Generator().manual_seed(4)
+    h, inter = 9 * 128, 3 * 128
+    w13 = torch.randn(2, 2 * inter, h, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(2, h, inter, generator=g).to(torch.bfloat16)
+    full = _paired_pack(w13, w2, 8)
+    part = MoEWeightPack(
+        w13=full.w13[1:], w2=full.w2[1:], w13_scale=full.w13_scale[1:], w2_scale=full.w2_scale[1:]
+    )
+    assert part.w2_scale.data_ptr() % 16 != 0 and part.w13_scale.data_ptr() % 16 != 0
+    for got, want in (
+        (pull_weights_from_pack(part, pack_fc1_interleave=8), part),
+        (push_weights_from_pack(part), part),
+    ):
+        for t in (got.w13, got.w13_scales, got.w2, got.w2_scales):
+            assert t.data_ptr() % 16 == 0
+        assert torch.equal(got.w2_scales, want.w2_scale)
+    assert torch.equal(push_weights_from_pack(part).w13_scales, part.w13_scale)
+    assert torch.equal(
+        pull_weights_from_pack(part, pack_fc1_interleave=8).w13_scales, part.w13_scale
+    )
+    # an aligned pack is used as is (no copy)
+    aligned = _canonical_pack(*_weights())
+    assert push_weights_from_pack(aligned).w2_scales.data_ptr() == aligned.w2_scale.data_ptr()

@@ -171,9 +171,9 @@ def pull_weights_from_pack(weights: Any, *, pack_fc1_interleave: int | None) -> 
     q13 = interleave_gate_up(weights.w13, PULL_GATE_UP_BLOCK)
     return Fp8BlockWeights(
         w13=q13.permute(0, 2, 1),
-        w13_scales=s13.contiguous(),
-        w2=weights.w2.contiguous().permute(0, 2, 1),
-        w2_scales=weights.w2_scale.contiguous(),
+        w13_scales=_aligned(s13),
+        w2=_aligned(weights.w2).permute(0, 2, 1),
+        w2_scales=_aligned(weights.w2_scale),
     )
 
 
@@ -181,8 +181,18 @@ def push_weights_from_pack(weights: Any) -> Fp8BlockWeights:
     """A checked canonical pre-quantized pack in the push kernel's form (contiguous
     `[E_local, N, K]` e4m3 and fp32 scales: the pack itself, as `prepare_push_weights`)."""
     return Fp8BlockWeights(
-        w13=weights.w13.contiguous(),
-        w13_scales=weights.w13_scale.contiguous(),
-        w2=weights.w2.contiguous(),
-        w2_scales=weights.w2_scale.contiguous(),
+        w13=_aligned(weights.w13),
+        w13_scales=_aligned(weights.w13_scale),
+        w2=_aligned(weights.w2),
+        w2_scales=_aligned(weights.w2_scale),
     )
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous with a 16-byte aligned data pointer (a copy only where needed).
+
+    The kernels take these tensors with an assumed 16-byte alignment (TMA); a pack sliced to
+    one rank's experts starts mid-allocation, e.g. `w2_scale [E, 9, 3]` fp32 (108 bytes an
+    expert) from an odd expert on. The drop's own runner clones such views too."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
