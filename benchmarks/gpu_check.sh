@@ -7,7 +7,8 @@
 # What it does, in order (each step prints what it found; nothing is fetched from a network):
 #   1. checks the GPU (compute capability 9.0) and python3's torch sees it;
 #   2. installs what python3 lacks from the wheels in $MOE_EP_WHEELS (pip --no-index), for:
-#      hatchling + editables (to install our packages), nvidia-cutlass-dsl (pull kernel),
+#      hatchling + editables (to install our packages), rich (the CLI), pytest +
+#      pytest-timeout + numpy (step 5 passes --timeout), nvidia-cutlass-dsl (pull kernel),
 #      nvshmem4py-cu13 (pull kernel), cuda-bindings, apache-tvm-ffi (push nvcc checks and
 #      module loading); a package neither present nor carried is reported, and the tests
 #      needing it skip;
@@ -60,8 +61,9 @@ EOF
 
 say "2/6 python packages"
 MISSING=()
-for pair in hatchling:hatchling editables:editables cutlass:nvidia-cutlass-dsl \
-            nvshmem:nvshmem4py-cu13 cuda.bindings:cuda-bindings tvm_ffi:apache-tvm-ffi; do
+for pair in hatchling:hatchling editables:editables rich:rich pytest:pytest \
+            pytest_timeout:pytest-timeout numpy:numpy cutlass:nvidia-cutlass-dsl nvshmem:nvshmem4py-cu13 \
+            cuda.bindings:cuda-bindings tvm_ffi:apache-tvm-ffi; do
   mod="${pair%%:*}"; pkg="${pair#*:}"
   if "$PY" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$mod') is None)" 2>/dev/null; then
     say "  $pkg: present"

@@ -260,3 +260,22 @@ def test_a_failing_worker_block_raises_in_the_caller(monkeypatch: pytest.MonkeyP
             torch.randn(4, 8).bfloat16(), torch.tensor([0, 1, 2, 3, 0, 1]), [2, 2, 2],
             prepared, None, None, y, comm.Workspace(),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(("h", "inter", "ok"), [(64, 48, True), (100, 48, False), (64, 36, False)])
+def test_grouped_mm_only_gets_operands_it_accepts(h: int, inter: int, ok: bool) -> None:
+    """`torch._grouped_mm` wants every stride a multiple of 16 bytes (H, I multiples of 8 in
+    bf16); the CUDA branch is taken only then, else the per-expert loop runs."""
+    g = torch.Generator().manual_seed(2)
+    w13 = (torch.randn(3, 2 * inter, h, generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(3, h, inter, generator=g) / inter**0.5).bfloat16()
+    prepared = Bf16Recipe().prepare(MoEWeightPack(w13, w2))
+    assert experts._grouped_mm_operands_ok(prepared) is ok
+    rows = torch.randn(8, h, generator=g).bfloat16()
+    offs = torch.tensor([3, 5, 8], dtype=torch.int32)
+    if ok:
+        torch._grouped_mm(rows, prepared.w13t, offs=offs)
+    else:  # what the check spares the caller
+        with pytest.raises(RuntimeError, match="16 bytes"):
+            gu = torch._grouped_mm(rows, prepared.w13t, offs=offs)
+            torch._grouped_mm(gu[:, :inter].contiguous(), prepared.w2t, offs=offs)

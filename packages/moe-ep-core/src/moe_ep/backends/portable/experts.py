@@ -109,13 +109,22 @@ def _swiglu(
 
 
 def grouped_mm_applies(weights: PreparedWeights, device: torch.device) -> bool:
-    """Whether `run_experts` uses `torch._grouped_mm`: CUDA, bf16 weights, no alphas."""
+    """Whether `run_experts` uses `torch._grouped_mm`: CUDA, bf16 weights, no alphas, and
+    the operands `torch._grouped_mm` accepts (every stride a multiple of 16 bytes, i.e. H and
+    I multiples of 8, and 16-byte aligned weights); otherwise the per-expert loop runs."""
     return (
         device.type == "cuda"
         and weights.w2t.dtype == torch.bfloat16
         and weights.alpha13 is None
         and weights.alpha2 is None
+        and _grouped_mm_operands_ok(weights)
     )
+
+
+def _grouped_mm_operands_ok(weights: PreparedWeights) -> bool:
+    hidden, inter = int(weights.w2t.shape[2]), int(weights.w2t.shape[1])
+    aligned = all(w.data_ptr() % 16 == 0 for w in (weights.w13t, weights.w2t))
+    return hidden % 8 == 0 and inter % 8 == 0 and aligned
 
 
 def _run_grouped(
