@@ -205,12 +205,14 @@ static int64_t combine_row_avx512(const uint16_t *y, int64_t ld_y, const int64_t
     const __m512 zero = _mm512_setzero_ps();
     int64_t c = 0;
     for (; c + 16 <= hidden; c += 16) {
-        __m512 acc = zero;
-        for (int64_t j = 0; j < k; j++) {
+        __m512 acc = p[0] < 0 ? zero
+                              : _mm512_mul_ps(bf16x16_to_f32(y + p[0] * ld_y + c),
+                                              _mm512_set1_ps(wt[0]));
+        for (int64_t j = 1; j < k; j++) {
             __m512 term = p[j] < 0 ? zero
                                    : _mm512_mul_ps(bf16x16_to_f32(y + p[j] * ld_y + c),
                                                    _mm512_set1_ps(wt[j]));
-            acc = j == 0 ? term : _mm512_add_ps(acc, term);
+            acc = _mm512_add_ps(acc, term);
         }
         _mm256_storeu_si256((__m256i *)(o + c), f32x16_to_bf16(acc));
     }
