@@ -104,3 +104,35 @@ def test_gemm_link_finds_a_versioned_only_nvrtc_and_records_rpaths(tmp_path):
     (wheel / "libnvrtc.so").write_bytes(b"")  # a toolkit-style dir: the plain name wins
     assert "-lnvrtc" in push_build._link_flags(s, driver=True)
     assert not any("nvrtc" in f for f in push_build._link_flags(s, driver=False))
+
+
+def test_libcuda_is_found_as_the_drivers_versioned_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an image whose nvcc has no stubs dir and whose driver ships only libcuda.so.1
+    from moe_ep_sm90 import push_build
+
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    (driver / "libcuda.so.1").write_bytes(b"")
+    monkeypatch.setattr(push_build, "DRIVER_LIB_DIRS", [tmp_path / "absent", driver])
+    s = push_build.PushSources(
+        drop_src=tmp_path,
+        deps_src=tmp_path,
+        tvm_include=tmp_path,
+        tvm_lib_dir=tmp_path,
+        cuda_wheel_include=None,
+        cuda_wheel_lib=None,
+    )
+    toolkit = tmp_path / "toolkit"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc").write_bytes(b"")
+    monkeypatch.setattr(push_build.shutil, "which", lambda name: str(toolkit / "bin" / name))
+    flags = push_build._link_flags(s, driver=True)
+    assert flags[flags.index("-l:libcuda.so.1") - 1] == f"-L{driver}"
+    assert "-lcuda" not in flags
+    stubs = toolkit / "lib64" / "stubs"
+    stubs.mkdir(parents=True)
+    (stubs / "libcuda.so").write_bytes(b"")  # a toolkit with stubs: the stub wins
+    flags = push_build._link_flags(s, driver=True)
+    assert flags[flags.index("-lcuda") - 1] == f"-L{stubs}"

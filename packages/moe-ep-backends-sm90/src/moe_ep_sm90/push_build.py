@@ -264,6 +264,15 @@ def default_cache_dir() -> Path:
     return Path(cache) if cache else Path.home() / ".cache" / "moe-ep" / "sm90_push"
 
 
+DRIVER_LIB_DIRS = [
+    Path("/usr/lib/x86_64-linux-gnu"),
+    Path("/usr/lib/aarch64-linux-gnu"),
+    Path("/usr/lib64"),
+    Path("/usr/local/nvidia/lib64"),  # where container runtimes mount the driver
+]
+"""Where a driver's libcuda.so.1 lives when the toolkit's stubs dir has no libcuda.so."""
+
+
 def _lib_flag(stem: str, dirs: list[Path]) -> list[str]:
     """`-L<dir> -l<stem>`, or `-L<dir> -l:lib<stem>.so.<N>` where `dir` holds only the
     versioned file (torch's `nvidia/cu13/lib` ships `libnvrtc.so.13`, no `libnvrtc.so`);
@@ -282,8 +291,10 @@ def _link_flags(s: PushSources, *, driver: bool) -> list[str]:
     flags = ["-shared", *(f"-L{d}" for d in wheel), f"-L{s.tvm_lib_dir}", "-ltvm_ffi", "-lcudart"]
     if driver:  # the GEMM module calls the driver API and NVRTC
         nvcc_root = Path(shutil.which("nvcc") or "nvcc").resolve().parents[1]
-        # nvcc links against its toolkit's stubs itself; this adds a toolkit found by path
-        flags += [f"-L{nvcc_root / 'lib64' / 'stubs'}", "-lcuda"]
+        # the toolkit's stub first; else the driver's own library, which an image without
+        # the toolkit's stubs or a libcuda.so symlink has only as libcuda.so.1
+        stubs = [nvcc_root / "lib64" / "stubs", nvcc_root / "lib64"]
+        flags += _lib_flag("cuda", [*stubs, *DRIVER_LIB_DIRS])
         flags += _lib_flag("nvrtc", [*wheel, nvcc_root / "lib64"])
     # The loader finds libtvm_ffi / the wheel's CUDA libraries without LD_LIBRARY_PATH
     # (libnvrtc.so.13 is not loaded by torch before the module is).
