@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from backend_testing import require_drop
@@ -86,14 +87,7 @@ def test_gemm_link_finds_a_versioned_only_nvrtc_and_records_rpaths(tmp_path):
     (wheel / "libnvrtc.so.13").write_bytes(b"")
     (wheel / "libnvrtc-builtins.so.13.2").write_bytes(b"")
     tvm = tmp_path / "tvm_ffi" / "lib"
-    s = push_build.PushSources(
-        drop_src=tmp_path,
-        deps_src=tmp_path,
-        tvm_include=tmp_path,
-        tvm_lib_dir=tvm,
-        cuda_wheel_include=None,
-        cuda_wheel_lib=wheel,
-    )
+    s = _link_sources(tmp_path, tvm, wheel)
     flags = push_build._link_flags(s, driver=True)
     i = flags.index("-l:libnvrtc.so.13")
     assert flags[i - 1] == f"-L{wheel}"
@@ -116,14 +110,7 @@ def test_libcuda_is_found_as_the_drivers_versioned_file(
     driver.mkdir()
     (driver / "libcuda.so.1").write_bytes(b"")
     monkeypatch.setattr(push_build, "DRIVER_LIB_DIRS", [tmp_path / "absent", driver])
-    s = push_build.PushSources(
-        drop_src=tmp_path,
-        deps_src=tmp_path,
-        tvm_include=tmp_path,
-        tvm_lib_dir=tmp_path,
-        cuda_wheel_include=None,
-        cuda_wheel_lib=None,
-    )
+    s = _link_sources(tmp_path, tmp_path, None)
     toolkit = tmp_path / "toolkit"
     (toolkit / "bin").mkdir(parents=True)
     (toolkit / "bin" / "nvcc").write_bytes(b"")
@@ -136,3 +123,17 @@ def test_libcuda_is_found_as_the_drivers_versioned_file(
     (stubs / "libcuda.so").write_bytes(b"")  # a toolkit with stubs: the stub wins
     flags = push_build._link_flags(s, driver=True)
     assert flags[flags.index("-lcuda") - 1] == f"-L{stubs}"
+
+
+def _link_sources(tmp: Path, tvm_lib: Path, wheel_lib: Path | None) -> Any:
+    """`PushSources` whose only real parts are the library dirs `_link_flags` reads."""
+    from moe_ep_sm90 import push_build
+
+    return push_build.PushSources(
+        drop_src=tmp,
+        deps_src=tmp,
+        tvm_include=tmp,
+        tvm_lib_dir=tvm_lib,
+        cuda_wheel_include=None,
+        cuda_wheel_lib=wheel_lib,
+    )
