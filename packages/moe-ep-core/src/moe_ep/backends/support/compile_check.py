@@ -50,12 +50,13 @@ def require_cute_dsl_arch(arch: str) -> None:
 
 
 def fake_gmem_tensor(spec: ArgSpec, dtype: Any) -> Any:
-    """Fake gmem tensor of cutlass `dtype` for `spec`: dynamic extents and strides, stride 1
-    on the leading dim (what `from_dlpack` + `mark_layout_dynamic` give the launch path)."""
+    """Fake gmem tensor of cutlass `dtype` for `spec`: dynamic 32-bit extents and 64-bit
+    strides, stride 1 on the leading dim: exactly what `from_dlpack` + `mark_layout_dynamic`
+    give the launch path (`(?,?):(?{i64},1)`), so the compile check builds the same kernel."""
     import cutlass.cute as cute
     from cutlass.cute.typing import AddressSpace
 
-    shape = tuple(cute.sym_int64() for _ in spec.shape)
+    shape = tuple(cute.sym_int32() for _ in spec.shape)
     stride = tuple(1 if d == spec.leading_dim else cute.sym_int64() for d in range(len(spec.shape)))
     return cute.runtime.make_fake_tensor(
         dtype,
