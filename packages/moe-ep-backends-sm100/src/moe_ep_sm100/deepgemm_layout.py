@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep.errors import MoeEpUsageError
+from moe_ep_sm100.e8m0_packs import E8M0_BLOCK, e8m0_pack
 from moe_ep_sm100.staging import check_staging_inputs, stage_routing
 
 __all__ = [
@@ -52,7 +53,7 @@ __all__ = [
 
 DEEPGEMM_GATE_UP_BLOCK = 8
 """FC1 gate/up row interleave of the mega-MoE (`_interleave_weights(gran=8)` upstream)."""
-DEEPGEMM_SF_BLOCK = 32
+DEEPGEMM_SF_BLOCK = E8M0_BLOCK
 """Elements along K per UE8M0 scale, weights and activations."""
 UTCCP_ROWS = 128
 """Rows per group of the UTCCP scale-row permutation."""
@@ -120,26 +121,13 @@ def _mn_major(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t)
 
 
-def _quantized(
-    w: torch.Tensor, s: torch.Tensor | None, name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(w: torch.Tensor, s: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     from moe_ep.quant import quantize_mxfp4
 
-    if s is None:
-        if w.dtype not in (torch.bfloat16, torch.float32):
-            raise MoeEpUsageError(
-                f"{name} must be bf16/fp32 (or packed mxfp4 uint8 with scales), got {w.dtype}"
-            )
-        return quantize_mxfp4(w)
-    if w.dtype != torch.uint8:
-        raise MoeEpUsageError(f"pre-quantized {name} must be packed mxfp4 uint8, got {w.dtype}")
-    expected = (*w.shape[:-1], w.shape[-1] * 2 // DEEPGEMM_SF_BLOCK)
-    if tuple(s.shape) != expected:
-        raise MoeEpUsageError(
-            f"{name}_scale must be {list(expected)} (one E8M0 byte per 32 along K), "
-            f"got {list(s.shape)}"
-        )
-    return w, s.view(torch.uint8) if s.dtype != torch.uint8 else s
+    return e8m0_pack(
+        w, s, name, quantize=quantize_mxfp4, payload_dtype=torch.uint8,
+        payload_name="packed mxfp4 uint8", values_per_item=2,
+    )  # fmt: skip
 
 
 def _kernel_scales(s: torch.Tensor) -> torch.Tensor:
@@ -165,8 +153,8 @@ def prepare_deepgemm_weights(
 
     if w13.dim() != 3 or w2.dim() != 3:
         raise MoeEpUsageError("w13 and w2 must be 3-D: [E_local, 2I, H] and [E_local, H, I]")
-    q13, s13 = _quantized(w13, w13_scale, "w13")
-    q2, s2 = _quantized(w2, w2_scale, "w2")
+    q13, s13 = _pack(w13, w13_scale, "w13")
+    q2, s2 = _pack(w2, w2_scale, "w2")
     e, two_i, h_half = q13.shape
     h, i = 2 * h_half, two_i // 2
     if tuple(q2.shape) != (e, h, i // 2) or h % 128 or i % 128:

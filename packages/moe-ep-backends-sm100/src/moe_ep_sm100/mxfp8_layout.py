@@ -20,6 +20,7 @@ import torch
 
 from moe_ep.backends.support.args import ceil_to
 from moe_ep.errors import MoeEpUsageError
+from moe_ep_sm100.e8m0_packs import e8m0_pack
 from moe_ep_sm100.staging import check_staging_inputs, stage_routing
 
 __all__ = [
@@ -45,24 +46,13 @@ class Mxfp8Weights:
     w2_scales: torch.Tensor
 
 
-def _quantized(
-    w: torch.Tensor, s: torch.Tensor | None, name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(w: torch.Tensor, s: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     from moe_ep.quant import quantize_mxfp8
 
-    if s is None:
-        if w.dtype not in (torch.bfloat16, torch.float32):
-            raise MoeEpUsageError(f"{name} must be bf16/fp32 (or e4m3 with scales), got {w.dtype}")
-        return quantize_mxfp8(w)
-    if w.dtype != torch.float8_e4m3fn:
-        raise MoeEpUsageError(f"pre-quantized {name} must be float8_e4m3fn, got {w.dtype}")
-    expected = (*w.shape[:-1], w.shape[-1] // _BLOCK)
-    if tuple(s.shape) != expected:
-        raise MoeEpUsageError(
-            f"{name}_scale must be {list(expected)} (one E8M0 byte per 32 along K), "
-            f"got {list(s.shape)}"
-        )
-    return w, s.view(torch.uint8) if s.dtype != torch.uint8 else s
+    return e8m0_pack(
+        w, s, name, quantize=quantize_mxfp8, payload_dtype=torch.float8_e4m3fn,
+        payload_name="float8_e4m3fn",
+    )  # fmt: skip
 
 
 def prepare_mxfp8_weights(
@@ -90,8 +80,8 @@ def prepare_mxfp8_weights(
         )
     if h % _BLOCK:
         raise MoeEpUsageError(f"H must be a multiple of {_BLOCK}, got {h}")
-    q13, s13 = _quantized(w13, w13_scale, "w13")
-    q2, s2 = _quantized(w2, w2_scale, "w2")
+    q13, s13 = _pack(w13, w13_scale, "w13")
+    q2, s2 = _pack(w2, w2_scale, "w2")
     q13 = interleave_gate_up(q13.view(torch.uint8), MXFP8_GATE_UP_BLOCK).view(q13.dtype)
     s13 = interleave_gate_up(s13, MXFP8_GATE_UP_BLOCK)
     return Mxfp8Weights(
