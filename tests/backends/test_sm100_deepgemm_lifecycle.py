@@ -285,9 +285,11 @@ def test_availability_here_names_the_package_and_the_gpu():
 
 @pytest.fixture
 def blackwell(monkeypatch):
-    """Pretend the package is installed and a capability 10.0 GPU is visible."""
+    """Pretend the package is installed, a capability 10.0 GPU is visible and torch is new
+    enough (whatever torch this run has)."""
     monkeypatch.setattr(api, "missing_packages", lambda mods: [])
     monkeypatch.setattr(api, "cuda_capability_reason", lambda cap, label: "")
+    monkeypatch.setattr(torch, "__version__", "2.9.0+cu130")
 
 
 def test_availability_with_the_api_written_against(blackwell, monkeypatch):

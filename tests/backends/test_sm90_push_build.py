@@ -134,6 +134,45 @@ def _link_sources(tmp: Path, tvm_lib: Path, wheel_lib: Path | None) -> Any:
         deps_src=tmp,
         tvm_include=tmp,
         tvm_lib_dir=tvm_lib,
-        cuda_wheel_include=None,
-        cuda_wheel_lib=wheel_lib,
+        cuda_wheel_includes=(),
+        cuda_wheel_libs=() if wheel_lib is None else (wheel_lib,),
     )
+
+
+def _touch(*paths: Path) -> None:
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"")
+
+
+def test_cuda_wheel_dirs_of_cuda13_and_cuda12_torch(tmp_path: Path) -> None:
+    # torch cu13 wheels: one nvidia/cu13 tree; torch cu12 wheels (torch 2.8 cu128):
+    # nvidia/<component>/{include,lib}, libnvrtc.so.12. Both must give cublasLt.h, nvrtc.h
+    # and a linkable nvrtc (the GEMM module failed to compile on cu12 torch: no cublasLt.h).
+    from moe_ep_sm90 import push_build
+
+    cu13 = tmp_path / "a" / "nvidia"
+    _touch(cu13 / "cu13" / "include" / "cublasLt.h", cu13 / "cu13" / "lib" / "libnvrtc.so.13")
+    assert push_build.cuda_wheel_dirs([cu13]) == (
+        (cu13 / "cu13" / "include",),
+        (cu13 / "cu13" / "lib",),
+    )
+    cu12 = tmp_path / "b" / "nvidia"
+    _touch(
+        cu12 / "cu13" / "include" / "cuda.h",  # cuda-bindings' partial tree: not the wheels'
+        cu12 / "cublas" / "include" / "cublasLt.h",
+        cu12 / "cublas" / "lib" / "libcublasLt.so.12",
+        cu12 / "cuda_nvrtc" / "include" / "nvrtc.h",
+        cu12 / "cuda_nvrtc" / "lib" / "libnvrtc.so.12",
+        cu12 / "curand" / "include" / "curand_kernel.h",
+        cu12 / "cuda_runtime" / "include" / "cuda_runtime.h",  # nvcc's own must win
+    )
+    incs, libs = push_build.cuda_wheel_dirs([cu12])
+    assert set(incs) == {cu12 / c / "include" for c in ("cublas", "cuda_nvrtc", "curand")}
+    assert set(libs) == {cu12 / "cublas" / "lib", cu12 / "cuda_nvrtc" / "lib"}
+    s = _link_sources(tmp_path, tmp_path / "tvm", None)
+    s = push_build.PushSources(**{**vars(s), "cuda_wheel_includes": incs, "cuda_wheel_libs": libs})
+    flags = push_build._link_flags(s, driver=True)
+    assert flags[flags.index("-l:libnvrtc.so.12") - 1] == f"-L{cu12 / 'cuda_nvrtc' / 'lib'}"
+    assert set(incs) <= set(s.system_include_dirs())
+    assert push_build.cuda_wheel_dirs([tmp_path / "c" / "nvidia"]) == ((), ())

@@ -103,9 +103,9 @@ class PushSources:
     deps_src: Path
     tvm_include: Path
     tvm_lib_dir: Path
-    cuda_wheel_include: Path | None
-    """`nvidia/cu13/include` of torch's CUDA wheels (cublasLt.h, nvrtc.h), if present."""
-    cuda_wheel_lib: Path | None
+    cuda_wheel_includes: tuple[Path, ...]
+    """Include dirs of torch's CUDA wheels (cublasLt.h, nvrtc.h, curand): `cuda_wheel_dirs`."""
+    cuda_wheel_libs: tuple[Path, ...]
 
     @property
     def csrc(self) -> Path:
@@ -130,8 +130,7 @@ class PushSources:
     def system_include_dirs(self) -> list[Path]:
         dirs = [self.tvm_include, self.deps_src / "include", self.csrc]
         dirs.append(self.deps_src / "cutlass" / "include")
-        if self.cuda_wheel_include is not None:
-            dirs.append(self.cuda_wheel_include)
+        dirs.extend(self.cuda_wheel_includes)
         return dirs
 
     def jit_include_dirs(self, gen_dir: Path) -> list[Path]:
@@ -154,24 +153,44 @@ def find_sources() -> PushSources:
     if reasons:
         raise MoeEpUnavailableError("; ".join(reasons))
     tvm_root = Path(tvm_ffi.__file__).parent
-    wheel_inc: Path | None = None
-    wheel_lib: Path | None = None
     try:
         import nvidia
 
-        for root in map(Path, nvidia.__path__):
-            if (root / "cu13" / "include" / "cublasLt.h").is_file():
-                wheel_inc, wheel_lib = root / "cu13" / "include", root / "cu13" / "lib"
+        wheel_inc, wheel_lib = cuda_wheel_dirs([Path(p) for p in nvidia.__path__])
     except ImportError:
-        pass
+        wheel_inc, wheel_lib = (), ()
     return PushSources(
         drop_src=PUSH_DROP.module().src_dir(),
         deps_src=PUSH_DEPS_DROP.module().src_dir(),
         tvm_include=Path(tvm_ffi.libinfo.find_include_path()),
         tvm_lib_dir=tvm_root / "lib",
-        cuda_wheel_include=wheel_inc,
-        cuda_wheel_lib=wheel_lib,
+        cuda_wheel_includes=wheel_inc,
+        cuda_wheel_libs=wheel_lib,
     )
+
+
+CU12_COMPONENTS = ("cublas", "cuda_nvrtc", "curand")
+"""The per-component wheels of a CUDA 12 torch whose headers / libraries the modules need
+(not `cuda_runtime`: nvcc's own runtime headers must win)."""
+
+
+def cuda_wheel_dirs(nvidia_roots: list[Path]) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
+    """(include dirs, library dirs) of torch's `nvidia-*` CUDA wheels under the `nvidia`
+    namespace package's roots: the one `nvidia/cu13` tree of CUDA 13 wheels, else the
+    per-component `nvidia/<component>` trees of CUDA 12 wheels; empty when neither holds
+    cublasLt.h (the CUDA toolkit's own headers are then the only source)."""
+    for root in nvidia_roots:
+        if (root / "cu13" / "include" / "cublasLt.h").is_file():
+            return (root / "cu13" / "include",), (root / "cu13" / "lib",)
+    includes: list[Path] = []
+    libs: list[Path] = []
+    for root in nvidia_roots:
+        for comp in CU12_COMPONENTS:
+            includes += [d for d in [root / comp / "include"] if d.is_dir()]
+            libs += [d for d in [root / comp / "lib"] if d.is_dir()]
+    if not any((d / "cublasLt.h").is_file() for d in includes):
+        return (), ()
+    return tuple(includes), tuple(libs)
 
 
 def module_flags(arch: str = "sm_90a") -> list[str]:
@@ -275,7 +294,7 @@ DRIVER_LIB_DIRS = [
 
 def _lib_flag(stem: str, dirs: list[Path]) -> list[str]:
     """`-L<dir> -l<stem>`, or `-L<dir> -l:lib<stem>.so.<N>` where `dir` holds only the
-    versioned file (torch's `nvidia/cu13/lib` ships `libnvrtc.so.13`, no `libnvrtc.so`);
+    versioned file (torch's CUDA wheels ship `libnvrtc.so.13` / `.so.12`, no `libnvrtc.so`);
     plain `-l<stem>` (nvcc's own library dirs) when no listed dir has it."""
     for d in dirs:
         if (d / f"lib{stem}.so").is_file():
@@ -287,7 +306,7 @@ def _lib_flag(stem: str, dirs: list[Path]) -> list[str]:
 
 
 def _link_flags(s: PushSources, *, driver: bool) -> list[str]:
-    wheel = [s.cuda_wheel_lib] if s.cuda_wheel_lib is not None else []
+    wheel = list(s.cuda_wheel_libs)
     flags = ["-shared", *(f"-L{d}" for d in wheel), f"-L{s.tvm_lib_dir}", "-ltvm_ffi", "-lcudart"]
     if driver:  # the GEMM module calls the driver API and NVRTC
         nvcc_root = Path(shutil.which("nvcc") or "nvcc").resolve().parents[1]
@@ -297,7 +316,7 @@ def _link_flags(s: PushSources, *, driver: bool) -> list[str]:
         flags += _lib_flag("cuda", [*stubs, *DRIVER_LIB_DIRS])
         flags += _lib_flag("nvrtc", [*wheel, nvcc_root / "lib64"])
     # The loader finds libtvm_ffi / the wheel's CUDA libraries without LD_LIBRARY_PATH
-    # (libnvrtc.so.13 is not loaded by torch before the module is).
+    # (the wheel's libnvrtc is not loaded by torch before the module is).
     for d in (*wheel, s.tvm_lib_dir):
         flags += ["-Xlinker", f"-rpath={d}"]
     return flags
