@@ -47,7 +47,18 @@ export PYTHONUNBUFFERED=1
 START=$(date +%s)
 say() { printf '[gpu_check %4ds] %s\n' "$(( $(date +%s) - START ))" "$*" | tee -a "$OUT_DIR/summary.txt"; }
 
+if [ -n "${MOE_EP_CARRY_PARTS:-}" ]; then
+  say "0/6 carried parts in $MOE_EP_CARRY_PARTS: check and unpack (benchmarks/gpu_carry.py)"
+  WHEELS="${WHEELS:-/tmp/moe_ep_wheels}"
+  "$PY" benchmarks/gpu_carry.py assemble --parts "$MOE_EP_CARRY_PARTS" --wheels "$WHEELS" \
+    2>&1 | tee -a "$OUT_DIR/summary.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { say "the carried parts are incomplete; nothing run"; exit 4; }
+fi
+
 say "1/6 GPU"
+if [ "${MOE_EP_GPU_CHECK_NO_GPU:-0}" = "1" ]; then
+  say "  MOE_EP_GPU_CHECK_NO_GPU=1: rehearsal without a GPU (installs, scripts; GPU tests skip)"
+else
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader \
   | tee -a "$OUT_DIR/summary.txt" || { say "nvidia-smi failed: no GPU here"; exit 2; }
 "$PY" - <<'EOF' || { say "python3's torch does not see a Hopper GPU"; exit 2; }
@@ -58,23 +69,40 @@ print(f"torch {torch.__version__}, cuda:0 {torch.cuda.get_device_name(0)} sm_{ca
       f"python {sys.version.split()[0]}")
 sys.exit(0 if cap == (9, 0) else 1)
 EOF
+fi
 
 say "2/6 python packages"
+# Every carried wheel whose distribution python3 lacks, in one pip call with --no-deps: the
+# carried set is exactly what the image lacks (nvidia-cutlass-dsl's metadata also asks for
+# its cu12 library wheel, which is not carried: the cu13 one is enough).
+TO_INSTALL=()
+if [ -n "$WHEELS" ]; then
+  for whl in "$WHEELS"/*.whl; do
+    [ -e "$whl" ] || continue
+    dist="$(basename "$whl" | cut -d- -f1)"
+    if "$PY" -c "import importlib.metadata as m,sys; m.distribution(sys.argv[1])" "$dist" 2>/dev/null; then
+      say "  $dist: present (carried wheel not used)"
+    else
+      TO_INSTALL+=("$whl")
+    fi
+  done
+fi
+if [ "${#TO_INSTALL[@]}" -gt 0 ]; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-cache-dir "${TO_INSTALL[@]}" >>"$OUT_DIR/pip.log" 2>&1; then
+    say "  installed ${#TO_INSTALL[@]} carried wheels: $(for w in "${TO_INSTALL[@]}"; do basename "$w" | cut -d- -f1-2; done | tr '\n' ' ')"
+  else
+    say "  installing the carried wheels FAILED (see pip.log)"
+  fi
+fi
 MISSING=()
 for pair in hatchling:hatchling editables:editables rich:rich pytest:pytest \
-            pytest_timeout:pytest-timeout numpy:numpy cutlass:nvidia-cutlass-dsl nvshmem:nvshmem4py-cu13 \
+            pytest_timeout:pytest-timeout numpy:numpy cutlass:nvidia-cutlass-dsl nvshmem.core:nvshmem4py-cu13 \
             cuda.bindings:cuda-bindings tvm_ffi:apache-tvm-ffi; do
   mod="${pair%%:*}"; pkg="${pair#*:}"
-  if "$PY" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('$mod') is None)" 2>/dev/null; then
-    say "  $pkg: present"
-  elif [ -n "$WHEELS" ] && ls "$WHEELS" 2>/dev/null | grep -qi "^${pkg//-/_}-"; then
-    if "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$pkg" >>"$OUT_DIR/pip.log" 2>&1; then
-      say "  $pkg: installed from $WHEELS"
-    else
-      say "  $pkg: install from $WHEELS FAILED (see pip.log)"; MISSING+=("$pkg")
-    fi
+  if "$PY" -c "import $mod" >>"$OUT_DIR/pip.log" 2>&1; then
+    say "  $pkg: imports"
   else
-    say "  $pkg: MISSING (not installed, no wheel in \$MOE_EP_WHEELS)"; MISSING+=("$pkg")
+    say "  $pkg: MISSING or fails to import (see pip.log); tests needing it skip"; MISSING+=("$pkg")
   fi
 done
 
@@ -135,10 +163,10 @@ timeout 90 "$PY" "$OUT_DIR/portable_cuda.py" 2>&1 | tee "$OUT_DIR/portable_cuda.
 BENCH_CAP=120; [ "${MOE_EP_PUSH_BUILD:-0}" = "1" ] && BENCH_CAP=240
 say "6/6 benchmark: one EP1 forward, pull (and push) vs portable fp8 (${BENCH_CAP} s cap)"
 cat > "$OUT_DIR/bench.py" <<'EOF'
-import os, torch
+import os, time, torch
 from moe_ep.launch import spawn_local
 
-T, H, I, E, K = 2048, 4096, 1024, 32, 8
+T, H, I, E, K = map(int, os.environ.get("MOE_EP_GPU_CHECK_SHAPE", "2048,4096,1024,32,8").split(","))
 
 def bench(rank, world, kernel):
     from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
@@ -168,6 +196,11 @@ def bench(rank, world, kernel):
         t = MoEEpTensors(hidden_states=x, topk_ids=ids, topk_weights=w)
         for _ in range(3):
             layer.forward(t)
+        if dev.type != "cuda":  # rehearsal without a GPU: wall clock
+            t0 = time.perf_counter()
+            for _ in range(10):
+                layer.forward(t)
+            return (time.perf_counter() - t0) * 100
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(); start.record()
         for _ in range(10):
