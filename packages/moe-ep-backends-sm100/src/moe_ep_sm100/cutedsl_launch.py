@@ -14,6 +14,11 @@ buffers and output buffer; layers of identical geometry share that entry through
 ref-counted `WorkspacePool`; the last `destroy()` frees the symmetric buffers after a
 barrier. The kernel's constructor and call arguments come from `nvfp4_args` / `mxfp8_args`,
 the functions the compile-only check uses too.
+
+Per launch, beyond the drop's own runners (which launch once, on the stream they compiled
+on, with no padded slot): the kernel runs on the stream current at the launch (staging and
+copy-out are issued there), and the combine cells of padded slots are zeroed first (see
+`clear_padded_cells`).
 """
 
 from __future__ import annotations
@@ -38,13 +43,18 @@ if TYPE_CHECKING:
     from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = [
+    "COMBINE_REGION",
     "CUTEDSL_PACKAGES",
     "SYMMETRIC_INPUTS",
     "CompiledEntry",
     "CutedslMegaKernel",
     "StagedBuffers",
     "check_sm100_pack",
+    "clear_padded_cells",
+    "combine_cells",
+    "combine_region",
     "max_active_clusters",
+    "peer_offsets",
     "storage_tensor",
 ]
 
@@ -61,6 +71,9 @@ CUTEDSL_PACKAGES = (
 # do the same).
 SYMMETRIC_INPUTS = ("activation", "activation_sf", "topk_idx", "topk_weights")
 _STAGED = (*SYMMETRIC_INPUTS, "output_activation")
+
+COMBINE_REGION = "combine_quant"
+"""The drop kernels' shared-workspace region of per-(token, slot) combine cells."""
 
 
 class StagedBuffers(Protocol):
@@ -129,6 +142,86 @@ def as_kernel_dtype(t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
     return t.view(dtype)
 
 
+def combine_region(kernel: Any, g: Geometry) -> tuple[int, int]:
+    """(byte offset, byte count) of the drop kernel's bf16 combine cells `[T, k, H]` in its
+    shared workspace (the region its separate top-k reduce sums over).
+
+    Reads the kernel's region table (`_shared_offsets`, `_shared_region_by_name`; both drop
+    kernels lay their shared workspace out with it). `RuntimeError` if the drop no longer
+    has that region with that shape and a 16-bit element.
+    """
+    try:
+        offset = int(kernel._shared_offsets[COMBINE_REGION])
+        spec = kernel._shared_region_by_name[COMBINE_REGION]
+        shape, width = tuple(int(d) for d in spec.shape), int(spec.cute_dtype.width)
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise RuntimeError(
+            f"the sm100 drop's kernel has no readable {COMBINE_REGION!r} shared-workspace "
+            f"region ({type(exc).__name__}: {exc}); moe_ep_sm100 zeroes the combine cells of "
+            "padded slots there and must be updated for this drop"
+        ) from exc
+    want = (g.max_tokens_per_rank, g.top_k, g.hidden_size)
+    if shape != want or width != 16:
+        raise RuntimeError(
+            f"the sm100 drop's {COMBINE_REGION!r} region is {shape} of {width}-bit elements; "
+            f"moe_ep_sm100 expects bf16 cells {want} (T, k, H)"
+        )
+    return offset, 2 * want[0] * want[1] * want[2]
+
+
+def combine_cells(kernel: Any, shared_workspace: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """`[T, k, H]` bf16 view of the combine cells inside the uint8 `shared_workspace`."""
+    import torch
+
+    offset, nbytes = combine_region(kernel, g)
+    if offset + nbytes > shared_workspace.numel():
+        raise RuntimeError(
+            f"{COMBINE_REGION!r} [{offset}, {offset + nbytes}) lies outside the shared "
+            f"workspace of {shared_workspace.numel()} bytes"
+        )
+    cells = shared_workspace[offset : offset + nbytes].view(torch.bfloat16)
+    return cells.view(g.max_tokens_per_rank, g.top_k, g.hidden_size)
+
+
+def clear_padded_cells(cells: torch.Tensor, topk_idx: torch.Tensor, num_tokens: int) -> None:
+    """Zero the combine cells `[T, k, H]` of the padded slots (`topk_idx == -1`) of the
+    first `num_tokens` rows.
+
+    The drop's dispatch skips a -1 slot, so no rank writes its cell, while the top-k
+    reduce sums all k cells of every row: without this, a padded slot would add whatever an
+    earlier launch (of this or another layer sharing the pooled workspace) left in its cell.
+    Only the first launch finds the cells zeroed. Rows `>= num_tokens` are never copied out.
+    No rank writes a padded slot's cell during the launch, so clearing it on the launch
+    stream before the launch cannot race a peer.
+    """
+    n = num_tokens
+    if n:
+        cells[:n].masked_fill_((topk_idx[:n] < 0).unsqueeze(-1), 0)
+
+
+def peer_offsets(symmetric: torch.Tensor, world_size: int, rank: int) -> tuple[int, ...]:
+    """Byte offset from `symmetric`'s address to each PE's copy of it (0 for `rank`).
+
+    Read off the peer buffer's base address (`nvshmem.core.get_peer_buffer`), not
+    `get_peer_tensor`, whose `.view(shape)` fails when NVSHMEM reuses an address for a
+    smaller allocation while nvshmem4py still tracks the larger peer buffer (FlashInfer's
+    shim for this drop hit it; our pool frees and reallocates workspaces as geometries
+    come and go). The own rank is not looked up (nvshmem4py would hold a reference).
+    """
+    import nvshmem.core
+    import torch
+    from nvshmem.core.interop.torch import tensor_get_buffer
+
+    base = int(symmetric.data_ptr())
+    buf, _size, _dtype = tensor_get_buffer(symmetric)
+
+    def peer_base(peer: int) -> int:
+        peer_buf = nvshmem.core.get_peer_buffer(buf, peer)
+        return int(torch.utils.dlpack.from_dlpack(peer_buf).data_ptr())
+
+    return tuple(0 if peer == rank else peer_base(peer) - base for peer in range(world_size))
+
+
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     import torch
 
@@ -144,7 +237,10 @@ class CompiledEntry:
 
     `staging`: the symmetric `SYMMETRIC_INPUTS` and the local `output_activation`, in the
     kernel's dtypes; `symmetric`: the NVSHMEM tensors to free (staging inputs + the shared
-    workspace).
+    workspace); `launch_args`: the call's keyword arguments except `stream` (each launch
+    passes the stream current then); `combine`: the `[T, k, H]` bf16 combine cells inside
+    the shared workspace (`combine_cells`); `staged_by`: the `StagedCall` whose inputs the
+    staging buffers hold (layers sharing the entry overwrite each other's).
     """
 
     compiled: Any
@@ -153,6 +249,8 @@ class CompiledEntry:
     staging: dict[str, torch.Tensor]
     symmetric: tuple[torch.Tensor, ...]
     launch_args: dict[str, Any]
+    combine: torch.Tensor | None = None
+    staged_by: Any = None
 
 
 def _free(entry: CompiledEntry) -> None:
@@ -274,26 +372,42 @@ class CutedslMegaKernel(PooledKernel):
         _copy_bytes(buf["activation_sf"], staged.activation_scales)
         buf["topk_idx"].copy_(staged.topk_ids)
         buf["topk_weights"].copy_(staged.topk_weights)
-        return StagedCall(staged, output)
+        call = StagedCall(staged, output)
+        entry.staged_by = call
+        return call
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
-        """Launch on the staged buffers; copies the live rows of the output out."""
+        """Launch on the staged buffers; copies the live rows of the output out.
+
+        `staged` must be the last `stage_inputs` of any layer sharing this pooled entry
+        (their staging buffers are one set): `MoeEpUsageError` otherwise.
+        """
         entry: CompiledEntry = self._entry()
-        self._launch(entry)
+        if entry.staged_by is not staged:
+            raise MoeEpUsageError(
+                "staged inputs were overwritten: layers of one geometry share their staging "
+                "buffers, so call compute_staged for a layer before stage_inputs of the next "
+                "(and compute each staged handle once)"
+            )
+        entry.staged_by = None
         n = staged.inputs.num_tokens
+        if entry.combine is not None:
+            clear_padded_cells(entry.combine, entry.staging["topk_idx"], n)
+        self._launch(entry)
         staged.output[:n].copy_(entry.staging["output_activation"][:n])
         return staged.output
 
     # -- internals ----------------------------------------------------------------------
     def _compile(self, g: Geometry) -> CompiledEntry:
-        """Build, allocate and compile (GPU only; never run)."""
-        import cuda.bindings.driver as cuda
+        """Build, allocate and compile (GPU only; never run on one; rehearsed on CPU with
+        recording fakes of cutlass, NVSHMEM and cuda-bindings)."""
         import cutlass.torch as cutlass_torch
         import nvshmem.core
         import torch
 
         dev = self.runtime.device
         kernel, api, clusters = self._make_kernel(g)
+        combine_region(kernel, g)  # the drop still has the cells we clear (before allocating)
         local_bytes, shared_bytes = kernel.get_workspace_sizes()
         local_ws = torch.zeros((local_bytes,), dtype=torch.uint8, device=dev)
         shared_ws = nvshmem.core.tensor((shared_bytes,), dtype=torch.uint8)
@@ -318,26 +432,36 @@ class CutedslMegaKernel(PooledKernel):
         staging["topk_idx"].fill_(-1)
         weights = self._weight_tensors()
         base = int(shared_ws.data_ptr())
-        offsets = tuple(
-            0
-            if peer == g.rank
-            else int(nvshmem.core.get_peer_tensor(shared_ws, peer).data_ptr()) - base
-            for peer in range(g.world_size)
-        )
+        offsets = peer_offsets(shared_ws, g.world_size, g.rank)
         peer_map = api.sym_buffer_host(
             base_addr=base, offsets=offsets, rank_idx=g.rank, num_max_ranks=g.world_size
         )
+        cells = combine_cells(kernel, shared_ws, g)
 
         def tensor(spec: ArgSpec) -> Any:
             t = staging[spec.name] if spec.name in staging else weights[spec.name]
             ct = cutlass_torch.from_dlpack(as_kernel_dtype(t, spec), assumed_align=spec.align)
             return ct.mark_layout_dynamic(leading_dim=spec.leading_dim)
 
-        stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-        common = dict(tensor=tensor, peer_map=peer_map, stream=stream, max_active_clusters=clusters)
+        common = dict(
+            tensor=tensor, peer_map=peer_map, stream=self._stream(), max_active_clusters=clusters
+        )
         args = self._call_args(g, (local_ws, shared_ws), common)
         compiled, launch_args = compile_collective(kernel, args, self.runtime)
-        return CompiledEntry(compiled, local_ws, shared_ws, staging, tuple(symmetric), launch_args)
+        launch_args.pop("stream")
+        return CompiledEntry(
+            compiled, local_ws, shared_ws, staging, tuple(symmetric), launch_args, cells
+        )
+
+    def _stream(self) -> Any:
+        """The runtime device's current CUDA stream as a `cuda.CUstream` (GPU only)."""
+        import cuda.bindings.driver as cuda
+        import torch
+
+        return cuda.CUstream(torch.cuda.current_stream(self.runtime.device).cuda_stream)
 
     def _launch(self, entry: CompiledEntry) -> None:
-        entry.compiled(**entry.launch_args)
+        """Run the compiled kernel on the current stream, where staging was issued (the
+        stream at compile time may be another one: warmup on the default stream, forwards
+        on a framework's stream or under graph capture)."""
+        entry.compiled(**entry.launch_args, stream=self._stream())
