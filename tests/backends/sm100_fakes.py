@@ -104,6 +104,7 @@ class FakeGpu:
     compiles: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
     kernels: list[Any] = field(default_factory=list)
     compiled: FakeCompiled = field(default_factory=FakeCompiled)
+    fake_tensors: list[tuple[Any, ...]] = field(default_factory=list)
 
     # -- nvshmem.core ---------------------------------------------------------------------
     def sym_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -142,6 +143,20 @@ class FakeGpu:
         p = FakePtr(dtype, address, memspace, assumed_align)
         self.pointers.append(p)
         return p
+
+    def make_fake_tensor(
+        self, dtype: Any, shape: tuple, *, stride: tuple, memspace: Any, assumed_align: int
+    ) -> tuple:
+        t = ("strided", dtype, tuple(shape), tuple(stride), assumed_align)
+        self.fake_tensors.append(t)
+        return t
+
+    def make_fake_compact_tensor(
+        self, dtype: Any, shape: tuple, *, memspace: Any, assumed_align: int
+    ) -> tuple:
+        t = ("compact", dtype, tuple(shape), None, assumed_align)
+        self.fake_tensors.append(t)
+        return t
 
     def compile(self, kernel: Any, **args: Any) -> FakeCompiled:
         self.compiles.append((kernel, args))
@@ -196,11 +211,18 @@ def install_fake_gpu(
     gpu = FakeGpu(world_size=world_size, rank=rank)
     dtypes = {n: f"cutlass.{n}" for n in ("BFloat16", "Float8E4M3FN", "Uint8")}
     typing = _module("cutlass.cute.typing", AddressSpace=SimpleNamespace(gmem="gmem"))
+    runtime = SimpleNamespace(
+        make_ptr=gpu.make_ptr,
+        make_fake_tensor=gpu.make_fake_tensor,
+        make_fake_compact_tensor=gpu.make_fake_compact_tensor,
+    )
     cute = _module(
         "cutlass.cute",
         compile=gpu.compile,
-        runtime=SimpleNamespace(make_ptr=gpu.make_ptr),
+        runtime=runtime,
         typing=typing,
+        sym_int32=lambda: "sym_int32",
+        sym_int64=lambda: "sym_int64",
     )
     ctorch = _module("cutlass.torch", from_dlpack=gpu.from_dlpack)
     cutlass = _module("cutlass", cute=cute, torch=ctorch, **dtypes)

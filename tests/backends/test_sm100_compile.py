@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from backend_testing import require_drop, run_compile_check
+from sm100_fakes import install_fake_gpu
 
 from moe_ep_sm100.drops import CUTEDSL_DROP
 
@@ -31,3 +32,18 @@ def test_nvfp4_kernel_refuses_a_hopper_target(tmp_path):
     result = _compile(tmp_path, "sm_90a")
     assert not result["ok"]
     assert "sm_90" in result["error"]
+
+
+def test_mxfp8_workspace_fakes_have_the_launch_paths_extents(monkeypatch):
+    # The launch passes the mxfp8 workspaces as from_dlpack uint8 tensors (the drop's runner
+    # does too): local static, shared marked dynamic on dim 0, which gives a 32-bit extent
+    # (`fake_gmem_tensor` builds exactly that, `test_compile_fakes`); the check's fake had a
+    # 64-bit one, a kernel specialisation the launch never runs.
+    from moe_ep_sm100.compile_check import mxfp8_fake_workspace
+
+    gpu = install_fake_gpu(monkeypatch, world_size=1, rank=0)
+    mxfp8_fake_workspace("local_workspace", 1000)
+    mxfp8_fake_workspace("shared_workspace", 1000)
+    local, shared = gpu.fake_tensors
+    assert local == ("compact", "cutlass.Uint8", (1000,), None, 16)
+    assert shared == ("strided", "cutlass.Uint8", ("sym_int32",), (1,), 16)

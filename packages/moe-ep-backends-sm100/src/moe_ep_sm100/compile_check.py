@@ -31,6 +31,7 @@ from moe_ep_sm100.configs import (
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
 )
+from moe_ep_sm100.cutedsl_launch import combine_region
 from moe_ep_sm100.drops import load_mxfp8_api, load_nvfp4_api
 from moe_ep_sm100.nvfp4_args import (
     ArgSpec,
@@ -46,6 +47,7 @@ __all__ = [
     "load_mxfp8_api",
     "load_nvfp4_api",
     "main",
+    "mxfp8_fake_workspace",
 ]
 
 DEFAULT_GEOMETRY = DEFAULT_CHECK_GEOMETRY
@@ -64,6 +66,22 @@ def _fake(spec: ArgSpec) -> Any:
         "bfloat16": cutlass.BFloat16,
     }
     return fake_gmem_tensor(spec, dtypes[spec.dtype])
+
+
+def mxfp8_fake_workspace(name: str, local_bytes: int) -> Any:
+    """The mxfp8 kernel's uint8 workspace `name` as the launch passes it: `from_dlpack` of
+    the local workspace keeps its static extent `local_bytes`; the shared one is marked
+    dynamic on dim 0, which gives a 32-bit extent (`fake_gmem_tensor`; a 64-bit one would
+    compile another specialisation than the launch runs)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.typing import AddressSpace
+
+    if name == "local_workspace":
+        return cute.runtime.make_fake_compact_tensor(
+            cutlass.Uint8, (local_bytes,), memspace=AddressSpace.gmem, assumed_align=16
+        )
+    return fake_gmem_tensor(ArgSpec(name, (1,), "uint8", 0), cutlass.Uint8)
 
 
 def compile_nvfp4(
@@ -88,6 +106,7 @@ def compile_nvfp4(
         )
     )
 
+    combine_region(kernel, geometry)  # the cells the launch path clears exist, as assumed
     inputs = fake_call_inputs(_fake, api.sym_buffer_host, geometry, BLACKWELL_SM_COUNT)
     args = call_args(geometry, pointer=fake_pointer, **inputs)
     return timed_compile(kernel, args, arch)[1]
@@ -102,8 +121,6 @@ def compile_mxfp8(
     """Compile the mxfp8 kernel for `arch` with fake tensors; returns seconds."""
     require_cute_dsl_arch(arch)
     import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.typing import AddressSpace
 
     check_config_geometry(config, geometry)
     api = load_mxfp8_api()
@@ -115,15 +132,10 @@ def compile_mxfp8(
         )
     )
     local_bytes, _ = kernel.get_workspace_sizes()
+    combine_region(kernel, geometry)  # the cells the launch path clears exist, as assumed
 
     def workspace(name: str) -> Any:
-        if name == "local_workspace":  # static extent, as the launch path passes it
-            return cute.runtime.make_fake_compact_tensor(
-                cutlass.Uint8, (local_bytes,), memspace=AddressSpace.gmem, assumed_align=16
-            )
-        return cute.runtime.make_fake_compact_tensor(
-            cutlass.Uint8, (cute.sym_int64(),), memspace=AddressSpace.gmem, assumed_align=16
-        )
+        return mxfp8_fake_workspace(name, local_bytes)
 
     inputs = fake_call_inputs(_fake, api.sym_buffer_host, geometry, clusters)
     args = mxfp8_args.call_args(geometry, workspace=workspace, **inputs)
