@@ -4,7 +4,8 @@ reason). Never run: no Blackwell GPU was available when they were written.
 The problems are `sm90_gpu_cases`' (bf16 activations, weights exact in fp8, which the nvfp4
 and mxfp8 recipes re-quantize with their own block scales, as the oracle does). Both kernels
 apply the top-k weight before quantizing the FC2 input (`apply_topk_in_fc1`); the oracle
-does the same with `topk_weight_before_fc2=True`.
+does the same (`sm100_gpu_cases.sm100_oracle`). Their CPU side runs on CPU with the kernels'
+portable twins in `test_sm100_gpu_cases.py`.
 """
 
 from __future__ import annotations
@@ -12,50 +13,42 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_hw import require_capability
-from sm90_gpu_cases import CASES, GpuCase, problem_for, run_rank_wire
+from sm90_gpu_cases import CASES
+from sm100_gpu_cases import FORMATS, Job, sm100_reports
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm100]
 
-KERNELS = {
-    "sm100_nvfp4_nvfp4_bf16_cutedsl": "nvfp4",
-    "sm100_mxfp8_mxfp8_bf16_cutedsl": "mxfp8",
-}
 
-
-def _check(case: GpuCase, world_size: int, kernel: str) -> None:
-    from moe_ep.launch import spawn_local
-    from moe_ep.oracle import compare_to_oracle, oracle_forward
+def _check(job: Job, world_size: int) -> None:
     from moe_ep.registry import get_kernel
 
-    ok, why = get_kernel(kernel).availability()
+    require_capability((10, 0), "Blackwell B200/GB200 (sm_100)")
+    ok, why = get_kernel(job.kernel).availability()
     if not ok:
-        pytest.skip(f"{kernel}: {why}")
-    # numpy bits back from the ranks: torch's shared-memory pickling of a returned tensor
-    # fails when the rank exits before the parent reads it
-    outs = spawn_local(run_rank_wire, world_size, case, kernel, timeout_s=600.0)
-    got = torch.cat([torch.from_numpy(a).view(torch.bfloat16) for a in outs])
-    p = problem_for(case, world_size, kernel)
-    ref = oracle_forward(
-        p["x"], p["ids"], p["w"], p["w13"], p["w2"], fmt=KERNELS[kernel],
-        topk_weight_before_fc2=True,  # both kernels weight before quantizing the FC2 input
-    )  # fmt: skip
-    report = compare_to_oracle(got, ref)
-    assert report.ok, f"{kernel} {case.name}: {report}"
+        pytest.skip(f"{job.kernel}: {why}")
+    (report,) = sm100_reports([job], world_size, timeout_s=600.0)
+    assert report.ok, f"{job.kernel} {job.case.name} repeat={job.repeat}: {report}"
 
 
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("kernel", sorted(FORMATS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_sm100_cutedsl_matches_oracle_ep1(case, kernel):
-    require_capability((10, 0), "Blackwell B200/GB200 (sm_100)")
-    _check(case, 1, kernel)
+    _check(Job(case, kernel), 1)
+
+
+@pytest.mark.parametrize("kernel", sorted(FORMATS))
+def test_sm100_cutedsl_padded_slots_after_a_fully_routed_forward(kernel):
+    # The drop's top-k reduce sums all k combine cells of a row and nobody writes a padded
+    # slot's cell: the layer must clear what the first (fully routed) forward left there.
+    _check(Job(CASES[1], kernel, repeat=True), 1)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("kernel", sorted(FORMATS))
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
 def test_sm100_cutedsl_matches_oracle_multirank(case, kernel):
     require_capability((10, 0), "Blackwell B200/GB200 (sm_100)")
     n = torch.cuda.device_count()
     if n < 2:
         pytest.skip(f"needs 2+ Blackwell GPUs, {n} visible")
-    _check(case, min(n, 4), kernel)
+    _check(Job(case, kernel), min(n, 4))
