@@ -176,3 +176,26 @@ def test_cuda_wheel_dirs_of_cuda13_and_cuda12_torch(tmp_path: Path) -> None:
     assert flags[flags.index("-l:libnvrtc.so.12") - 1] == f"-L{cu12 / 'cuda_nvrtc' / 'lib'}"
     assert set(incs) <= set(s.system_include_dirs())
     assert push_build.cuda_wheel_dirs([tmp_path / "c" / "nvidia"]) == ((), ())
+
+
+def test_every_gemm_module_source_finds_its_headers_in_the_drops(tmp_path: Path) -> None:
+    # The deps drop is a header closure; a file it lacks stops the GEMM module's build on the
+    # GPU machine (memoryUtils.cu needed cudaBf16Fallbacks.cuh, found 2026-12-01 once curand
+    # headers were at hand). nvcc -M of each compile unit with the module's own flags and
+    # include dirs; curand_kernel.h (CUDA toolkit, not a drop file) may be a stub here.
+    _require_push()
+    from moe_ep_sm90 import push_build
+
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "curand_kernel.h").write_text("#pragma once\n")
+    s = push_build.find_sources()
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    cmds = push_build.gemm_commands(s, gen, tmp_path, tmp_path / "m.so")[:-1]
+    assert len(cmds) == 1 + len(push_build.COMMON_SOURCES)
+    for cmd in cmds:
+        i = cmd.index("-c")
+        dep = [*cmd[:i], "-isystem", str(stub), "-M", cmd[i + 1]]
+        proc = subprocess.run(dep, capture_output=True, text=True, timeout=180, check=False)
+        assert proc.returncode == 0, f"{Path(cmd[i + 1]).name}: {proc.stderr[-1500:]}"
