@@ -11,6 +11,7 @@ whose step 0 calls `assemble` (there, no network) to check and unpack them.
 
   python3 benchmarks/gpu_carry.py pack [--out .gpu_carry] [--part-mib 56]
   python3 benchmarks/gpu_carry.py assemble --parts /tmp/moe_ep_parts --wheels DIR
+  python3 benchmarks/gpu_carry.py install --wheels DIR
 
 `pack` prints the device calls to make. The machine must stay warm between them (it is
 given back after about 30 s idle; then the parts sent so far are lost).
@@ -37,11 +38,18 @@ LOCKED_WHEELS = (
     "nvidia-cutlass-dsl-libs-core",
     "nvidia-cutlass-dsl-libs-cu13",  # one toolkit flavor is enough (the cu12 one is not carried)
     "nvshmem4py-cu13",
+    "cuda-core",  # nvshmem4py needs cuda.core >= 0.5 and cuda.pathfinder >= 1.2.3: the
+    "cuda-pathfinder",  # image has both, of versions not recorded; `install` upgrades only
     "apache-tvm-ffi",
 )
-"""Runtime packages the image lacks, at the versions `uv.lock` pins."""
+"""Runtime packages the image lacks (or may hold too old), at the versions `uv.lock` pins."""
 
-BUILD_WHEELS = {"hatchling": "1.33.0", "editables": "0.6", "trove-classifiers": "2026.9.21.13"}
+BUILD_WHEELS = {
+    "hatchling": "1.33.0",
+    "editables": "0.6",
+    "trove-classifiers": "2026.9.21.13",
+    "tomlkit": "0.15.2",
+}
 """What `pip install -e --no-build-isolation` of our packages needs there (hatchling's
 other needs, packaging / pathspec / pluggy, are on the image)."""
 
@@ -91,14 +99,14 @@ def download(pins: dict[str, str], dest: Path, python_version: str) -> list[Path
     return wheels
 
 
-def build_tar(wheels: list[Path], drops: tuple[str, ...]) -> bytes:
-    """gzip tar: `wheels/<file>` and `vendor/<drop>/src/...` (each drop's src must exist)."""
+def build_tar(wheels: list[Path], drops: tuple[str, ...], root: Path = ROOT) -> bytes:
+    """gzip tar: `wheels/<file>` and `vendor/<drop>/src/...` of `root` (each must exist)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         for w in wheels:
             tar.add(w, arcname=f"wheels/{w.name}")
         for drop in drops:
-            src = ROOT / "vendor" / drop / "src"
+            src = root / "vendor" / drop / "src"
             if not src.is_dir():
                 raise SystemExit(f"gpu_carry: {src} is missing: uv run tools/vendor.py sync --all")
             tar.add(src, arcname=f"vendor/{drop}/src")
@@ -156,6 +164,52 @@ def assemble(parts_dir: Path, wheels_dir: Path, root: Path) -> list[str]:
     return sorted(names)
 
 
+def _version_key(version: str) -> tuple[int, ...]:
+    """Numeric release parts of `version` ("13.4.4" -> (13, 4, 4); "0.1.15.post2" -> (0, 1, 15))."""
+    key = []
+    for part in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        key.append(int(digits))
+    return tuple(key)
+
+
+def wheels_to_install(wheels_dir: Path, installed: dict[str, str]) -> list[tuple[Path, str]]:
+    """(wheel, why) for each carried wheel whose distribution is missing from `installed`
+    (`{normalized name: version}`) or older there; a newer or equal one is kept."""
+    chosen = []
+    for whl in sorted(wheels_dir.glob("*.whl")):
+        name, version = whl.name.split("-")[:2]
+        have = installed.get(name.lower().replace("-", "_"))
+        if have is None:
+            chosen.append((whl, f"{name} {version}: not installed"))
+        elif _version_key(have) < _version_key(version):
+            chosen.append((whl, f"{name} {version}: replaces {have}"))
+    return chosen
+
+
+def install(wheels_dir: Path) -> int:
+    """Install the carried wheels python3 lacks or has older, in one `pip --no-deps` call
+    (the carried set is what the image lacks: nvidia-cutlass-dsl's metadata also asks for its
+    cu12 library wheel, which is not carried, the cu13 one being enough). pip's status."""
+    import importlib.metadata as md
+
+    installed = {
+        d.metadata["Name"].lower().replace("-", "_"): d.version for d in md.distributions()
+    }
+    chosen = wheels_to_install(wheels_dir, installed)
+    for _, why in chosen:
+        print(f"  install {why}", flush=True)
+    kept = len(list(wheels_dir.glob("*.whl"))) - len(chosen)
+    print(f"  {kept} carried wheels not needed (installed, same or newer)", flush=True)
+    if not chosen:
+        return 0
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+           "--no-cache-dir", *(str(w) for w, _ in chosen)]  # fmt: skip
+    return subprocess.run(cmd, check=False).returncode
+
+
 def _plan(parts: list[Path], out: Path) -> str:
     rel = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
     lines = [
@@ -184,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     asm = sub.add_parser("assemble", help="check and unpack the parts (on the GPU machine)")
     asm.add_argument("--parts", type=Path, required=True)
     asm.add_argument("--wheels", type=Path, required=True)
+    ins = sub.add_parser("install", help="pip-install the carried wheels python3 lacks")
+    ins.add_argument("--wheels", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.verb == "install":
+        return install(args.wheels)
     if args.verb == "assemble":
         names = assemble(args.parts, args.wheels, ROOT)
         print(f"gpu_carry: {len(names)} wheels in {args.wheels}; drops' src/ under {ROOT}")

@@ -72,27 +72,9 @@ EOF
 fi
 
 say "2/6 python packages"
-# Every carried wheel whose distribution python3 lacks, in one pip call with --no-deps: the
-# carried set is exactly what the image lacks (nvidia-cutlass-dsl's metadata also asks for
-# its cu12 library wheel, which is not carried: the cu13 one is enough).
-TO_INSTALL=()
 if [ -n "$WHEELS" ]; then
-  for whl in "$WHEELS"/*.whl; do
-    [ -e "$whl" ] || continue
-    dist="$(basename "$whl" | cut -d- -f1)"
-    if "$PY" -c "import importlib.metadata as m,sys; m.distribution(sys.argv[1])" "$dist" 2>/dev/null; then
-      say "  $dist: present (carried wheel not used)"
-    else
-      TO_INSTALL+=("$whl")
-    fi
-  done
-fi
-if [ "${#TO_INSTALL[@]}" -gt 0 ]; then
-  if "$PY" -m pip install -q --no-index --no-deps --no-cache-dir "${TO_INSTALL[@]}" >>"$OUT_DIR/pip.log" 2>&1; then
-    say "  installed ${#TO_INSTALL[@]} carried wheels: $(for w in "${TO_INSTALL[@]}"; do basename "$w" | cut -d- -f1-2; done | tr '\n' ' ')"
-  else
-    say "  installing the carried wheels FAILED (see pip.log)"
-  fi
+  "$PY" benchmarks/gpu_carry.py install --wheels "$WHEELS" 2>&1 | tee -a "$OUT_DIR/summary.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || say "  installing the carried wheels FAILED"
 fi
 MISSING=()
 for pair in hatchling:hatchling editables:editables rich:rich pytest:pytest \
