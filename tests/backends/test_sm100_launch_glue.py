@@ -9,6 +9,8 @@ and launch. The expected values below are the runners' (cited), not read back fr
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from backend_testing import FakeRuntime, routed_tensors
@@ -239,6 +241,22 @@ def test_destroy_frees_every_symmetric_buffer_once(setup):
     assert [id(t) for t in gpu.freed] == [id(t) for t in gpu.symmetric]
     kernel.destroy()
     assert len(gpu.freed) == 5
+
+
+def test_destroy_waits_for_the_device_before_the_barrier_and_the_free(setup, monkeypatch):
+    # the runners: torch.cuda.synchronize(); barrier; free (a host barrier alone lets a rank
+    # free symmetric memory a peer's kernel still writes)
+    _, kernel, _ = setup
+    events: list[str] = []
+    monkeypatch.setattr(type(kernel), "_wait_device", lambda self: events.append("sync"))
+    monkeypatch.setattr(type(kernel.runtime), "barrier", lambda self: events.append("barrier"))
+    core = sys.modules["nvshmem.core"]
+    monkeypatch.setattr(core, "free_tensor", lambda t: events.append("free"))
+    kernel.warmup()
+    _forward(kernel)
+    events.clear()
+    kernel.destroy()
+    assert events == ["sync", "barrier"] + ["free"] * 5
 
 
 def test_staging_of_a_second_layer_refuses_the_first_layers_compute(setup):

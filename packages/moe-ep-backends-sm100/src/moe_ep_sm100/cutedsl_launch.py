@@ -397,7 +397,25 @@ class CutedslMegaKernel(PooledKernel):
         staged.output[:n].copy_(entry.staging["output_activation"][:n])
         return staged.output
 
+    def destroy(self) -> None:
+        """Collective, idempotent: wait for this rank's launches, then `PooledKernel.destroy`
+        (barrier, release; the last layer of a geometry frees the NVSHMEM buffers).
+
+        The wait comes first, as in the drop's runners (synchronize, barrier, free): a host
+        barrier alone lets a rank free symmetric memory a peer's kernel still writes.
+        """
+        if not self._destroyed and self._pooled is not None:
+            self._wait_device()
+        super().destroy()
+
     # -- internals ----------------------------------------------------------------------
+    def _wait_device(self) -> None:
+        """Block until this rank's device work is done (GPU entries only)."""
+        import torch
+
+        if self._pooled.local_workspace.is_cuda:
+            torch.cuda.synchronize(self.runtime.device)
+
     def _compile(self, g: Geometry) -> CompiledEntry:
         """Build, allocate and compile (GPU only; never run on one; rehearsed on CPU with
         recording fakes of cutlass, NVSHMEM and cuda-bindings)."""
