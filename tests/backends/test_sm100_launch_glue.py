@@ -279,3 +279,18 @@ def test_launch_path_is_the_base_class(setup):
     _, kernel, _ = setup
     assert type(kernel)._compile is CutedslMegaKernel._compile
     assert type(kernel)._launch is CutedslMegaKernel._launch
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_top_k_above_32_is_refused_before_anything_is_built(kind):
+    # the runners refuse num_topk > 32; the drop's dispatch would spin forever on it
+    # (tokens_per_warp = 32 // num_topk == 0 never advances its token loop)
+    _, cfg = KINDS[kind]
+    geometry = dict(
+        hidden_size=H, intermediate_size=I, num_experts=64, world_size=1, max_tokens_per_rank=T
+    )
+    cfg().check_problem(top_k=32, **geometry)
+    with pytest.raises(MoeEpUsageError, match=r"top_k must be <= 32.*got 33"):
+        cfg().check_problem(top_k=33, **geometry)
+    with pytest.raises(MoeEpUsageError, match="got 33"):
+        cfg(top_k=33).check_problem(top_k=33, **geometry)

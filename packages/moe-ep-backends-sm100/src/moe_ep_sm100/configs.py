@@ -27,6 +27,11 @@ __all__ = [
 # B200 SM count; the default for max active clusters of a 1-CTA cluster.
 BLACKWELL_SM_COUNT = 148
 
+# The CuTe DSL drop's dispatch gives each top-k slot of a token one lane of a warp
+# (`tokens_per_warp = 32 // num_topk` in `src/token_comm.py`): above 32 no token is ever
+# counted and its loop never advances (a hang); its runners refuse num_topk > 32.
+CUTEDSL_MAX_TOP_K = 32
+
 
 @dataclass(frozen=True, kw_only=True)
 class _Sm100Config(GeometryCheckedConfig):
@@ -46,7 +51,19 @@ class _Sm100Config(GeometryCheckedConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig(_Sm100Config):
+class _CutedslConfig(_Sm100Config):
+    """Rules the two CuTe DSL kernels share: top_k <= `CUTEDSL_MAX_TOP_K`."""
+
+    def _check_top_k(self, top_k: int) -> None:
+        if top_k > CUTEDSL_MAX_TOP_K:
+            raise MoeEpUsageError(
+                f"{self.kernel_name}: top_k must be <= {CUTEDSL_MAX_TOP_K} (the drop's "
+                f"dispatch maps a token's slots onto one warp's lanes), got {top_k}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig(_CutedslConfig):
     """Blackwell CuTe DSL mega-MoE, nvfp4 activations and weights (e2m1, 16-element e4m3
     block scales, per-tensor fp32 global scale applied as per-expert alpha).
 
@@ -71,7 +88,7 @@ class Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig(_Sm100Config):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig(_Sm100Config):
+class Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig(_CutedslConfig):
     """Blackwell CuTe DSL mega-MoE (2-CTA), mxfp8 e4m3 with 32-element E8M0 block scales.
 
     Hidden and intermediate sizes must be multiples of 64 (the drop's own rule).
