@@ -43,6 +43,8 @@ mkdir -p "$OUT_DIR"
 PY="${PYTHON:-python3}"
 WHEELS="${MOE_EP_WHEELS:-}"
 export PYTHONUNBUFFERED=1
+# NVSHMEM's own warnings (transport or heap trouble in a container) land in the test logs.
+export NVSHMEM_DEBUG="${NVSHMEM_DEBUG:-WARN}"
 START=$(date +%s)
 say() { printf '[gpu_check %4ds] %s\n' "$(( $(date +%s) - START ))" "$*" | tee -a "$OUT_DIR/summary.txt"; }
 # The whole check ends inside MOE_EP_GPU_CHECK_BUDGET_S (default 560: the device tool stops a
