@@ -10,9 +10,11 @@ Two uses:
 - compile-only checks (no GPU): `a2a_cubin_command` / `binding_cubin_command` (device code,
   `-cubin`), run by `compile_check` and the tests;
 - `build_modules` (shared libraries into a content-addressed cache dir) and `load_modules`
-  (`tvm_ffi.load_module`). Warning: the GEMM module's build and any call into either module
-  have NEVER RUN (the GEMM host build needs `curand_kernel.h` and `libcuda`, which this
-  machine lacks; calls need a GPU). The a2a module builds and loads on CPU (`slow` test).
+  (`tvm_ffi.load_module`). Warning: no call into either module has ever run (they need a
+  GPU). The a2a module builds and loads on CPU (`slow` test). The GEMM module's host build
+  needs `curand_kernel.h` (torch 2.11's cu13 wheels ship it, the lock's 2.15 does not) and
+  `libcuda`: it built on CPU once, against torch 2.11 with a stand-in `libcuda.so.1`
+  (2026-12-01, docs/runbook.md), never with a real driver.
 """
 
 from __future__ import annotations
@@ -362,9 +364,10 @@ def build_modules(
 ) -> BuiltModules:
     """Compile and link both modules into `cache_dir/<digest>/` (reused when present).
 
-    Warning: the GEMM module's build has NEVER RUN: it needs the CUDA toolkit's
-    `curand_kernel.h` (for `memoryUtils.cu`) and `libcuda` to link, as on a GPU machine. The
-    a2a module's build runs on CPU in a `slow` test.
+    The GEMM module needs `curand_kernel.h` (for `memoryUtils.cu`; torch 2.11's cu13 wheels
+    or the toolkit) and `libcuda` to link; it built on CPU against torch 2.11 with a
+    stand-in `libcuda.so.1`, never on a GPU machine. The a2a module's build runs on CPU in a
+    `slow` test.
     """
     nvcc = nvcc or shutil.which("nvcc") or "nvcc"
     digest = source_digest(s, module_flags())
