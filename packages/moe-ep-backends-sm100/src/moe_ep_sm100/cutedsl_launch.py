@@ -1,11 +1,12 @@
 """Launch path shared by the two sm100 CuTe DSL kernels (nvfp4, mxfp8).
 
 Warning:
-    NEVER RUN ON A GPU (no Blackwell machine was available). `_compile` and `_launch` (CuTe
-    DSL compile, NVSHMEM symmetric buffers, peer offsets, the launch itself) have only been
-    read against the drop's own runners; the rest of the lifecycle (pooling, ref-counted
-    release, staging copies, output copy-out, errors) is tested on CPU with `_compile` and
-    `_launch` replaced by fakes (`tests/backends/test_sm100_lifecycle.py`).
+    NEVER RUN ON A GPU (no Blackwell machine was available). `_compile`, `_launch` and
+    `destroy` (CuTe DSL compile, NVSHMEM symmetric buffers, peer offsets, the launch) run on
+    CPU only with recording fakes of cutlass, NVSHMEM and cuda-bindings, every call compared
+    with the drop's own runners (`tests/backends/test_sm100_launch_glue.py`); the rest of
+    the lifecycle (pooling, ref-counted release, staging copies, output copy-out, errors) is
+    tested with `_compile` and `_launch` faked (`tests/backends/test_sm100_lifecycle.py`).
 
 Lifecycle (the pattern of `moe_ep_sm90.pull_cutedsl`): weights are prepared once in
 `__init__`; the first `warmup()` (with `config.top_k` set) or the first forward compiles the
