@@ -3,7 +3,8 @@
 Warning:
     The launch path (`cutedsl_launch`) has NEVER RUN ON A GPU (no Blackwell machine was
     available). What is tested on CPU: config validation, availability, weight preparation
-    and input staging (`nvfp4_layout`), the lifecycle with compile/launch faked, and that
+    and input staging (`nvfp4_layout`), the lifecycle with compile/launch faked, the launch
+    glue with cutlass / NVSHMEM / cuda-bindings faked (`test_sm100_launch_glue`), and that
     the kernel compiles for sm_100a with the arguments `nvfp4_args` builds
     (`compile_check`), the same functions the launch uses.
 """
