@@ -259,6 +259,27 @@ def test_destroy_waits_for_the_device_before_the_barrier_and_the_free(setup, mon
     assert events == ["sync", "barrier"] + ["free"] * 5
 
 
+def test_layers_sharing_an_entry_launch_with_their_own_weights(setup):
+    # one compiled kernel and one set of buffers per geometry; the weights (and nvfp4's
+    # per-expert alphas) are each layer's own
+    kind, kernel, gpu = setup
+    other = _make(kind, kernel.runtime)
+    kernel.warmup()
+    other.warmup()
+    assert len(gpu.compiles) == 1
+    _forward(other)
+    _forward(kernel)
+    _forward(other)
+    names = set(kernel._weight_tensors())
+    assert {"fc1_weight", "fc1_weight_sf", "fc2_weight", "fc2_weight_sf"} <= names
+    for launch, layer in zip(gpu.compiled.launches, (other, kernel, other), strict=True):
+        for name, t in layer._weight_tensors().items():
+            arg = launch[name]
+            assert arg.tensor.data_ptr() == t.data_ptr(), name
+            assert arg.leading_dim == _leading_dim(arg.tensor), name
+    other.destroy()
+
+
 def test_staging_of_a_second_layer_refuses_the_first_layers_compute(setup):
     kind, kernel, gpu = setup
     other = _make(kind, kernel.runtime)

@@ -54,6 +54,7 @@ __all__ = [
     "clear_padded_cells",
     "combine_cells",
     "combine_region",
+    "kernel_tensor",
     "max_active_clusters",
     "peer_offsets",
     "storage_tensor",
@@ -223,6 +224,14 @@ def peer_offsets(symmetric: torch.Tensor, world_size: int, rank: int) -> tuple[i
     return tuple(0 if peer == rank else peer_base(peer) - base for peer in range(world_size))
 
 
+def kernel_tensor(cutlass_torch: Any, t: torch.Tensor, spec: ArgSpec) -> Any:
+    """`t` as the kernel argument `spec`: `from_dlpack` of its kernel-dtype view with the
+    spec's alignment, layout dynamic with stride 1 on the spec's leading dim (the runners'
+    `_to_cute`). `cutlass_torch` is the imported `cutlass.torch`."""
+    ct = cutlass_torch.from_dlpack(as_kernel_dtype(t, spec), assumed_align=spec.align)
+    return ct.mark_layout_dynamic(leading_dim=spec.leading_dim)
+
+
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     import torch
 
@@ -304,6 +313,7 @@ class CutedslMegaKernel(PooledKernel):
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
     pool: ClassVar[WorkspacePool[CompiledEntry]] = POOL
     packed_fp4: ClassVar[bool] = False
+    _weight_args: dict[str, Any] | None = None  # per layer, see `_own_weight_args`
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -459,8 +469,7 @@ class CutedslMegaKernel(PooledKernel):
 
         def tensor(spec: ArgSpec) -> Any:
             t = staging[spec.name] if spec.name in staging else weights[spec.name]
-            ct = cutlass_torch.from_dlpack(as_kernel_dtype(t, spec), assumed_align=spec.align)
-            return ct.mark_layout_dynamic(leading_dim=spec.leading_dim)
+            return kernel_tensor(cutlass_torch, t, spec)
 
         common = dict(
             tensor=tensor, peer_map=peer_map, stream=self._stream(), max_active_clusters=clusters
@@ -468,9 +477,24 @@ class CutedslMegaKernel(PooledKernel):
         args = self._call_args(g, (local_ws, shared_ws), common)
         compiled, launch_args = compile_collective(kernel, args, self.runtime)
         launch_args.pop("stream")
+        self._weight_args = {name: args[name] for name in weights}
         return CompiledEntry(
             compiled, local_ws, shared_ws, staging, tuple(symmetric), launch_args, cells
         )
+
+    def _own_weight_args(self) -> dict[str, Any]:
+        """This layer's weight arguments (cute tensors of its own prepared weights, built as
+        the compile built the compiling layer's; cached). Layers sharing a pooled entry share
+        its compiled kernel and buffers, never its weights."""
+        if self._weight_args is None:
+            import cutlass.torch as cutlass_torch
+
+            specs = {s.name: s for s in self._tensor_specs(self.geometry)}
+            self._weight_args = {
+                name: kernel_tensor(cutlass_torch, t, specs[name])
+                for name, t in self._weight_tensors().items()
+            }
+        return self._weight_args
 
     def _stream(self) -> Any:
         """The runtime device's current CUDA stream as a `cuda.CUstream` (GPU only)."""
@@ -483,4 +507,5 @@ class CutedslMegaKernel(PooledKernel):
         """Run the compiled kernel on the current stream, where staging was issued (the
         stream at compile time may be another one: warmup on the default stream, forwards
         on a framework's stream or under graph capture)."""
-        entry.compiled(**entry.launch_args, stream=self._stream())
+        args = {**entry.launch_args, **self._own_weight_args(), "stream": self._stream()}
+        entry.compiled(**args)
