@@ -9,7 +9,10 @@ oracle does, so `test_sm100_gpu_cases.py` runs the GPU tests' code path on CPU
 
 A job may `repeat`: one layer forwards the same tokens fully routed first (every combine
 cell written) and then with the case's padded slots; only the second output is compared.
-On a GPU that catches a padded slot summing a cell an earlier launch left.
+On a GPU that catches a padded slot summing a cell an earlier launch left. A job may have a
+`decoy`: a layer of the same geometry with other weights (seed + 100), built and run first
+and kept alive, so the compared layer shares its pooled kernel and buffers; on a GPU that
+catches a layer launched with another layer's weights.
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ FORMATS = {NVFP4: "nvfp4", MXFP8: "mxfp8"}
 
 @dataclass(frozen=True)
 class Job:
-    """One comparison: `case` through `kernel` (or `backend`, its CPU twin), `repeat` as in
-    the module docstring."""
+    """One comparison: `case` through `kernel` (or `backend`, its CPU twin); `repeat` and
+    `decoy` as in the module docstring."""
 
     case: GpuCase
     kernel: str
     backend: Any = None
     repeat: bool = False
+    decoy: bool = False
 
 
 def sm100_oracle(case: GpuCase, world_size: int, kernel: str) -> Any:
@@ -86,15 +90,13 @@ def _inputs(case: GpuCase, rank: int, world_size: int, kernel: str, dev: Any) ->
     )
 
 
-def run_job(rank: int, world_size: int, job: Job) -> torch.Tensor:
-    """One rank's output `[tokens, H]` bf16 (on CPU) for `job` through a `MoEEpLayer`."""
+def _layer(rank: int, world_size: int, case: GpuCase, job: Job) -> Any:
     from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEWeightPack
 
-    case, kernel = job.case, job.kernel
-    p = problem_for(case, world_size, kernel)
+    p = problem_for(case, world_size, job.kernel)
     el = case.experts_per_rank
     experts = slice(rank * el, (rank + 1) * el)
-    layer = MoEEpLayer(
+    return MoEEpLayer(
         BootstrapConfig(world_size=world_size, rank=rank),
         FleetParams(
             num_experts=el * world_size,
@@ -102,9 +104,22 @@ def run_job(rank: int, world_size: int, job: Job) -> torch.Tensor:
             hidden_size=case.hidden,
         ),
         MoEWeightPack(w13=p["w13"][experts], w2=p["w2"][experts]),
-        job.backend if job.backend is not None else sm100_backend(case, kernel),
+        job.backend if job.backend is not None else sm100_backend(case, job.kernel),
     )
+
+
+def run_job(rank: int, world_size: int, job: Job) -> torch.Tensor:
+    """One rank's output `[tokens, H]` bf16 (on CPU) for `job` through a `MoEEpLayer`."""
+    case, kernel = job.case, job.kernel
+    layers = []
     try:
+        if job.decoy:  # same geometry, other weights; stays alive
+            other = replace(case, seed=case.seed + 100)
+            layers.append(_layer(rank, world_size, other, job))
+            layers[-1].warmup()
+            layers[-1].forward(_inputs(other, rank, world_size, kernel, layers[-1].device))
+        layers.append(_layer(rank, world_size, case, job))
+        layer = layers[-1]
         layer.warmup()
         dev = layer.device
         if job.repeat:  # same tokens and weights (same seed), every slot routed
@@ -114,13 +129,23 @@ def run_job(rank: int, world_size: int, job: Job) -> torch.Tensor:
             torch.cuda.synchronize(out.device)
         return out.cpu()
     finally:
-        layer.destroy()
+        for layer in reversed(layers):
+            layer.destroy()
 
 
 def run_jobs_wire(rank: int, world_size: int, jobs: list[Job]) -> list[np.ndarray]:
     """`run_job` for each job in order, as a `spawn_local` worker: the bf16 outputs' bits as
-    int16 numpy (torch's shared-memory pickling races the rank's exit)."""
-    return [run_job(rank, world_size, j).contiguous().view(torch.int16).numpy() for j in jobs]
+    int16 numpy (torch's shared-memory pickling races the rank's exit). One runtime reference
+    is held across the jobs, as a host process holds it across its layers (otherwise each
+    job would tear the process group down and rendezvous again)."""
+    from moe_ep import BootstrapConfig
+    from moe_ep.runtime import acquire
+
+    runtime = acquire(BootstrapConfig(world_size=world_size, rank=rank))
+    try:
+        return [run_job(rank, world_size, j).contiguous().view(torch.int16).numpy() for j in jobs]
+    finally:
+        runtime.release()
 
 
 def sm100_reports(jobs: list[Job], world_size: int, *, timeout_s: float = 600.0) -> list[Any]:

@@ -27,7 +27,7 @@ def _check(job: Job, world_size: int) -> None:
     if not ok:
         pytest.skip(f"{job.kernel}: {why}")
     (report,) = sm100_reports([job], world_size, timeout_s=600.0)
-    assert report.ok, f"{job.kernel} {job.case.name} repeat={job.repeat}: {report}"
+    assert report.ok, f"{job}: {report}"
 
 
 @pytest.mark.parametrize("kernel", sorted(FORMATS))
@@ -41,6 +41,13 @@ def test_sm100_cutedsl_padded_slots_after_a_fully_routed_forward(kernel):
     # The drop's top-k reduce sums all k combine cells of a row and nobody writes a padded
     # slot's cell: the layer must clear what the first (fully routed) forward left there.
     _check(Job(CASES[1], kernel, repeat=True), 1)
+
+
+@pytest.mark.parametrize("kernel", sorted(FORMATS))
+def test_sm100_cutedsl_two_layers_of_one_geometry_use_their_own_weights(kernel):
+    # Layers of one geometry share one compiled kernel and its buffers (the pool); each
+    # must still launch with its own experts.
+    _check(Job(CASES[0], kernel, decoy=True), 1)
 
 
 @pytest.mark.multirank
