@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 from sm90_gpu_cases import CASES, GpuCase
-from sm100_gpu_cases import FORMATS, Job, cpu_twin, sm100_reports
+from sm100_gpu_cases import FORMATS, Job, cpu_twin, sm100_backend, sm100_reports
 
 
 def _small(case: GpuCase) -> GpuCase:
@@ -29,3 +29,14 @@ def test_cpu_twins_match_the_gpu_tests_oracle_ep2() -> None:
     reports = sm100_reports(jobs, 2, timeout_s=120)
     for job, report in zip(jobs, reports, strict=True):
         assert report.ok, f"{job}: {report}"
+
+
+def test_the_gpu_jobs_build_the_kernels_config_with_top_k() -> None:
+    # what the GPU jobs (no twin) hand to MoEEpLayer: the kernel's own config, top_k set so
+    # warmup() compiles; it resolves to the kernel it is compared as
+    from moe_ep.registry import resolve_kernel_name
+
+    for kernel in FORMATS:
+        cfg = sm100_backend(CASES[2], kernel)
+        assert resolve_kernel_name(cfg.kernel_name) == kernel
+        assert cfg.top_k == CASES[2].topk
