@@ -31,6 +31,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.args import check_pack_geometry
+from moe_ep.backends.support.cute_launch import (
+    clear_padded_cells,
+    current_stream,
+    cute_tensor,
+    peer_offsets,
+    region_view,
+    shared_region,
+)
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.backends.support.pooled import PooledKernel, StagedCall, compile_collective
@@ -51,12 +59,10 @@ __all__ = [
     "CutedslMegaKernel",
     "StagedBuffers",
     "check_sm100_pack",
-    "clear_padded_cells",
     "combine_cells",
     "combine_region",
     "kernel_tensor",
     "max_active_clusters",
-    "peer_offsets",
     "storage_tensor",
 ]
 
@@ -146,90 +152,25 @@ def as_kernel_dtype(t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
 
 def combine_region(kernel: Any, g: Geometry) -> tuple[int, int]:
     """(byte offset, byte count) of the drop kernel's bf16 combine cells `[T, k, H]` in its
-    shared workspace (the region its separate top-k reduce sums over).
-
-    Reads the kernel's region table (`_shared_offsets`, `_shared_region_by_name`; both drop
-    kernels lay their shared workspace out with it). `RuntimeError` if the drop no longer
-    has that region with that shape and a 16-bit element.
-    """
-    try:
-        offset = int(kernel._shared_offsets[COMBINE_REGION])
-        spec = kernel._shared_region_by_name[COMBINE_REGION]
-        shape, width = tuple(int(d) for d in spec.shape), int(spec.cute_dtype.width)
-    except (AttributeError, KeyError, TypeError) as exc:
-        raise RuntimeError(
-            f"the sm100 drop's kernel has no readable {COMBINE_REGION!r} shared-workspace "
-            f"region ({type(exc).__name__}: {exc}); moe_ep_sm100 zeroes the combine cells of "
-            "padded slots there and must be updated for this drop"
-        ) from exc
-    want = (g.max_tokens_per_rank, g.top_k, g.hidden_size)
-    if shape != want or width != 16:
-        raise RuntimeError(
-            f"the sm100 drop's {COMBINE_REGION!r} region is {shape} of {width}-bit elements; "
-            f"moe_ep_sm100 expects bf16 cells {want} (T, k, H)"
-        )
-    return offset, 2 * want[0] * want[1] * want[2]
+    shared workspace (the region its separate top-k reduce sums over); `RuntimeError` if
+    the drop's region table no longer has them so (`support.cute_launch.shared_region`)."""
+    shape = (g.max_tokens_per_rank, g.top_k, g.hidden_size)
+    return shared_region(kernel, COMBINE_REGION, shape, bits=16, owner="moe_ep_sm100")
 
 
 def combine_cells(kernel: Any, shared_workspace: torch.Tensor, g: Geometry) -> torch.Tensor:
     """`[T, k, H]` bf16 view of the combine cells inside the uint8 `shared_workspace`."""
     import torch
 
-    offset, nbytes = combine_region(kernel, g)
-    if offset + nbytes > shared_workspace.numel():
-        raise RuntimeError(
-            f"{COMBINE_REGION!r} [{offset}, {offset + nbytes}) lies outside the shared "
-            f"workspace of {shared_workspace.numel()} bytes"
-        )
-    cells = shared_workspace[offset : offset + nbytes].view(torch.bfloat16)
-    return cells.view(g.max_tokens_per_rank, g.top_k, g.hidden_size)
-
-
-def clear_padded_cells(cells: torch.Tensor, topk_idx: torch.Tensor, num_tokens: int) -> None:
-    """Zero the combine cells `[T, k, H]` of the padded slots (`topk_idx == -1`) of the
-    first `num_tokens` rows.
-
-    The drop's dispatch skips a -1 slot, so no rank writes its cell, while the top-k
-    reduce sums all k cells of every row: without this, a padded slot would add whatever an
-    earlier launch (of this or another layer sharing the pooled workspace) left in its cell.
-    Only the first launch finds the cells zeroed. Rows `>= num_tokens` are never copied out.
-    No rank writes a padded slot's cell during the launch, so clearing it on the launch
-    stream before the launch cannot race a peer.
-    """
-    n = num_tokens
-    if n:
-        cells[:n].masked_fill_((topk_idx[:n] < 0).unsqueeze(-1), 0)
-
-
-def peer_offsets(symmetric: torch.Tensor, world_size: int, rank: int) -> tuple[int, ...]:
-    """Byte offset from `symmetric`'s address to each PE's copy of it (0 for `rank`).
-
-    Read off the peer buffer's base address (`nvshmem.core.get_peer_buffer`), not
-    `get_peer_tensor`, whose `.view(shape)` fails when NVSHMEM reuses an address for a
-    smaller allocation while nvshmem4py still tracks the larger peer buffer (FlashInfer's
-    shim for this drop hit it; our pool frees and reallocates workspaces as geometries
-    come and go). The own rank is not looked up (nvshmem4py would hold a reference).
-    """
-    import nvshmem.core
-    import torch
-    from nvshmem.core.interop.torch import tensor_get_buffer
-
-    base = int(symmetric.data_ptr())
-    buf, _size, _dtype = tensor_get_buffer(symmetric)
-
-    def peer_base(peer: int) -> int:
-        peer_buf = nvshmem.core.get_peer_buffer(buf, peer)
-        return int(torch.utils.dlpack.from_dlpack(peer_buf).data_ptr())
-
-    return tuple(0 if peer == rank else peer_base(peer) - base for peer in range(world_size))
+    shape = (g.max_tokens_per_rank, g.top_k, g.hidden_size)
+    return region_view(shared_workspace, *combine_region(kernel, g), torch.bfloat16, shape)
 
 
 def kernel_tensor(cutlass_torch: Any, t: torch.Tensor, spec: ArgSpec) -> Any:
     """`t` as the kernel argument `spec`: `from_dlpack` of its kernel-dtype view with the
     spec's alignment, layout dynamic with stride 1 on the spec's leading dim (the runners'
     `_to_cute`). `cutlass_torch` is the imported `cutlass.torch`."""
-    ct = cutlass_torch.from_dlpack(as_kernel_dtype(t, spec), assumed_align=spec.align)
-    return ct.mark_layout_dynamic(leading_dim=spec.leading_dim)
+    return cute_tensor(cutlass_torch, as_kernel_dtype(t, spec), spec)
 
 
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -313,7 +254,6 @@ class CutedslMegaKernel(PooledKernel):
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
     pool: ClassVar[WorkspacePool[CompiledEntry]] = POOL
     packed_fp4: ClassVar[bool] = False
-    _weight_args: dict[str, Any] | None = None  # per layer, see `_own_weight_args`
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -383,9 +323,7 @@ class CutedslMegaKernel(PooledKernel):
         _copy_bytes(buf["activation_sf"], staged.activation_scales)
         buf["topk_idx"].copy_(staged.topk_ids)
         buf["topk_weights"].copy_(staged.topk_weights)
-        call = StagedCall(staged, output)
-        entry.staged_by = call
-        return call
+        return self._hold_staging(entry, StagedCall(staged, output))
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
         """Launch on the staged buffers; copies the live rows of the output out.
@@ -394,13 +332,7 @@ class CutedslMegaKernel(PooledKernel):
         (their staging buffers are one set): `MoeEpUsageError` otherwise.
         """
         entry: CompiledEntry = self._entry()
-        if entry.staged_by is not staged:
-            raise MoeEpUsageError(
-                "staged inputs were overwritten: layers of one geometry share their staging "
-                "buffers, so call compute_staged for a layer before stage_inputs of the next "
-                "(and compute each staged handle once)"
-            )
-        entry.staged_by = None
+        self._take_staging(entry, staged)
         n = staged.inputs.num_tokens
         if entry.combine is not None:
             clear_padded_cells(entry.combine, entry.staging["topk_idx"], n)
@@ -408,25 +340,7 @@ class CutedslMegaKernel(PooledKernel):
         staged.output[:n].copy_(entry.staging["output_activation"][:n])
         return staged.output
 
-    def destroy(self) -> None:
-        """Collective, idempotent: wait for this rank's launches, then `PooledKernel.destroy`
-        (barrier, release; the last layer of a geometry frees the NVSHMEM buffers).
-
-        The wait comes first, as in the drop's runners (synchronize, barrier, free): a host
-        barrier alone lets a rank free symmetric memory a peer's kernel still writes.
-        """
-        if not self._destroyed and self._pooled is not None:
-            self._wait_device()
-        super().destroy()
-
     # -- internals ----------------------------------------------------------------------
-    def _wait_device(self) -> None:
-        """Block until this rank's device work is done (GPU entries only)."""
-        import torch
-
-        if self._pooled.local_workspace.is_cuda:
-            torch.cuda.synchronize(self.runtime.device)
-
     def _compile(self, g: Geometry) -> CompiledEntry:
         """Build, allocate and compile (GPU only; never run on one; rehearsed on CPU with
         recording fakes of cutlass, NVSHMEM and cuda-bindings)."""
@@ -472,7 +386,10 @@ class CutedslMegaKernel(PooledKernel):
             return kernel_tensor(cutlass_torch, t, spec)
 
         common = dict(
-            tensor=tensor, peer_map=peer_map, stream=self._stream(), max_active_clusters=clusters
+            tensor=tensor,
+            peer_map=peer_map,
+            stream=current_stream(dev),
+            max_active_clusters=clusters,
         )
         args = self._call_args(g, (local_ws, shared_ws), common)
         compiled, launch_args = compile_collective(kernel, args, self.runtime)
@@ -482,30 +399,20 @@ class CutedslMegaKernel(PooledKernel):
             compiled, local_ws, shared_ws, staging, tuple(symmetric), launch_args, cells
         )
 
-    def _own_weight_args(self) -> dict[str, Any]:
+    def _build_weight_args(self) -> dict[str, Any]:
         """This layer's weight arguments (cute tensors of its own prepared weights, built as
-        the compile built the compiling layer's; cached). Layers sharing a pooled entry share
-        its compiled kernel and buffers, never its weights."""
-        if self._weight_args is None:
-            import cutlass.torch as cutlass_torch
+        the compile built the compiling layer's). Layers sharing a pooled entry share its
+        compiled kernel and buffers, never its weights."""
+        import cutlass.torch as cutlass_torch
 
-            specs = {s.name: s for s in self._tensor_specs(self.geometry)}
-            self._weight_args = {
-                name: kernel_tensor(cutlass_torch, t, specs[name])
-                for name, t in self._weight_tensors().items()
-            }
-        return self._weight_args
-
-    def _stream(self) -> Any:
-        """The runtime device's current CUDA stream as a `cuda.CUstream` (GPU only)."""
-        import cuda.bindings.driver as cuda
-        import torch
-
-        return cuda.CUstream(torch.cuda.current_stream(self.runtime.device).cuda_stream)
+        specs = {s.name: s for s in self._tensor_specs(self.geometry)}
+        return {
+            name: kernel_tensor(cutlass_torch, t, specs[name])
+            for name, t in self._weight_tensors().items()
+        }
 
     def _launch(self, entry: CompiledEntry) -> None:
-        """Run the compiled kernel on the current stream, where staging was issued (the
-        stream at compile time may be another one: warmup on the default stream, forwards
-        on a framework's stream or under graph capture)."""
-        args = {**entry.launch_args, **self._own_weight_args(), "stream": self._stream()}
-        entry.compiled(**args)
+        """Run the compiled kernel with this layer's weights on the current stream, where
+        staging was issued (the stream at compile time may be another one: warmup on the
+        default stream, forwards on a framework's stream or under graph capture)."""
+        entry.compiled(**self._launch_args(entry))

@@ -13,6 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moe_ep.backends.base import RuntimeRequirements
+from moe_ep.backends.support.cute_launch import (
+    clear_padded_cells,
+    current_stream,
+    cute_tensor,
+    peer_offsets,
+    region_view,
+    shared_region,
+)
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.backends.support.pooled import PooledKernel, StagedCall, compile_collective
@@ -31,6 +39,7 @@ from moe_ep_sm90.pull_args import (
     call_args,
     kernel_class,
     kernel_ctor_kwargs,
+    tensor_specs,
 )
 
 if TYPE_CHECKING:
@@ -47,9 +56,16 @@ _PACKAGES = (
 )
 
 
+COMBINE_REGION = "unreduced_expert_output"
+"""The drop kernel's shared-workspace region of per-(token, slot) bf16 combine cells
+`[T, k, H]`, which its separate top-k reduce sums (`fc2_in_kernel_topk_reduce=False`)."""
+
+
 @dataclass
 class _Compiled:
-    """One compiled kernel with its workspaces and symmetric staging buffers."""
+    """One compiled kernel with its workspaces and symmetric staging buffers (pooled across
+    layers of one geometry; each launch passes its layer's weights and the current stream).
+    """
 
     compiled: Any
     local_workspace: torch.Tensor
@@ -59,6 +75,11 @@ class _Compiled:
     and the output; plus the four unit dequant scales (local)."""
     peer_map: Any
     launch_args: dict[str, Any]
+    """The call's keyword arguments without `stream` and the weights (per launch)."""
+    combine: torch.Tensor | None = None
+    """The `[T, k, H]` bf16 combine cells inside the shared workspace (`combine_cells`)."""
+    staged_by: Any = None
+    """The `StagedCall` whose inputs the staging buffers hold."""
 
 
 def _free(entry: _Compiled) -> None:
@@ -139,19 +160,25 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
             buf["activation_sf"].copy_(staged.activation_scales)
         buf["topk_idx"].copy_(staged.topk_ids)
         buf["topk_weights"].copy_(staged.topk_weights)
-        return StagedCall(staged, output)
+        return self._hold_staging(entry, StagedCall(staged, output))
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
-        """Launch the compiled kernel on the staged buffers; copies the live rows out."""
+        """Launch the compiled kernel on the staged buffers; copies the live rows out.
+
+        `staged` must be the last `stage_inputs` of any layer sharing this pooled entry
+        (their staging buffers are one set): `MoeEpUsageError` otherwise.
+        """
         entry: _Compiled = self._entry()
+        self._take_staging(entry, staged)
         n = staged.inputs.num_tokens
+        if entry.combine is not None:
+            clear_padded_cells(entry.combine, entry.staging["topk_idx"], n)
         self._launch(entry)
         staged.output[:n].copy_(entry.staging["output_activation"][:n])
         return staged.output
 
     # -- internals ----------------------------------------------------------------------
     def _compile(self, g: PullGeometry) -> _Compiled:
-        import cuda.bindings.driver as cuda
         import cutlass
         import cutlass.cute as cute
         import cutlass.torch as cutlass_torch
@@ -166,6 +193,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
                 self.cfg, g, api=api, ab_dtype=cutlass.Float8E4M3FN, max_active_clusters=clusters
             )
         )
+        cells_at = combine_region(kernel, g)  # the drop still has the cells we clear
         local_bytes, shared_bytes = kernel.get_workspace_sizes()
         dev = self.runtime.device
         local_ws = torch.zeros((local_bytes,), dtype=torch.uint8, device=dev)
@@ -175,12 +203,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
         for spec in _staging_specs(g):
             staging[spec.name] = symmetric_zeros(spec.shape, getattr(torch, spec.dtype))
         staging["topk_idx"].fill_(-1)
-        weights_by_name = {
-            "fc1_weight": self.prepared.w13,
-            "fc1_weight_sf": self.prepared.w13_scales,
-            "fc2_weight": self.prepared.w2,
-            "fc2_weight_sf": self.prepared.w2_scales,
-        }
+        weights_by_name = _weights_by_name(self.prepared)
         for name, numel in (
             ("fc1_activation_dequant_scale", 1),
             ("fc2_activation_dequant_scale", 1),
@@ -189,17 +212,15 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
         ):
             staging[name] = torch.ones((numel,), dtype=torch.float32, device=dev)
         base = int(shared_ws.data_ptr())
-        offsets = tuple(_peer_offset(shared_ws, peer, base) for peer in range(g.world_size))
+        offsets = peer_offsets(shared_ws, g.world_size, g.rank)
         peer_map = api.sym_buffer_host(
             base_addr=base, offsets=offsets, rank_idx=g.rank, num_max_ranks=g.world_size
         )
+        cells = region_view(shared_ws, *cells_at, torch.bfloat16, _cells_shape(g))
 
         def tensor(spec: ArgSpec) -> Any:
             t = weights_by_name.get(spec.name)
-            if t is None:
-                t = staging[spec.name]
-            ct = cutlass_torch.from_dlpack(t, assumed_align=spec.align)
-            return ct.mark_layout_dynamic(leading_dim=spec.leading_dim)
+            return cute_tensor(cutlass_torch, staging[spec.name] if t is None else t, spec)
 
         def pointer(name: str) -> Any:
             t = local_ws if name == "local_workspace" else shared_ws
@@ -212,14 +233,30 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
             tensor=tensor,
             pointer=pointer,
             peer_map=peer_map,
-            stream=cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
+            stream=current_stream(dev),
             max_active_clusters=clusters,
         )
         compiled, launch_args = compile_collective(kernel, args, self.runtime)
-        return _Compiled(compiled, local_ws, shared_ws, staging, peer_map, launch_args)
+        launch_args.pop("stream")
+        self._weight_args = {name: launch_args.pop(name) for name in weights_by_name}
+        return _Compiled(
+            compiled, local_ws, shared_ws, staging, peer_map, launch_args, combine=cells
+        )
+
+    def _build_weight_args(self) -> dict[str, Any]:
+        """This layer's weights as kernel arguments, converted as `_compile` converts the
+        compiling layer's (a layer that shares a pooled entry launches with its own)."""
+        import cutlass.torch as cutlass_torch
+
+        specs = {s.name: s for s in tensor_specs(self.geometry)}
+        return {
+            name: cute_tensor(cutlass_torch, t, specs[name])
+            for name, t in _weights_by_name(self.prepared).items()
+        }
 
     def _launch(self, entry: _Compiled) -> None:
-        entry.compiled(**entry.launch_args)
+        """Run the compiled kernel with this layer's weights on the current stream."""
+        entry.compiled(**self._launch_args(entry))
 
 
 def symmetric_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -239,20 +276,25 @@ def symmetric_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _staging_specs(g: PullGeometry) -> tuple[ArgSpec, ...]:
-    from moe_ep_sm90.pull_args import tensor_specs
-
     names = ("activation", "activation_sf", "topk_idx", "topk_weights", "output_activation")
     return tuple(s for s in tensor_specs(g) if s.name in names)
 
 
-def _peer_offset(sym: torch.Tensor, peer: int, base: int) -> int:
-    """Byte offset from this rank's symmetric base to `peer`'s mapping of the same buffer."""
-    import nvshmem.core
-    import torch
-    from nvshmem.core.interop.torch import tensor_get_buffer
+def _weights_by_name(prepared: Any) -> dict[str, torch.Tensor]:
+    """The four weight tensor arguments of a layer's prepared weights, by argument name."""
+    return {
+        "fc1_weight": prepared.w13,
+        "fc1_weight_sf": prepared.w13_scales,
+        "fc2_weight": prepared.w2,
+        "fc2_weight_sf": prepared.w2_scales,
+    }
 
-    if peer == int(nvshmem.core.my_pe()):
-        return 0
-    buf, _, _ = tensor_get_buffer(sym)
-    peer_buf = nvshmem.core.get_peer_buffer(buf, peer)
-    return int(torch.utils.dlpack.from_dlpack(peer_buf).data_ptr()) - base
+
+def _cells_shape(g: PullGeometry) -> tuple[int, int, int]:
+    return (g.max_tokens_per_rank, g.top_k, g.hidden_size)
+
+
+def combine_region(kernel: Any, g: PullGeometry) -> tuple[int, int]:
+    """(byte offset, byte count) of the drop kernel's bf16 combine cells `[T, k, H]` in its
+    shared workspace; `RuntimeError` if its region table no longer has them so."""
+    return shared_region(kernel, COMBINE_REGION, _cells_shape(g), bits=16, owner="moe_ep_sm90")

@@ -99,6 +99,7 @@ class PooledKernel(MegaKernel):
         self._pool_key: tuple[Any, ...] | None = None
         self._pooled: Any = None
         self._destroyed = False
+        self._weight_args: dict[str, Any] | None = None
 
     # -- subclass hooks -----------------------------------------------------------------
     def _check_config(self, config: Any) -> None:
@@ -117,6 +118,11 @@ class PooledKernel(MegaKernel):
     @abstractmethod
     def _compile(self, g: LaunchGeometry) -> Any:
         """The pool entry for geometry `g` (compile, allocate; collective; GPU only)."""
+
+    def _build_weight_args(self) -> dict[str, Any]:
+        """This layer's own weight arguments of the launch, by name (default: none; the
+        CuTe DSL kernels convert their prepared weights as their compile does)."""
+        return {}
 
     # -- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
@@ -140,12 +146,52 @@ class PooledKernel(MegaKernel):
             return
         self._destroyed = True
         if self._pool_key is not None:
+            self._wait_device()
             self.runtime.barrier()
             self.pool.release(self._pool_key)
             self._pool_key = None
             self._pooled = None
 
     # -- internals ----------------------------------------------------------------------
+    def _wait_device(self) -> None:
+        """Block until this rank's device work is done (CUDA runtimes). `destroy` waits
+        before its barrier, as the drops' runners do (synchronize, barrier, free): a host
+        barrier alone lets a rank free symmetric memory a peer's kernel still uses."""
+        if self.runtime.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.runtime.device)
+
+    def _hold_staging(self, entry: Any, call: StagedCall) -> StagedCall:
+        """Record `call` as the owner of `entry`'s staging buffers (`stage_inputs`)."""
+        entry.staged_by = call
+        return call
+
+    def _take_staging(self, entry: Any, staged: StagedCall) -> None:
+        """`compute_staged`'s check: `staged` must still own the staging buffers, which
+        every layer sharing the pooled entry overwrites; `MoeEpUsageError` otherwise."""
+        if getattr(entry, "staged_by", None) is not staged:
+            raise MoeEpUsageError(
+                "staged inputs were overwritten: layers of one geometry share their staging "
+                "buffers, so call compute_staged for a layer before stage_inputs of the next "
+                "(and compute each staged handle once)"
+            )
+        entry.staged_by = None
+
+    def _launch_args(self, entry: Any) -> dict[str, Any]:
+        """The pooled compile's launch arguments with this layer's own weights (built once
+        per layer) and the stream current now. Layers sharing a pooled entry share its
+        compiled kernel and buffers, never its weights. GPU only."""
+        from moe_ep.backends.support.cute_launch import current_stream
+
+        if self._weight_args is None:
+            self._weight_args = self._build_weight_args()
+        return {
+            **entry.launch_args,
+            **self._weight_args,
+            "stream": current_stream(self.runtime.device),
+        }
+
     def _ensure_geometry(self, top_k: int) -> LaunchGeometry:
         """The geometry with `top_k` fixed (first inputs fix it), checked by the config."""
         g = self.geometry
