@@ -1,5 +1,5 @@
-"""Problems, oracles and spawned workers of the sm90 and sm100 GPU tests (top-level so they
-pickle).
+"""Problems and oracles of the sm90 and sm100 GPU tests (top-level so they pickle); the
+spawned workers are `gpu_jobs`'.
 
 The GPU runs have never happened (no GPU lent yet). The CPU-side pieces here (problem
 building, the per-kernel oracle recipe, the worker) are exercised on CPU by
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 PULL = "sm90_fp8_fp8_bf16_pull_cutedsl"
@@ -204,76 +203,33 @@ def backend_for(case: GpuCase, kernel: str) -> Any:
     return kernel
 
 
-def run_rank(
-    rank: int, world_size: int, case: GpuCase, kernel: str, backend: Any = None
-) -> torch.Tensor:
-    """One rank's output `[tokens, H]` bf16 (on CPU) for `case` through a `MoEEpLayer`.
+def sm90_reports(jobs: list[Any], world_size: int, *, timeout_s: float = 600.0) -> list[Any]:
+    """Run `jobs` (`gpu_jobs.Job`) on `world_size` spawned ranks (one process per rank runs
+    them all: `gpu_jobs.job_outputs`) and compare each gathered output with `sm90_reference`
+    (the kernel itself) or, for a job with a CPU twin backend (which computes as the oracle
+    does), with `sm90_oracle`; the `ToleranceReport`s (`.ok` when every cell is inside the
+    band) in job order."""
+    from gpu_jobs import job_outputs
 
-    `backend` replaces `backend_for(case, kernel)` (the CPU tests pass `cpu_twin(kernel)`);
-    the problem is always `kernel`'s.
+    from moe_ep.oracle import compare_to_oracle
 
-    Warning: as a `spawn_local` worker the returned tensor travels through torch's
-    shared-memory pickling, which fails ("FileNotFoundError" in the parent) when the rank
-    exits before the parent reads it; spawn `run_rank_wire` instead.
-    """
-    from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
-
-    p = problem_for(case, world_size, kernel)
-    el = case.experts_per_rank
-    rows = slice(rank * case.tokens, (rank + 1) * case.tokens)
-    experts = slice(rank * el, (rank + 1) * el)
-    layer = MoEEpLayer(
-        BootstrapConfig(world_size=world_size, rank=rank),
-        FleetParams(
-            num_experts=el * world_size,
-            max_tokens_per_rank=max(case.tokens, 1),  # n == 0 still needs a legal buffer
-            hidden_size=case.hidden,
-        ),
-        MoEWeightPack(w13=p["w13"][experts], w2=p["w2"][experts]),
-        backend if backend is not None else backend_for(case, kernel),
-    )
-    try:
-        layer.warmup()
-        dev = layer.device
-        out = layer.forward(
-            MoEEpTensors(
-                hidden_states=p["x"][rows].to(dev),
-                topk_ids=p["ids"][rows].to(dev),
-                topk_weights=p["w"][rows].to(dev),
-            )
+    outs = job_outputs(jobs, world_size, backend_for, timeout_s=timeout_s)
+    return [
+        compare_to_oracle(
+            got,
+            (sm90_oracle if job.backend is not None else sm90_reference)(
+                job.case, world_size, job.kernel
+            ),
         )
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
-        return out.cpu()
-    finally:
-        layer.destroy()
-
-
-def run_rank_wire(
-    rank: int, world_size: int, case: GpuCase, kernel: str, backend: Any = None
-) -> np.ndarray:
-    """`run_rank` as a `spawn_local` worker: the bf16 output's bits as int16 numpy (pickles
-    by value); `torch.from_numpy(a).view(torch.bfloat16)` undoes it."""
-    out = run_rank(rank, world_size, case, kernel, backend)
-    return out.contiguous().view(torch.int16).numpy().copy()
+        for job, got in zip(jobs, outs, strict=True)
+    ]
 
 
 def sm90_report(
     case: GpuCase, world_size: int, kernel: str, backend: Any = None, *, timeout_s: float = 600.0
 ) -> Any:
-    """Run `case` on `world_size` spawned ranks (`run_rank`) and compare the gathered output
-    with `sm90_reference` (the kernel itself) or, with `backend` (a CPU twin, which computes
-    as the oracle does), with `sm90_oracle`; the `ToleranceReport` (`.ok` when every cell is
-    inside the band)."""
-    from moe_ep.launch import spawn_local
-    from moe_ep.oracle import compare_to_oracle
+    """`sm90_reports` of the one job `case` through `kernel` (or `backend`, a CPU twin)."""
+    from gpu_jobs import Job
 
-    # A CPU twin runs on CPU also where GPUs are visible (the GPU check runs these tests too,
-    # often with fewer GPUs than ranks).
-    env = {"CUDA_VISIBLE_DEVICES": ""} if backend is not None else None
-    outs = spawn_local(
-        run_rank_wire, world_size, case, kernel, backend, timeout_s=timeout_s, env=env
-    )
-    got = torch.cat([torch.from_numpy(a).view(torch.bfloat16) for a in outs])
-    ref = (sm90_oracle if backend is not None else sm90_reference)(case, world_size, kernel)
-    return compare_to_oracle(got, ref)
+    (report,) = sm90_reports([Job(case, kernel, backend)], world_size, timeout_s=timeout_s)
+    return report
