@@ -12,14 +12,147 @@ nothing here knows the expected values: the tests state them.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from sm100_fakes import FakeGpu, FakeStream
 
-__all__ = ["FakeGpu", "FakeStream", "install_fake_modules", "recording_kernel_class"]
+__all__ = [
+    "FakeCompiled",
+    "FakeCuteTensor",
+    "FakeGpu",
+    "FakePtr",
+    "FakeStream",
+    "FakeSymBufferHost",
+    "install_fake_modules",
+    "recording_kernel_class",
+]
+
+
+@dataclass
+class FakeCuteTensor:
+    """What `cutlass.torch.from_dlpack` returned: the torch tensor, its assumed alignment
+    and, once `mark_layout_dynamic` ran, the leading dim it was told."""
+
+    tensor: torch.Tensor
+    assumed_align: int
+    leading_dim: int | None = None
+
+    def mark_layout_dynamic(self, leading_dim: int) -> FakeCuteTensor:
+        return FakeCuteTensor(self.tensor, self.assumed_align, leading_dim)
+
+
+@dataclass(frozen=True)
+class FakePtr:
+    dtype: Any
+    address: int
+    memspace: Any
+    assumed_align: int
+
+
+@dataclass(frozen=True)
+class FakeStream:
+    handle: int
+
+
+@dataclass
+class FakeCompiled:
+    """The compiled kernel: records each launch's keyword arguments and, through `on_launch`,
+    lets a test look at buffers at launch time."""
+
+    launches: list[dict[str, Any]] = field(default_factory=list)
+    on_launch: Any = None
+
+    def __call__(self, **kwargs: Any) -> None:
+        self.launches.append(kwargs)
+        if self.on_launch is not None:
+            self.on_launch(kwargs)
+
+
+@dataclass
+class FakeGpu:
+    """Everything the fakes recorded, plus knobs: `stream` (the handle `torch.cuda`'s
+    current stream reports), `stale_peer_extra` (bytes by which a peer buffer looks larger
+    than the tensor, as nvshmem4py's tracker can after an address is reused)."""
+
+    world_size: int
+    rank: int
+    stream: int = 7
+    stale_peer_extra: int = 0
+    symmetric: list[torch.Tensor] = field(default_factory=list)
+    peers: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    freed: list[torch.Tensor] = field(default_factory=list)
+    dlpack: list[FakeCuteTensor] = field(default_factory=list)
+    pointers: list[FakePtr] = field(default_factory=list)
+    compiles: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
+    kernels: list[Any] = field(default_factory=list)
+    compiled: FakeCompiled = field(default_factory=FakeCompiled)
+    fake_tensors: list[tuple[Any, ...]] = field(default_factory=list)
+
+    # -- nvshmem.core ---------------------------------------------------------------------
+    def sym_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if dtype != torch.uint8:  # what older nvshmem4py releases support, and all we use
+            raise TypeError(f"fake nvshmem.core.tensor: dtype {dtype} not supported")
+        t = torch.full(shape, 0xAB, dtype=dtype)  # NVSHMEM memory is not zeroed
+        self.symmetric.append(t)
+        self.peers[id(t)] = [
+            t if p == self.rank else torch.empty(t.numel() + self.stale_peer_extra, dtype=dtype)
+            for p in range(self.world_size)
+        ]
+        return t
+
+    def tensor_get_buffer(self, t: torch.Tensor) -> tuple[Any, int, torch.dtype]:
+        return SimpleNamespace(owner=t), t.numel() * t.element_size(), t.dtype
+
+    def get_peer_buffer(self, buf: Any, peer: int) -> torch.Tensor:
+        return self.peers[id(buf.owner)][peer]  # a tensor: torch's from_dlpack accepts it
+
+    def get_peer_tensor(self, t: torch.Tensor, peer: int) -> torch.Tensor:
+        # nvshmem4py 0.4.1's definition, verbatim in effect
+        buf, _, _ = self.tensor_get_buffer(t)
+        return (
+            torch.utils.dlpack.from_dlpack(self.get_peer_buffer(buf, peer))
+            .view(t.dtype)
+            .view(t.shape)
+        )
+
+    # -- cutlass ----------------------------------------------------------------------------
+    def from_dlpack(self, t: torch.Tensor, assumed_align: int = 16) -> FakeCuteTensor:
+        ct = FakeCuteTensor(t, assumed_align)
+        self.dlpack.append(ct)
+        return ct
+
+    def make_ptr(self, dtype: Any, address: int, memspace: Any, assumed_align: int) -> FakePtr:
+        p = FakePtr(dtype, address, memspace, assumed_align)
+        self.pointers.append(p)
+        return p
+
+    def make_fake_tensor(
+        self, dtype: Any, shape: tuple, *, stride: tuple, memspace: Any, assumed_align: int
+    ) -> tuple:
+        t = ("strided", dtype, tuple(shape), tuple(stride), assumed_align)
+        self.fake_tensors.append(t)
+        return t
+
+    def make_fake_compact_tensor(
+        self, dtype: Any, shape: tuple, *, memspace: Any, assumed_align: int
+    ) -> tuple:
+        t = ("compact", dtype, tuple(shape), None, assumed_align)
+        self.fake_tensors.append(t)
+        return t
+
+    def compile(self, kernel: Any, **args: Any) -> FakeCompiled:
+        self.compiles.append((kernel, args))
+        return self.compiled
+
+
+class FakeSymBufferHost:
+    """The drop's `SymBufferHost`, recording its keyword arguments."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
 
 
 def _module(name: str, **attrs: Any) -> ModuleType:

@@ -1,9 +1,8 @@
 """Recording stand-ins for what the sm100 CuTe DSL launch path imports on a GPU machine.
 
-`install_fake_gpu(monkeypatch, ...)` puts fake `cutlass` (+ `.cute`, `.cute.typing`,
-`.torch`), `cuda.bindings.driver` and `nvshmem.core` (+ `.interop.torch`) modules into
-`sys.modules`, makes `torch.cuda.synchronize` a no-op, and replaces the drop loaders of
-`moe_ep_sm100.cutedsl_nvfp4` / `cutedsl_mxfp8` with a recording fake kernel class. Then the
+`install_fake_gpu(monkeypatch, ...)` installs `cute_fakes`' fake `cutlass`, `cuda.bindings`
+and `nvshmem.core` modules and replaces the drop loaders of `moe_ep_sm100.cutedsl_nvfp4` /
+`cutedsl_mxfp8` with a recording fake kernel class. Then the
 real `_compile` / `_launch` of `CutedslMegaKernel` run on CPU tensors and every call they
 make (kernel constructor, allocations, `from_dlpack`, `make_ptr`, peer lookups,
 `cute.compile`, the launch) is recorded in a `FakeGpu` for the tests to compare with the
@@ -13,14 +12,28 @@ drop's own runners. Nothing here knows the expected values; the tests state them
 from __future__ import annotations
 
 import ast
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
-from typing import Any
 
 import pytest
-import torch
+from cute_fakes import (
+    FakeCuteTensor,
+    FakeGpu,
+    FakePtr,
+    FakeStream,
+    FakeSymBufferHost,
+    install_fake_modules,
+    recording_kernel_class,
+)
+
+__all__ = [
+    "FakeCuteTensor",
+    "FakeGpu",
+    "FakePtr",
+    "FakeStream",
+    "drop_signature",
+    "fake_kernel_class",
+    "install_fake_gpu",
+]
 
 DROP_SRC = Path(__file__).resolve().parents[2] / "vendor" / "sm100_cutedsl_megamoe" / "src"
 DROP_FILES = {
@@ -46,156 +59,10 @@ def drop_signature(kind: str, method: str) -> list[str]:
     raise AssertionError(f"{cls_name}.{method} not found in {path}")
 
 
-@dataclass
-class FakeCuteTensor:
-    """What `cutlass.torch.from_dlpack` returned: the torch tensor, its assumed alignment
-    and, once `mark_layout_dynamic` ran, the leading dim it was told."""
-
-    tensor: torch.Tensor
-    assumed_align: int
-    leading_dim: int | None = None
-
-    def mark_layout_dynamic(self, leading_dim: int) -> FakeCuteTensor:
-        return FakeCuteTensor(self.tensor, self.assumed_align, leading_dim)
-
-
-@dataclass(frozen=True)
-class FakePtr:
-    dtype: Any
-    address: int
-    memspace: Any
-    assumed_align: int
-
-
-@dataclass(frozen=True)
-class FakeStream:
-    handle: int
-
-
-@dataclass
-class FakeCompiled:
-    """The compiled kernel: records each launch's keyword arguments and, through `on_launch`,
-    lets a test look at buffers at launch time."""
-
-    launches: list[dict[str, Any]] = field(default_factory=list)
-    on_launch: Any = None
-
-    def __call__(self, **kwargs: Any) -> None:
-        self.launches.append(kwargs)
-        if self.on_launch is not None:
-            self.on_launch(kwargs)
-
-
-@dataclass
-class FakeGpu:
-    """Everything the fakes recorded, plus knobs: `stream` (the handle `torch.cuda`'s
-    current stream reports), `stale_peer_extra` (bytes by which a peer buffer looks larger
-    than the tensor, as nvshmem4py's tracker can after an address is reused)."""
-
-    world_size: int
-    rank: int
-    stream: int = 7
-    stale_peer_extra: int = 0
-    symmetric: list[torch.Tensor] = field(default_factory=list)
-    peers: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    freed: list[torch.Tensor] = field(default_factory=list)
-    dlpack: list[FakeCuteTensor] = field(default_factory=list)
-    pointers: list[FakePtr] = field(default_factory=list)
-    compiles: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
-    kernels: list[Any] = field(default_factory=list)
-    compiled: FakeCompiled = field(default_factory=FakeCompiled)
-    fake_tensors: list[tuple[Any, ...]] = field(default_factory=list)
-
-    # -- nvshmem.core ---------------------------------------------------------------------
-    def sym_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if dtype != torch.uint8:  # what older nvshmem4py releases support, and all we use
-            raise TypeError(f"fake nvshmem.core.tensor: dtype {dtype} not supported")
-        t = torch.full(shape, 0xAB, dtype=dtype)  # NVSHMEM memory is not zeroed
-        self.symmetric.append(t)
-        self.peers[id(t)] = [
-            t if p == self.rank else torch.empty(t.numel() + self.stale_peer_extra, dtype=dtype)
-            for p in range(self.world_size)
-        ]
-        return t
-
-    def tensor_get_buffer(self, t: torch.Tensor) -> tuple[Any, int, torch.dtype]:
-        return SimpleNamespace(owner=t), t.numel() * t.element_size(), t.dtype
-
-    def get_peer_buffer(self, buf: Any, peer: int) -> torch.Tensor:
-        return self.peers[id(buf.owner)][peer]  # a tensor: torch's from_dlpack accepts it
-
-    def get_peer_tensor(self, t: torch.Tensor, peer: int) -> torch.Tensor:
-        # nvshmem4py 0.4.1's definition, verbatim in effect
-        buf, _, _ = self.tensor_get_buffer(t)
-        return (
-            torch.utils.dlpack.from_dlpack(self.get_peer_buffer(buf, peer))
-            .view(t.dtype)
-            .view(t.shape)
-        )
-
-    # -- cutlass ----------------------------------------------------------------------------
-    def from_dlpack(self, t: torch.Tensor, assumed_align: int = 16) -> FakeCuteTensor:
-        ct = FakeCuteTensor(t, assumed_align)
-        self.dlpack.append(ct)
-        return ct
-
-    def make_ptr(self, dtype: Any, address: int, memspace: Any, assumed_align: int) -> FakePtr:
-        p = FakePtr(dtype, address, memspace, assumed_align)
-        self.pointers.append(p)
-        return p
-
-    def make_fake_tensor(
-        self, dtype: Any, shape: tuple, *, stride: tuple, memspace: Any, assumed_align: int
-    ) -> tuple:
-        t = ("strided", dtype, tuple(shape), tuple(stride), assumed_align)
-        self.fake_tensors.append(t)
-        return t
-
-    def make_fake_compact_tensor(
-        self, dtype: Any, shape: tuple, *, memspace: Any, assumed_align: int
-    ) -> tuple:
-        t = ("compact", dtype, tuple(shape), None, assumed_align)
-        self.fake_tensors.append(t)
-        return t
-
-    def compile(self, kernel: Any, **args: Any) -> FakeCompiled:
-        self.compiles.append((kernel, args))
-        return self.compiled
-
-
-class FakeSymBufferHost:
-    """The drop's `SymBufferHost`, recording its keyword arguments."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs = kwargs
-
-
 def fake_kernel_class(gpu: FakeGpu, kind: str) -> type:
-    """A drop-kernel stand-in: records its constructor keywords, answers workspace sizes and
-    lays out a bf16 `combine_quant` region `[T, k, H]` after 256 counter bytes, as the drop's
-    kernels do (their real region table is read by the compile-only check)."""
-
-    class FakeKernel:
-        def __init__(self, **kwargs: Any) -> None:
-            self.kind, self.kwargs = kind, kwargs
-            gpu.kernels.append(self)
-            t, k, h = kwargs["max_tokens_per_rank"], kwargs["num_topk"], kwargs["hidden"]
-            spec = SimpleNamespace(shape=(t, k, h), cute_dtype=SimpleNamespace(width=16))
-            self._shared_offsets = {"combine_quant": 256}
-            self._shared_region_by_name = {"combine_quant": spec}
-            self.sizes = (1024, 256 + 2 * t * k * h + 64)
-
-        def get_workspace_sizes(self) -> tuple[int, int]:
-            return self.sizes
-
-    return FakeKernel
-
-
-def _module(name: str, **attrs: Any) -> ModuleType:
-    m = ModuleType(name)
-    for k, v in attrs.items():
-        setattr(m, k, v)
-    return m
+    """A drop-kernel stand-in for `kind` with the sm100 drop's `combine_quant` region
+    (`cute_fakes.recording_kernel_class`)."""
+    return recording_kernel_class(gpu, "combine_quant", kind)
 
 
 def install_fake_gpu(
@@ -208,55 +75,7 @@ def install_fake_gpu(
     from moe_ep_sm100.mxfp8_args import Mxfp8KernelApi
     from moe_ep_sm100.nvfp4_args import Nvfp4KernelApi
 
-    gpu = FakeGpu(world_size=world_size, rank=rank)
-    dtypes = {n: f"cutlass.{n}" for n in ("BFloat16", "Float8E4M3FN", "Uint8")}
-    typing = _module("cutlass.cute.typing", AddressSpace=SimpleNamespace(gmem="gmem"))
-    runtime = SimpleNamespace(
-        make_ptr=gpu.make_ptr,
-        make_fake_tensor=gpu.make_fake_tensor,
-        make_fake_compact_tensor=gpu.make_fake_compact_tensor,
-    )
-    cute = _module(
-        "cutlass.cute",
-        compile=gpu.compile,
-        runtime=runtime,
-        typing=typing,
-        sym_int32=lambda: "sym_int32",
-        sym_int64=lambda: "sym_int64",
-    )
-    ctorch = _module("cutlass.torch", from_dlpack=gpu.from_dlpack)
-    cutlass = _module("cutlass", cute=cute, torch=ctorch, **dtypes)
-    driver = _module("cuda.bindings.driver", CUstream=FakeStream)
-    bindings = _module("cuda.bindings", driver=driver)
-    interop_torch = _module("nvshmem.core.interop.torch", tensor_get_buffer=gpu.tensor_get_buffer)
-    core = _module(
-        "nvshmem.core",
-        tensor=gpu.sym_tensor,
-        free_tensor=gpu.freed.append,
-        get_peer_buffer=gpu.get_peer_buffer,
-        get_peer_tensor=gpu.get_peer_tensor,
-        tensor_get_buffer=gpu.tensor_get_buffer,
-        interop=_module("nvshmem.core.interop", torch=interop_torch),
-    )
-    modules = {
-        "cutlass": cutlass,
-        "cutlass.cute": cute,
-        "cutlass.cute.typing": typing,
-        "cutlass.torch": ctorch,
-        "cuda": _module("cuda", bindings=bindings),
-        "cuda.bindings": bindings,
-        "cuda.bindings.driver": driver,
-        "nvshmem": _module("nvshmem", core=core),
-        "nvshmem.core": core,
-        "nvshmem.core.interop": core.interop,
-        "nvshmem.core.interop.torch": interop_torch,
-    }
-    for name, mod in modules.items():
-        monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(
-        torch.cuda, "current_stream", lambda *a, **k: SimpleNamespace(cuda_stream=gpu.stream)
-    )
+    gpu = install_fake_modules(monkeypatch, world_size=world_size, rank=rank)
     nv_api = Nvfp4KernelApi(
         kernel=fake_kernel_class(gpu, "nvfp4"),
         token_padding_block=64,
