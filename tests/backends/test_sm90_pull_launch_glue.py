@@ -12,7 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_testing import FakeRuntime, routed_tensors
-from cute_fakes import FakeStream, install_fake_modules, recording_kernel_class
+from cute_fakes import (
+    FakeStream,
+    FakeSymBufferHost,
+    install_fake_modules,
+    recording_kernel_class,
+)
 
 import moe_ep_sm90.pull_cutedsl as pull
 from moe_ep.errors import MoeEpUsageError
@@ -22,11 +27,6 @@ from moe_ep_sm90.pull_args import PullKernelApi
 
 H, I, E, T, K, WORLD, RANK = 256, 128, 4, 8, 2, 2, 1  # noqa: E741 - glossary names
 WEIGHTS = ("fc1_weight", "fc1_weight_sf", "fc2_weight", "fc2_weight_sf")
-
-
-class FakeSymBufferHost:
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
 
 
 @pytest.fixture
@@ -193,3 +193,22 @@ def test_a_drop_without_the_combine_region_fails_before_allocating(gpu, monkeypa
     with pytest.raises(RuntimeError, match=r"renamed_in_a_new_drop.*moe_ep_sm90 must be updated"):
         layer.warmup()
     assert gpu.symmetric == []  # nothing allocated on the symmetric heap
+
+
+def test_top_k_above_a_warp_is_refused_before_anything_runs():
+    # The sm90 drop's dispatch maps a token's slots onto one warp's lanes (token_comm.py:
+    # tokens_per_warp = 32 // num_topk): above 32 its loop never advances (a GPU hang).
+    with pytest.raises(MoeEpUsageError, match=r"top_k must be <= 32.*got 33"):
+        Config(top_k=33).check_problem(**_problem(33))
+    Config(top_k=32).check_problem(**_problem(32))
+
+
+def _problem(top_k):
+    return dict(
+        world_size=1,
+        num_experts=64,
+        hidden_size=H,
+        intermediate_size=I,
+        top_k=top_k,
+        max_tokens_per_rank=T,
+    )

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from moe_ep.backends.support.configs import (
+    WARP_DISPATCH_MAX_TOP_K,
     GeometryCheckedConfig,
     check_clamp,
     check_int,
+    check_warp_dispatch_top_k,
 )
 from moe_ep.errors import MoeEpUsageError
 
@@ -27,10 +29,7 @@ __all__ = [
 # B200 SM count; the default for max active clusters of a 1-CTA cluster.
 BLACKWELL_SM_COUNT = 148
 
-# The CuTe DSL drop's dispatch gives each top-k slot of a token one lane of a warp
-# (`tokens_per_warp = 32 // num_topk` in `src/token_comm.py`): above 32 no token is ever
-# counted and its loop never advances (a hang); its runners refuse num_topk > 32.
-CUTEDSL_MAX_TOP_K = 32
+CUTEDSL_MAX_TOP_K = WARP_DISPATCH_MAX_TOP_K  # see support.configs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,11 +54,7 @@ class _CutedslConfig(_Sm100Config):
     """Rules the two CuTe DSL kernels share: top_k <= `CUTEDSL_MAX_TOP_K`."""
 
     def _check_top_k(self, top_k: int) -> None:
-        if top_k > CUTEDSL_MAX_TOP_K:
-            raise MoeEpUsageError(
-                f"{self.kernel_name}: top_k must be <= {CUTEDSL_MAX_TOP_K} (the drop's "
-                f"dispatch maps a token's slots onto one warp's lanes), got {top_k}"
-            )
+        check_warp_dispatch_top_k(self.kernel_name, top_k)
 
 
 @dataclass(frozen=True, kw_only=True)

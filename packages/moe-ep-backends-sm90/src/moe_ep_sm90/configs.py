@@ -15,6 +15,7 @@ from moe_ep.backends.support.configs import (
     check_choice,
     check_clamp,
     check_int,
+    check_warp_dispatch_top_k,
 )
 from moe_ep.errors import MoeEpUsageError
 
@@ -85,6 +86,9 @@ class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(_Fp8BlockwiseConfig):
     usable only where each gate row block's scales equal the up block's at the same offset.
     8, 16 or 32: rows gate/up-interleaved in blocks of that size before blocking (the
     kernel's own grouping; the same scale blocks for all three). See `moe_ep_sm90.fp8_packs`."""
+
+    def _check_top_k(self, top_k: int) -> None:
+        check_warp_dispatch_top_k(self.kernel_name, top_k)
 
     def __post_init__(self) -> None:
         if self.top_k is not None:

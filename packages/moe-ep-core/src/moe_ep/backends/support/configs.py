@@ -51,6 +51,21 @@ def check_choice(value: object, choices: tuple[object, ...], *, field: str) -> N
         raise MoeEpUsageError(f"{field} must be one of {choices}, got {value!r}")
 
 
+WARP_DISPATCH_MAX_TOP_K = 32
+"""The CuTe DSL drops' dispatch gives each top-k slot of a token one lane of a warp
+(`tokens_per_warp = 32 // num_topk` in their `src/token_comm.py`): above 32 no token is ever
+counted and its loop never advances (a GPU hang); their runners refuse num_topk > 32."""
+
+
+def check_warp_dispatch_top_k(kernel: str, top_k: int) -> None:
+    """`MoeEpUsageError` unless `top_k <= WARP_DISPATCH_MAX_TOP_K` (CuTe DSL drops)."""
+    if top_k > WARP_DISPATCH_MAX_TOP_K:
+        raise MoeEpUsageError(
+            f"{kernel}: top_k must be <= {WARP_DISPATCH_MAX_TOP_K} (the drop's dispatch maps "
+            f"a token's slots onto one warp's lanes), got {top_k}"
+        )
+
+
 def check_config_top_k(kernel: str, top_k: int, config_top_k: int | None) -> None:
     """The inputs' `top_k` must equal the config's when the config sets one."""
     if config_top_k is not None and top_k != config_top_k:
