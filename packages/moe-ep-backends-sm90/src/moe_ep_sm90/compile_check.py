@@ -1,7 +1,8 @@
 """Compile-only checks (no GPU): the pull kernel with CuTe DSL, the push units with nvcc.
 
-The pull check builds the kernel exactly as the launch path does (`pull_args`), with fake
-global-memory tensors instead of CUDA tensors, and compiles it for `sm_90a`. Run it in a
+The pull check builds the kernel exactly as the launch path does (`pull_args`), reads its
+combine-cell region as the launch path does (`pull_cutedsl.combine_region`), and compiles it
+with fake global-memory tensors instead of CUDA tensors for `sm_90a`. Run it in a
 fresh process (the drop owns generic top-level module names, and the CuTe DSL reads the
 target arch from the environment at import):
 
@@ -37,6 +38,7 @@ from moe_ep_sm90.pull_args import (
     kernel_class,
     kernel_ctor_kwargs,
 )
+from moe_ep_sm90.pull_cutedsl import combine_region
 
 __all__ = [
     "DEFAULT_PULL_GEOMETRY",
@@ -84,6 +86,7 @@ def compile_pull(
             max_active_clusters=clusters,
         )
     )
+    combine_region(kernel, geometry)  # the cells the launch path clears exist, as assumed
     dtypes = {
         "float8_e4m3fn": cutlass.Float8E4M3FN,
         "float32": cutlass.Float32,
