@@ -315,3 +315,25 @@ def test_top_k_above_32_is_refused_before_anything_is_built(kind):
         cfg().check_problem(top_k=33, **geometry)
     with pytest.raises(MoeEpUsageError, match="got 33"):
         cfg(top_k=33).check_problem(top_k=33, **geometry)
+
+
+def test_a_shared_workspace_past_a_32_bit_extent_is_refused_before_allocating(setup, monkeypatch):
+    # The mxfp8 kernel takes its shared workspace as a tensor with a dynamic 32-bit extent
+    # (the nvfp4 one as a raw pointer): at 2**31 bytes it would wrap. Refused on every rank
+    # alike (same sizes), before any buffer is allocated.
+    kind, kernel, gpu = setup
+    kernel_cls = type(kernel)._make_kernel
+    big = 2**31
+
+    def make(self, g):
+        k, api, clusters = kernel_cls(self, g)
+        k.sizes = (1024, big)
+        return k, api, clusters
+
+    monkeypatch.setattr(type(kernel), "_make_kernel", make)
+    if kind == "mxfp8":
+        with pytest.raises(MoeEpUsageError, match=r"2147483648 bytes.*32-bit extent.*<= about"):
+            kernel.warmup()
+        assert gpu.symmetric == []
+    else:  # a raw pointer: no such limit
+        kernel._check_workspace_sizes(kernel.geometry, 1024, big)

@@ -300,6 +300,10 @@ class CutedslMegaKernel(PooledKernel):
             "fc2_weight_sf": p.w2_scales,
         }
 
+    def _check_workspace_sizes(self, g: Geometry, local_bytes: int, shared_bytes: int) -> None:
+        """Refuse workspaces the kernel cannot address (default: none). Runs on every rank
+        with the same sizes before anything is allocated, so all ranks raise alike."""
+
     @abstractmethod
     def _make_kernel(self, g: Geometry) -> tuple[Any, Any, int]:
         """(drop kernel instance, drop api, max active clusters); imports cutlass."""
@@ -352,6 +356,7 @@ class CutedslMegaKernel(PooledKernel):
         kernel, api, clusters = self._make_kernel(g)
         combine_region(kernel, g)  # the drop still has the cells we clear (before allocating)
         local_bytes, shared_bytes = kernel.get_workspace_sizes()
+        self._check_workspace_sizes(g, local_bytes, shared_bytes)
         local_ws = torch.zeros((local_bytes,), dtype=torch.uint8, device=dev)
         shared_ws = nvshmem.core.tensor((shared_bytes,), dtype=torch.uint8)
         shared_ws.zero_()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm100 import mxfp8_args
 from moe_ep_sm100.configs import Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
@@ -26,7 +27,10 @@ if TYPE_CHECKING:
 
     from moe_ep.layer.params import MoEEpTensors, MoEWeightPack
 
-__all__ = ["Sm100Mxfp8Mxfp8Bf16CutedslKernel"]
+__all__ = ["MAX_TENSOR_EXTENT", "Sm100Mxfp8Mxfp8Bf16CutedslKernel"]
+
+MAX_TENSOR_EXTENT = 2**31 - 1
+"""Largest extent of a dynamic 32-bit tensor mode (bytes, for the uint8 shared workspace)."""
 
 
 @register_mega_kernel("sm100_mxfp8_mxfp8_bf16_cutedsl", deprecated_aliases=("mxfp8_cutedsl",))
@@ -52,6 +56,22 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
 
     def _tensor_specs(self, g: Geometry) -> tuple[ArgSpec, ...]:
         return mxfp8_args.tensor_specs(g)
+
+    def _check_workspace_sizes(self, g: Geometry, local_bytes: int, shared_bytes: int) -> None:
+        """The kernel takes its shared workspace as a uint8 tensor with a dynamic 32-bit
+        extent (its runner too; the nvfp4 runner moved to raw pointers for this reason), so
+        a workspace of 2**31 bytes or more would wrap: refused, naming a `max_tokens_per_rank`
+        that fits (the workspace grows about linearly with it; the per-(token, slot) bf16
+        combine cells dominate)."""
+        if shared_bytes <= MAX_TENSOR_EXTENT:
+            return
+        fits = max(1, g.max_tokens_per_rank * MAX_TENSOR_EXTENT // shared_bytes - 1)
+        raise MoeEpUsageError(
+            f"{self.kernel_name}: the shared workspace for max_tokens_per_rank="
+            f"{g.max_tokens_per_rank}, top_k={g.top_k}, hidden_size={g.hidden_size} is "
+            f"{shared_bytes} bytes, but the kernel addresses it through a 32-bit extent (at "
+            f"most {MAX_TENSOR_EXTENT} bytes); use max_tokens_per_rank <= about {fits}"
+        )
 
     def _make_kernel(self, g: Geometry) -> tuple[Any, Any, int]:
         import cutlass
