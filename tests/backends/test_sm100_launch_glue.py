@@ -337,3 +337,21 @@ def test_a_shared_workspace_past_a_32_bit_extent_is_refused_before_allocating(se
         assert gpu.symmetric == []
     else:  # a raw pointer: no such limit
         kernel._check_workspace_sizes(kernel.geometry, 1024, big)
+
+
+def test_symmetric_buffers_past_the_nvshmem_heap_are_refused_before_allocating(setup, monkeypatch):
+    # shared workspace (the stand-in's 256 + T*k*H*2 + 64) plus the symmetric inputs:
+    # activation (nvfp4: two per byte), one scale byte per 16 / 32 columns padded to 4,
+    # int64 ids, fp32 weights
+    kind, kernel, gpu = setup
+    block = 16 if kind == "nvfp4" else 32
+    act = T * H // 2 if kind == "nvfp4" else T * H
+    sf = T * (-(-(H // block) // 4) * 4)
+    need = (256 + T * K * H * 2 + 64) + act + sf + T * K * 8 + T * K * 4
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", str(need - 1))
+    with pytest.raises(MoeEpUsageError, match=rf"need {need} bytes .*NVSHMEM_SYMMETRIC_SIZE=1m"):
+        kernel.warmup()
+    assert gpu.symmetric == []
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", str(need))
+    kernel.warmup()
+    assert sum(t.numel() for t in gpu.symmetric) == need

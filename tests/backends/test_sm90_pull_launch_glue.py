@@ -212,3 +212,19 @@ def _problem(top_k):
         top_k=top_k,
         max_tokens_per_rank=T,
     )
+
+
+def test_symmetric_buffers_past_the_nvshmem_heap_are_refused_before_allocating(gpu, monkeypatch):
+    # shared workspace (the stand-in's 256 + T*k*H*2 + 64) plus the symmetric staging:
+    # activation T*H e4m3, scales T*ceil4(H/128) fp32, ids T*k int64, weights T*k fp32,
+    # output T*H bf16
+    need = (256 + T * K * H * 2 + 64) + T * H + T * 4 * 4 + T * K * 8 + T * K * 4 + T * H * 2
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", str(need - 1))
+    layer = _layer(FakeRuntime(rank=RANK, world_size=WORLD))
+    with pytest.raises(MoeEpUsageError, match=rf"need {need} bytes .*NVSHMEM_SYMMETRIC_SIZE=1m"):
+        layer.warmup()
+    assert gpu.symmetric == []
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", str(need))
+    layer.warmup()
+    assert sum(t.numel() for t in gpu.symmetric) == need
+    layer.destroy()

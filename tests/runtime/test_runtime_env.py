@@ -126,3 +126,26 @@ def test_no_other_core_runtime_module_reads_the_environment() -> None:
             r"os\.getenv\(", text
         )
         assert not reads, f"{name} reads {reads} directly; go through moe_ep.env"
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        (None, 1 << 30),  # NVSHMEM's default
+        ("4096", 4096),
+        ("20m", 20 << 20),
+        ("3.1M", 3250586),  # NVSHMEM's own examples: ceil(3.1 * 2**20)
+        (".5m", 1 << 19),
+        ("2G", 2 << 30),
+        ("20kk", 20 << 10),  # one multiplier; what follows is ignored
+    ],
+)
+def test_nvshmem_symmetric_size_reads_as_nvshmem_does(raw: str | None, want: int) -> None:
+    e = {} if raw is None else {"NVSHMEM_SYMMETRIC_SIZE": raw}
+    assert env.nvshmem_symmetric_size(e) == want
+
+
+@pytest.mark.parametrize("raw", ["abc", "-1g", "g"])
+def test_a_malformed_nvshmem_symmetric_size_is_named(raw: str) -> None:
+    with pytest.raises(MoeEpUsageError, match=rf"NVSHMEM_SYMMETRIC_SIZE .*got '{raw}'"):
+        env.nvshmem_symmetric_size({"NVSHMEM_SYMMETRIC_SIZE": raw})

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.args import check_pack_geometry
 from moe_ep.backends.support.cute_launch import (
+    check_symmetric_heap,
     clear_padded_cells,
     current_stream,
     cute_tensor,
@@ -126,16 +127,25 @@ def storage_tensor(spec: ArgSpec, alloc: Callable[[int], torch.Tensor]) -> torch
     dim (`float4_e2m1fn_x2`), as the drop's runners allocate them. NVSHMEM tensors support
     only a few dtypes, hence the byte allocation.
     """
-    dtype = _torch_dtype(spec.dtype)
+    dtype, shape = _torch_dtype(spec.dtype), _storage_shape(spec)
+    raw = alloc(storage_nbytes(spec))
+    raw.zero_()
+    return raw.view(dtype).reshape(shape)
+
+
+def _storage_shape(spec: ArgSpec) -> list[int]:
     shape = list(spec.shape)
     if spec.dtype == "fp4":
         shape[spec.leading_dim] //= 2
+    return shape
+
+
+def storage_nbytes(spec: ArgSpec) -> int:
+    """Bytes of `storage_tensor(spec, ...)` (fp4 packs two elements per byte)."""
     numel = 1
-    for d in shape:
+    for d in _storage_shape(spec):
         numel *= d
-    raw = alloc(numel * dtype.itemsize)
-    raw.zero_()
-    return raw.view(dtype).reshape(shape)
+    return numel * _torch_dtype(spec.dtype).itemsize
 
 
 def as_kernel_dtype(t: torch.Tensor, spec: ArgSpec) -> torch.Tensor:
@@ -357,6 +367,9 @@ class CutedslMegaKernel(PooledKernel):
         combine_region(kernel, g)  # the drop still has the cells we clear (before allocating)
         local_bytes, shared_bytes = kernel.get_workspace_sizes()
         self._check_workspace_sizes(g, local_bytes, shared_bytes)
+        specs = {s.name: s for s in self._tensor_specs(g)}
+        sym_sizes = {name: storage_nbytes(specs[name]) for name in SYMMETRIC_INPUTS}
+        check_symmetric_heap(self.kernel_name, {"shared workspace": shared_bytes, **sym_sizes})
         local_ws = torch.zeros((local_bytes,), dtype=torch.uint8, device=dev)
         shared_ws = nvshmem.core.tensor((shared_bytes,), dtype=torch.uint8)
         shared_ws.zero_()
@@ -370,7 +383,6 @@ class CutedslMegaKernel(PooledKernel):
         def local_alloc(nbytes: int) -> torch.Tensor:
             return torch.empty((nbytes,), dtype=torch.uint8, device=dev)
 
-        specs = {s.name: s for s in self._tensor_specs(g)}
         staging = {
             name: storage_tensor(
                 specs[name], sym_alloc if name in SYMMETRIC_INPUTS else local_alloc

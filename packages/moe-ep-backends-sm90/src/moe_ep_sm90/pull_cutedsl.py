@@ -9,11 +9,13 @@ Warning:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.cute_launch import (
+    check_symmetric_heap,
     clear_padded_cells,
     current_stream,
     cute_tensor,
@@ -195,6 +197,8 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
         )
         cells_at = combine_region(kernel, g)  # the drop still has the cells we clear
         local_bytes, shared_bytes = kernel.get_workspace_sizes()
+        sym_sizes = {s.name: _nbytes(s.shape, getattr(torch, s.dtype)) for s in _staging_specs(g)}
+        check_symmetric_heap(self.kernel_name, {"shared workspace": shared_bytes, **sym_sizes})
         dev = self.runtime.device
         local_ws = torch.zeros((local_bytes,), dtype=torch.uint8, device=dev)
         shared_ws = nvshmem.core.tensor((shared_bytes,), dtype=torch.uint8)
@@ -259,18 +263,19 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
         entry.compiled(**self._launch_args(entry))
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
 def symmetric_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeroed `shape` / `dtype` tensor on the NVSHMEM symmetric heap (collective), allocated
     as bytes and viewed as `dtype`: nvshmem4py sizes allocations from its own dtype table,
     which older releases lack fp8 in (the drop's runner allocates fp8 the same way).
     `nvshmem.core.free_tensor` frees it (same data pointer)."""
-    import math
-
     import nvshmem.core
     import torch
 
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    t = nvshmem.core.tensor((nbytes,), dtype=torch.uint8)
+    t = nvshmem.core.tensor((_nbytes(shape, dtype),), dtype=torch.uint8)
     t.zero_()
     return t.view(dtype).view(shape)
 

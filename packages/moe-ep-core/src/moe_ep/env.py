@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ __all__ = [
     "cute_dsl_arch",
     "local_rank",
     "master_addr_port",
+    "nvshmem_symmetric_size",
     "push_build_enabled",
     "push_cache_dir",
     "read_env",
@@ -119,6 +121,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "directory (default ~/.cache/moe-ep/cpu_fused)",
         "Where the fused CPU epilogue library is built, one file per digest of source, "
         "compiler, flags and CPU features.",
+    ),
+    EnvVar(
+        "NVSHMEM_SYMMETRIC_SIZE",
+        "bytes, optional k/m/g/t suffix (NVSHMEM's default 1g)",
+        "NVSHMEM's symmetric heap per PE, read by NVSHMEM at initialisation; moe-ep reads it "
+        "only to refuse, before allocating, CuTe DSL workspaces that would not fit.",
     ),
     EnvVar(
         "CUTE_DSL_ARCH",
@@ -273,3 +281,25 @@ def cpu_fused_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
 def cute_dsl_arch(env: Mapping[str, str] | None = None) -> str | None:
     """CUTE_DSL_ARCH exactly as written (the CuTe DSL reads it itself), None when unset."""
     return read_env(env).get("CUTE_DSL_ARCH")
+
+
+NVSHMEM_DEFAULT_HEAP = 1 << 30
+_SIZE_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def nvshmem_symmetric_size(env: Mapping[str, str] | None = None) -> int:
+    """NVSHMEM_SYMMETRIC_SIZE in bytes as NVSHMEM reads it (a number, optionally fractional,
+    with one k/m/g/t suffix in either case; "20m" = 20 MiB); `NVSHMEM_DEFAULT_HEAP` (1 GiB)
+    when unset."""
+    raw = _raw(env, "NVSHMEM_SYMMETRIC_SIZE")
+    if raw is None:
+        return NVSHMEM_DEFAULT_HEAP
+    # NVSHMEM: "only one multiplier is recognized and any characters following it are
+    # ignored" ("20kk" is 20 KiB)
+    m = re.match(r"(\d*\.?\d+(?:[eE][-+]?\d+)?)([kKmMgGtT]?)", raw)
+    if m is None:
+        raise MoeEpUsageError(
+            "environment variable NVSHMEM_SYMMETRIC_SIZE must be a size in bytes with an "
+            f"optional k/m/g/t suffix, got {raw!r} (example: NVSHMEM_SYMMETRIC_SIZE=4g)"
+        )
+    return math.ceil(float(m.group(1)) * _SIZE_SUFFIX[m.group(2).lower()])

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from moe_ep.errors import MoeEpUsageError
+
 if TYPE_CHECKING:
     import torch
 
     from moe_ep.backends.support.args import ArgSpec
 
 __all__ = [
+    "check_symmetric_heap",
     "clear_padded_cells",
     "current_stream",
     "cute_tensor",
@@ -48,6 +51,26 @@ def peer_offsets(symmetric: torch.Tensor, world_size: int, rank: int) -> tuple[i
         return int(torch.utils.dlpack.from_dlpack(peer_buf).data_ptr())
 
     return tuple(0 if peer == rank else peer_base(peer) - base for peer in range(world_size))
+
+
+def check_symmetric_heap(kernel: str, what: dict[str, int]) -> None:
+    """`MoeEpUsageError` before allocating when the symmetric buffers `what` (name -> bytes)
+    need more than NVSHMEM's heap (`NVSHMEM_SYMMETRIC_SIZE`, read at initialisation, so it
+    must be raised before the process starts). Every rank computes the same sizes, so all
+    raise alike; NVSHMEM also keeps part of the heap for itself, so fitting here is
+    necessary, not sufficient."""
+    from moe_ep import env
+
+    heap = env.nvshmem_symmetric_size()
+    need = sum(what.values())
+    if need > heap:
+        parts = ", ".join(f"{k} {v}" for k, v in what.items())
+        raise MoeEpUsageError(
+            f"{kernel}: its symmetric buffers need {need} bytes ({parts}) but the NVSHMEM heap "
+            f"is {heap} bytes (NVSHMEM_SYMMETRIC_SIZE, default 1g): start the processes with "
+            f"NVSHMEM_SYMMETRIC_SIZE={-(-need * 5 // 4 // (1 << 20))}m or more, or lower "
+            "max_tokens_per_rank"
+        )
 
 
 def shared_region(
