@@ -26,6 +26,7 @@ __all__ = [
     "FakePtr",
     "FakeStream",
     "FakeSymBufferHost",
+    "assert_heap_bound",
     "install_fake_modules",
     "recording_kernel_class",
 ]
@@ -237,3 +238,20 @@ def recording_kernel_class(gpu: FakeGpu, combine_region: str, kind: str = "") ->
             return self.sizes
 
     return FakeKernel
+
+
+def assert_heap_bound(
+    gpu: FakeGpu, monkeypatch: pytest.MonkeyPatch, need: int, warmup: Any
+) -> None:
+    """With an NVSHMEM heap one byte short of `need`, `warmup()` is refused (naming the
+    bytes and a size to set) before anything symmetric is allocated; with exactly `need` it
+    allocates `need` symmetric bytes."""
+    from moe_ep.errors import MoeEpUsageError
+
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", str(need - 1))
+    with pytest.raises(MoeEpUsageError, match=rf"need {need} bytes .*NVSHMEM_SYMMETRIC_SIZE=1m"):
+        warmup()
+    assert gpu.symmetric == []
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", str(need))
+    warmup()
+    assert sum(t.numel() for t in gpu.symmetric) == need

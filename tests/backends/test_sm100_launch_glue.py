@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from backend_testing import FakeRuntime, routed_tensors
+from cute_fakes import assert_heap_bound
 from sm100_fakes import FakeCuteTensor, FakePtr, FakeStream, drop_signature, install_fake_gpu
 
 from moe_ep.errors import MoeEpUsageError
@@ -348,10 +349,4 @@ def test_symmetric_buffers_past_the_nvshmem_heap_are_refused_before_allocating(s
     act = T * H // 2 if kind == "nvfp4" else T * H
     sf = T * (-(-(H // block) // 4) * 4)
     need = (256 + T * K * H * 2 + 64) + act + sf + T * K * 8 + T * K * 4
-    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", str(need - 1))
-    with pytest.raises(MoeEpUsageError, match=rf"need {need} bytes .*NVSHMEM_SYMMETRIC_SIZE=1m"):
-        kernel.warmup()
-    assert gpu.symmetric == []
-    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", str(need))
-    kernel.warmup()
-    assert sum(t.numel() for t in gpu.symmetric) == need
+    assert_heap_bound(gpu, monkeypatch, need, kernel.warmup)
