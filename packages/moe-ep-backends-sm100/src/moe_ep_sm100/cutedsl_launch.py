@@ -34,12 +34,12 @@ from moe_ep.backends.support.args import check_pack_geometry
 from moe_ep.backends.support.cute_launch import (
     check_symmetric_heap,
     clear_padded_cells,
+    combine_view,
     current_stream,
     cute_tensor,
     peer_offsets,
-    region_view,
-    shared_region,
 )
+from moe_ep.backends.support.cute_launch import combine_region as _combine_region
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.backends.support.pooled import PooledKernel, StagedCall, compile_collective
@@ -60,7 +60,6 @@ __all__ = [
     "CutedslMegaKernel",
     "StagedBuffers",
     "check_sm100_pack",
-    "combine_cells",
     "combine_region",
     "kernel_tensor",
     "max_active_clusters",
@@ -164,16 +163,7 @@ def combine_region(kernel: Any, g: Geometry) -> tuple[int, int]:
     """(byte offset, byte count) of the drop kernel's bf16 combine cells `[T, k, H]` in its
     shared workspace (the region its separate top-k reduce sums over); `RuntimeError` if
     the drop's region table no longer has them so (`support.cute_launch.shared_region`)."""
-    shape = (g.max_tokens_per_rank, g.top_k, g.hidden_size)
-    return shared_region(kernel, COMBINE_REGION, shape, bits=16, owner="moe_ep_sm100")
-
-
-def combine_cells(kernel: Any, shared_workspace: torch.Tensor, g: Geometry) -> torch.Tensor:
-    """`[T, k, H]` bf16 view of the combine cells inside the uint8 `shared_workspace`."""
-    import torch
-
-    shape = (g.max_tokens_per_rank, g.top_k, g.hidden_size)
-    return region_view(shared_workspace, *combine_region(kernel, g), torch.bfloat16, shape)
+    return _combine_region(kernel, COMBINE_REGION, g, owner="moe_ep_sm100")
 
 
 def kernel_tensor(cutlass_torch: Any, t: torch.Tensor, spec: ArgSpec) -> Any:
@@ -200,7 +190,7 @@ class CompiledEntry:
     kernel's dtypes; `symmetric`: the NVSHMEM tensors to free (staging inputs + the shared
     workspace); `launch_args`: the call's keyword arguments except `stream` (each launch
     passes the stream current then); `combine`: the `[T, k, H]` bf16 combine cells inside
-    the shared workspace (`combine_cells`); `staged_by`: the `StagedCall` whose inputs the
+    the shared workspace (`combine_region`); `staged_by`: the `StagedCall` whose inputs the
     staging buffers hold (layers sharing the entry overwrite each other's).
     """
 
@@ -364,7 +354,7 @@ class CutedslMegaKernel(PooledKernel):
 
         dev = self.runtime.device
         kernel, api, clusters = self._make_kernel(g)
-        combine_region(kernel, g)  # the drop still has the cells we clear (before allocating)
+        cells_at = combine_region(kernel, g)  # the drop still has the cells we clear
         local_bytes, shared_bytes = kernel.get_workspace_sizes()
         self._check_workspace_sizes(g, local_bytes, shared_bytes)
         specs = {s.name: s for s in self._tensor_specs(g)}
@@ -396,7 +386,7 @@ class CutedslMegaKernel(PooledKernel):
         peer_map = api.sym_buffer_host(
             base_addr=base, offsets=offsets, rank_idx=g.rank, num_max_ranks=g.world_size
         )
-        cells = combine_cells(kernel, shared_ws, g)
+        cells = combine_view(shared_ws, cells_at, g)
 
         def tensor(spec: ArgSpec) -> Any:
             t = staging[spec.name] if spec.name in staging else weights[spec.name]

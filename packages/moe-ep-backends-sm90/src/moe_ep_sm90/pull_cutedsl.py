@@ -17,12 +17,12 @@ from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.cute_launch import (
     check_symmetric_heap,
     clear_padded_cells,
+    combine_view,
     current_stream,
     cute_tensor,
     peer_offsets,
-    region_view,
-    shared_region,
 )
+from moe_ep.backends.support.cute_launch import combine_region as _combine_region
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.backends.support.pooled import PooledKernel, StagedCall, compile_collective
@@ -79,7 +79,7 @@ class _Compiled:
     launch_args: dict[str, Any]
     """The call's keyword arguments without `stream` and the weights (per launch)."""
     combine: torch.Tensor | None = None
-    """The `[T, k, H]` bf16 combine cells inside the shared workspace (`combine_cells`)."""
+    """The `[T, k, H]` bf16 combine cells inside the shared workspace (`combine_region`)."""
     staged_by: Any = None
     """The `StagedCall` whose inputs the staging buffers hold."""
 
@@ -220,7 +220,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
         peer_map = api.sym_buffer_host(
             base_addr=base, offsets=offsets, rank_idx=g.rank, num_max_ranks=g.world_size
         )
-        cells = region_view(shared_ws, *cells_at, torch.bfloat16, _cells_shape(g))
+        cells = combine_view(shared_ws, cells_at, g)
 
         def tensor(spec: ArgSpec) -> Any:
             t = weights_by_name.get(spec.name)
@@ -295,11 +295,7 @@ def _weights_by_name(prepared: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def _cells_shape(g: PullGeometry) -> tuple[int, int, int]:
-    return (g.max_tokens_per_rank, g.top_k, g.hidden_size)
-
-
 def combine_region(kernel: Any, g: PullGeometry) -> tuple[int, int]:
     """(byte offset, byte count) of the drop kernel's bf16 combine cells `[T, k, H]` in its
     shared workspace; `RuntimeError` if its region table no longer has them so."""
-    return shared_region(kernel, COMBINE_REGION, _cells_shape(g), bits=16, owner="moe_ep_sm90")
+    return _combine_region(kernel, COMBINE_REGION, g, owner="moe_ep_sm90")

@@ -17,11 +17,13 @@ from moe_ep.errors import MoeEpUsageError
 if TYPE_CHECKING:
     import torch
 
-    from moe_ep.backends.support.args import ArgSpec
+    from moe_ep.backends.support.args import ArgSpec, LaunchGeometry
 
 __all__ = [
     "check_symmetric_heap",
     "clear_padded_cells",
+    "combine_region",
+    "combine_view",
     "current_stream",
     "cute_tensor",
     "peer_offsets",
@@ -100,6 +102,26 @@ def shared_region(
     for d in shape:
         count *= d
     return offset, count
+
+
+def combine_region(kernel: Any, name: str, g: LaunchGeometry, *, owner: str) -> tuple[int, int]:
+    """(byte offset, byte count) of a drop kernel's bf16 combine cells `[T, k, H]` (region
+    `name`, which its separate top-k reduce sums over), checked by `shared_region`."""
+    return shared_region(kernel, name, _combine_shape(g), bits=16, owner=owner)
+
+
+def combine_view(
+    shared_workspace: torch.Tensor, at: tuple[int, int], g: LaunchGeometry
+) -> torch.Tensor:
+    """`[T, k, H]` bf16 view of the combine cells at `at` (`combine_region`) inside the uint8
+    shared workspace."""
+    import torch
+
+    return region_view(shared_workspace, *at, torch.bfloat16, _combine_shape(g))
+
+
+def _combine_shape(g: LaunchGeometry) -> tuple[int, int, int]:
+    return (g.max_tokens_per_rank, g.top_k, g.hidden_size)
 
 
 def region_view(
