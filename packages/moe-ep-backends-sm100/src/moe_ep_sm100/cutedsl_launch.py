@@ -188,8 +188,9 @@ class CompiledEntry:
 
     `staging`: the symmetric `SYMMETRIC_INPUTS` and the local `output_activation`, in the
     kernel's dtypes; `symmetric`: the NVSHMEM tensors to free (staging inputs + the shared
-    workspace); `launch_args`: the call's keyword arguments except `stream` (each launch
-    passes the stream current then); `combine`: the `[T, k, H]` bf16 combine cells inside
+    workspace); `launch_args`: the call's keyword arguments except `stream` and the weights
+    (each launch passes the stream current then and its layer's own); `combine`: the
+    `[T, k, H]` bf16 combine cells inside
     the shared workspace (`combine_region`); `staged_by`: the `StagedCall` whose inputs the
     staging buffers hold (layers sharing the entry overwrite each other's).
     """
@@ -399,9 +400,9 @@ class CutedslMegaKernel(PooledKernel):
             max_active_clusters=clusters,
         )
         args = self._call_args(g, (local_ws, shared_ws), common)
-        compiled, launch_args = compile_collective(kernel, args, self.runtime)
-        launch_args.pop("stream")
-        self._weight_args = {name: args[name] for name in weights}
+        compiled, launch_args, self._weight_args = compile_collective(
+            kernel, args, self.runtime, per_layer=tuple(weights)
+        )
         return CompiledEntry(
             compiled, local_ws, shared_ws, staging, tuple(symmetric), launch_args, cells
         )

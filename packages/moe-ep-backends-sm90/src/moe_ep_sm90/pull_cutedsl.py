@@ -240,9 +240,9 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
             stream=current_stream(dev),
             max_active_clusters=clusters,
         )
-        compiled, launch_args = compile_collective(kernel, args, self.runtime)
-        launch_args.pop("stream")
-        self._weight_args = {name: launch_args.pop(name) for name in weights_by_name}
+        compiled, launch_args, self._weight_args = compile_collective(
+            kernel, args, self.runtime, per_layer=tuple(weights_by_name)
+        )
         return _Compiled(
             compiled, local_ws, shared_ws, staging, peer_map, launch_args, combine=cells
         )

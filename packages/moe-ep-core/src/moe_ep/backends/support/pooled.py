@@ -35,18 +35,26 @@ def require_config(config: Any, config_cls: type) -> None:
         )
 
 
-def compile_collective(kernel: Any, args: dict[str, Any], runtime: Any) -> tuple[Any, dict]:
+def compile_collective(
+    kernel: Any, args: dict[str, Any], runtime: Any, *, per_layer: tuple[str, ...] = ()
+) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """`cute.compile(kernel, **args)`, then wait for the device and for every rank (so every
-    rank's symmetric buffers are zeroed before any launch); returns (compiled, launch
-    arguments: `args` without `max_active_clusters`). Collective; GPU only (never run)."""
+    rank's symmetric buffers are zeroed before any launch). Collective; GPU only (never run).
+
+    Returns (compiled, the pooled launch arguments, the compiling layer's own ones): the
+    pooled ones are `args` without `max_active_clusters`, `stream` (each launch passes the
+    stream current then) and the `per_layer` names (each layer passes its own weights, so the
+    pooled entry holds no layer's tensors).
+    """
     import cutlass.cute as cute
     import torch
 
     compiled = cute.compile(kernel, **args)
-    launch_args = {k: v for k, v in args.items() if k != "max_active_clusters"}
+    dropped = {"max_active_clusters", "stream", *per_layer}
+    launch_args = {k: v for k, v in args.items() if k not in dropped}
     torch.cuda.synchronize(runtime.device)
     runtime.barrier()
-    return compiled, launch_args
+    return compiled, launch_args, {name: args[name] for name in per_layer}
 
 
 @dataclass
