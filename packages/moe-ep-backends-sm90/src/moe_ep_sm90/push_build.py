@@ -187,9 +187,10 @@ def cuda_wheel_dirs(nvidia_roots: list[Path]) -> tuple[tuple[Path, ...], tuple[P
     includes: list[Path] = []
     libs: list[Path] = []
     for root in nvidia_roots:
-        for comp in CU12_COMPONENTS:
-            includes += [d for d in [root / comp / "include"] if d.is_dir()]
-            libs += [d for d in [root / comp / "lib"] if d.is_dir()]
+        includes += [
+            root / c / "include" for c in CU12_COMPONENTS if (root / c / "include").is_dir()
+        ]
+        libs += [root / c / "lib" for c in CU12_COMPONENTS if (root / c / "lib").is_dir()]
     if not any((d / "cublasLt.h").is_file() for d in includes):
         return (), ()
     return tuple(includes), tuple(libs)
