@@ -230,16 +230,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="verb", required=True)
     pk = sub.add_parser("pack", help="download, tar and split (here, with PyPI)")
-    pk.add_argument("--out", type=Path, default=ROOT / ".gpu_carry")
+    pk.add_argument("--out", type=Path, default=ROOT / ".gpu_carry",
+                    help="folder for the wheels, parts and manifest (.gpu_carry)")  # fmt: skip
     pk.add_argument("--part-mib", type=int, default=56,
                     help="part size; the tracked files (~2 MiB) travel with each part")  # fmt: skip
     pk.add_argument("--python-version", default="3.12", help="the image's python3 (3.12)")
     pk.add_argument("--no-sm100", action="store_true", help="leave the sm100 drop out")
     asm = sub.add_parser("assemble", help="check and unpack the parts (on the GPU machine)")
-    asm.add_argument("--parts", type=Path, required=True)
-    asm.add_argument("--wheels", type=Path, required=True)
+    asm.add_argument("--parts", type=Path, required=True,
+                     help="folder holding part-NN and manifest.json")  # fmt: skip
+    asm.add_argument("--wheels", type=Path, required=True, help="folder to unpack the wheels to")
     ins = sub.add_parser("install", help="pip-install the carried wheels python3 lacks")
-    ins.add_argument("--wheels", type=Path, required=True)
+    ins.add_argument("--wheels", type=Path, required=True, help="folder of the carried wheels")
     args = ap.parse_args(argv)
     if args.verb == "install":
         return install(args.wheels)

@@ -7,6 +7,7 @@
 #   MOE_EP_CARRY_PARTS=/tmp/moe_ep_parts bash benchmarks/gpu_check.sh [OUT_DIR]
 # or, on a machine that has the drops materialized and the wheels in a folder:
 #   MOE_EP_WHEELS=wheels/ benchmarks/gpu_check.sh [OUT_DIR]
+#   benchmarks/gpu_check.sh --help          # prints this header, runs nothing
 #
 # Steps (each prints what it found; nothing is fetched from a network):
 #   0. with MOE_EP_CARRY_PARTS: checks the carried parts against their manifest (sha256) and
@@ -37,6 +38,10 @@
 # like the image (python3 + torch 2.11, no cutlass-dsl / nvshmem4py / tvm-ffi / hatchling)
 # with MOE_EP_GPU_CHECK_NO_GPU=1: steps 0-6 ran (docs/runbook.md).
 set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+  exit 0
+fi
 
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$OUT_DIR"

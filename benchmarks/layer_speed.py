@@ -1,28 +1,31 @@
 """Speed and memory of the portable bf16 layer at EP1 on CPU, as ratios from one run.
 
-    uv run python benchmarks/layer_speed.py [--reps 5] [--threads 1 2] [--plot] [--stages]
+    uv run python benchmarks/layer_speed.py [--reps 5] [--threads 1 2]
+        [--prefill T,H,I,E,k] [--decode T,H,I,E,k] [--stages]
+        [--out benchmarks/out/layer_speed.png | --no-plot]
 
-Compares one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) with
+Measures one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) against
   - dense bf16 matmuls doing the same useful FLOPs (`[T*k, H] @ [H, 2I]` and
     `[T*k, I] @ [I, H]` into preallocated outputs): the machine's limit; target
-    layer / dense <= 1.3;
+    layer / dense <= 1.3x on the prefill shape (none stated for decode);
   - a naive per-expert loop with the layer's math (gather, gate / up / down matmuls, SwiGLU
-    in fp32, weighted fp32 index_add): target > 1x speed-up, on the prefill shape and on a
-    decode-like shape;
+    in fp32, weighted fp32 index_add): target naive / layer > 1x, on the prefill shape and
+    on the decode-like shape;
   - the same layer with the fused CPU library switched off, as with MOE_EP_CPU_FUSED=0
     (eager torch SwiGLU and combine, and at 2+ threads each GEMM split over the threads
     instead of one-thread expert blocks side by side; `moe_ep.backends.portable.cpu_fused`),
-    to show what it buys;
+    to show what it buys (reported);
   - for reference, the same loop all in bf16 (SwiGLU, weighting and index_add in bf16, as
-    common eager MoE code does; fewer passes, less accurate);
-and reports the resident memory a forward adds against inputs + outputs + one copy of the
+    common eager MoE code does; fewer passes, less accurate; reported);
+and the resident memory a prefill forward adds against inputs + outputs + one copy of the
 dispatched activations (target < 2x), once for the first forward of a fresh layer (which
 allocates the reusable workspace) and once for a warm forward. Times are the minimum over
-`--reps` runs measured round-robin (the box is shared; the minimum is the least disturbed),
-for each intra-op thread count of `--threads` (default 1 and 2) in the same run.
-`--stages` adds where a prefill forward's time goes (expert GEMMs, SwiGLU, gathers, combine,
-the rest), at 1 thread in thread CPU time (less moved by other jobs on a shared box than
-wall time), minimum over `--reps` forwards.
+--reps runs measured round-robin (the box is shared; the minimum is the least disturbed),
+for each intra-op thread count of --threads in the same run. --stages adds where a prefill
+forward's time goes (expert GEMMs, SwiGLU, gathers, combine, the rest), at 1 thread in
+thread CPU time (less moved by other jobs on a shared box than wall time), minimum over
+--reps forwards. Tables carry a status column (ok / over target / under target / n/a);
+the plot shows every ratio against its target line.
 """
 
 from __future__ import annotations
@@ -33,14 +36,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from benchlib import OUT_DIR, plots
+from benchlib.machine import this_machine
+from benchlib.options import add_plot_options, benchmark_parser, moe_shape, positive_int, shape_text
+from benchlib.progress import Steps
+from benchlib.tables import console, titled_table
+from benchlib.targets import Target, row_status, status
 from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
 from moe_ep.backends.portable import comm, cpu_fused, experts, kernel
@@ -48,6 +54,10 @@ from moe_ep.launch import free_port
 
 PREFILL = {"T": 4096, "H": 2048, "I": 1024, "E": 16, "k": 4}
 DECODE = {"T": 64, "H": 2048, "I": 1024, "E": 64, "k": 8}
+# The targets docs/runbook.md states (layer.md "Benchmarks" has the history).
+LAYER_VS_DENSE = Target("<=", 1.3, applies_to="prefill")
+NAIVE_VS_LAYER = Target(">", 1.0)
+RSS_VS_REFERENCE = Target("<", 2.0)
 
 
 def best_of(fns: list[Callable[[], object]], reps: int) -> list[float]:
@@ -230,12 +240,13 @@ def _stage_timers(acc: dict[str, float]) -> Iterator[None]:
             setattr(mod, name, fn)
 
 
-def stages(reps: int) -> dict[str, float]:
-    """Minimum thread CPU seconds per stage of a prefill forward at 1 thread."""
+def stages(shape: dict[str, int], reps: int) -> dict[str, float]:
+    """Minimum thread CPU seconds per stage of a forward on `shape` at 1 thread, and of the
+    dense GEMMs of the same useful FLOPs ("dense")."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    p = problem(PREFILL)
-    layer = make_layer(p, PREFILL)
+    p = problem(shape)
+    layer = make_layer(p, shape)
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
     layer(tensors)
     best: dict[str, float] = {}
@@ -251,9 +262,9 @@ def stages(reps: int) -> dict[str, float]:
     finally:
         layer.destroy()
         torch.set_num_threads(threads)
-    xd = torch.randn(PREFILL["T"] * PREFILL["k"], PREFILL["H"]).bfloat16()
-    hd = torch.randn(PREFILL["T"] * PREFILL["k"], PREFILL["I"]).bfloat16()
-    gu = torch.empty(xd.shape[0], 2 * PREFILL["I"], dtype=torch.bfloat16)
+    xd = torch.randn(shape["T"] * shape["k"], shape["H"]).bfloat16()
+    hd = torch.randn(shape["T"] * shape["k"], shape["I"]).bfloat16()
+    gu = torch.empty(xd.shape[0], 2 * shape["I"], dtype=torch.bfloat16)
     y = torch.empty_like(xd)
     torch.set_num_threads(1)
     try:
@@ -267,130 +278,246 @@ def stages(reps: int) -> dict[str, float]:
     return best
 
 
-def print_stages(console: Console, best: dict[str, float]) -> None:
+def stage_rows(best: dict[str, float]) -> list[tuple[str, str, float]]:
+    """(stage, short name, seconds) rows of a prefill forward, the forward and the dense
+    GEMMs last."""
     gemm, swiglu = best["expert GEMMs"], best["SwiGLU"]
-    gathers = best["experts total"] - gemm - swiglu
     rest = best["forward"] - best["experts total"] - best["combine"]
-    table = Table(title="prefill forward by stage, 1 thread, thread CPU time (min over reps)")
-    for col in ("stage", "ms", "share of forward", "x dense GEMMs"):
-        table.add_column(col, justify="right")
-    for name, v in (
-        ("expert GEMMs (FC1 + FC2)", gemm),
-        ("SwiGLU (widen, silu, multiply, round)", swiglu),
-        ("expert gathers + loop", gathers),
-        ("combine (gather, widen, weight, slot sum)", best["combine"]),
-        ("plan, dispatch, bookkeeping", rest),
-        ("forward", best["forward"]),
-        ("dense GEMMs (same useful FLOPs)", best["dense"]),
-    ):
+    return [
+        ("expert GEMMs (FC1 + FC2)", "GEMMs", gemm),
+        ("SwiGLU (widen, silu, multiply, round)", "SwiGLU", swiglu),
+        ("expert gathers + loop", "gathers", best["experts total"] - gemm - swiglu),
+        ("combine (gather, widen, weight, slot sum)", "combine", best["combine"]),
+        ("plan, dispatch, bookkeeping", "other", rest),
+        ("forward", "forward", best["forward"]),
+        ("dense GEMMs (same useful FLOPs)", "dense", best["dense"]),
+    ]
+
+
+def print_stages(
+    out: Console, rows: list[tuple[str, str, float]], shape: str, machine: str
+) -> None:
+    forward, dense = rows[-2][2], rows[-1][2]
+    table = titled_table(
+        "prefill forward by stage, 1 thread, thread CPU time (min over reps); no targets",
+        shape,
+        machine,
+        ("stage", "ms", "share of forward", "x dense GEMMs", "status"),
+    )
+    for name, _, v in rows:
         table.add_row(
-            name, f"{v * 1e3:.1f}", f"{v / best['forward']:.0%}", f"{v / best['dense']:.2f}"
+            name, f"{v * 1e3:.1f}", f"{v / forward:.0%}", f"{v / dense:.2f}", status(v, None)
         )
-    console.print(table)
+    out.print(table)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--plot", action="store_true", help="write benchmarks/out/layer_speed.png")
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help; the docstring as description."""
+    parser = benchmark_parser(__doc__ or "")
+    parser.add_argument(
+        "--reps",
+        type=positive_int,
+        default=5,
+        help="timed runs of each, round-robin; the minimum counts",
+    )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         nargs="+",
         default=[1, 2],
-        help="intra-op thread counts to measure, each in the same run (default: 1 2)",
+        help="intra-op thread counts to measure, each in the same run; memory is measured at "
+        "the first",
     )
     parser.add_argument(
-        "--stages", action="store_true", help="also print a per-stage breakdown at 1 thread"
+        "--prefill",
+        type=moe_shape,
+        default=",".join(str(v) for v in PREFILL.values()),
+        metavar="T,H,I,E,k",
+        help="the prefill shape: tokens, hidden, intermediate, experts, top-k",
     )
-    args = parser.parse_args()
-    console = Console(width=160)
+    parser.add_argument(
+        "--decode",
+        type=moe_shape,
+        default=",".join(str(v) for v in DECODE.values()),
+        metavar="T,H,I,E,k",
+        help="the decode-like shape: tokens, hidden, intermediate, experts, top-k",
+    )
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="also measure where the prefill forward's time goes (1 thread, thread CPU time)",
+    )
+    add_plot_options(parser, OUT_DIR / "layer_speed.png")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    shapes = (("prefill", args.prefill), ("decode", args.decode))
     rows = []
-    shapes = (("prefill", PREFILL), ("decode", DECODE))
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("layer_speed", total=len(args.threads) * len(shapes) + 1)
+    with Steps(1 + len(args.threads) * len(shapes) + args.stages) as steps:
         torch.set_num_threads(args.threads[0])
-        progress.update(task, description=f"memory, {args.threads[0]} thread(s)")
-        mem = memory(PREFILL)
-        progress.advance(task)
+        steps.step(f"memory: prefill {shape_text(args.prefill)}, {args.threads[0]} thread(s)")
+        mem = memory(args.prefill)
         for threads in args.threads:
             torch.set_num_threads(threads)
             for name, shape in shapes:
-                progress.update(task, description=f"{name}, {threads} thread(s), round-robin")
+                steps.step(
+                    f"{name} {shape_text(shape)}, {threads} thread(s): layer and baselines "
+                    f"round-robin x{args.reps}"
+                )
                 rows.append((name, shape, threads, time_shape(shape, args.reps)))
-                progress.advance(task)
-    table = Table(
-        title="portable bf16 layer, EP1, CPU (min over round-robin reps); "
-        + "; ".join(
-            f"{n}: T={sh['T']} H={sh['H']} I={sh['I']} E={sh['E']} k={sh['k']}" for n, sh in shapes
-        )
+        if args.stages:
+            steps.step(f"stages: prefill {shape_text(args.prefill)}, 1 thread, x{args.reps}")
+            stage_times = stage_rows(stages(args.prefill, args.reps))
+
+    machine = this_machine(args.threads).describe()
+    shape_line = "; ".join(f"{n} {shape_text(sh)}" for n, sh in shapes) + (
+        f"; bf16, EP1, min of {args.reps} round-robin reps"
     )
-    for col in (
-        "shape",
-        "threads",
-        "layer",
-        "dense GEMMs",
-        "naive loop",
-        "layer/dense",
-        "eager-epilogue layer/layer",
-        "naive/layer",
-        "naive-bf16/layer",
-        "layer TFLOP/s",
-    ):
-        table.add_column(col, justify="right")
+    table = titled_table(
+        "portable bf16 layer vs dense GEMMs and a naive loop",
+        shape_line,
+        machine,
+        (
+            "shape",
+            "threads",
+            "layer",
+            "dense GEMMs",
+            "naive loop",
+            "layer/dense",
+            "eager/layer",
+            "naive/layer",
+            "bf16 loop/layer",
+            "GFLOP/s",
+            "status",
+        ),
+        caption=f"targets (docs/runbook.md): layer/dense {LAYER_VS_DENSE.label()} on prefill, "
+        f"naive/layer {NAIVE_VS_LAYER.label()}; eager = the layer with eager epilogues "
+        "(MOE_EP_CPU_FUSED=0), bf16 loop = the naive loop all in bf16: reported",
+    )
     for name, sh, threads, r in rows:
         flops = 6 * sh["T"] * sh["k"] * sh["H"] * sh["I"]
-        target = " (target <= 1.3)" if name == "prefill" else ""
+        vs_dense, vs_naive = r["layer"] / r["dense"], r["naive"] / r["layer"]
         table.add_row(
             name,
             str(threads),
             f"{r['layer'] * 1e3:.1f} ms",
             f"{r['dense'] * 1e3:.1f} ms",
             f"{r['naive'] * 1e3:.1f} ms",
-            f"{r['layer'] / r['dense']:.2f}x{target}",
+            f"{vs_dense:.2f}x",
             f"{r['eager'] / r['layer']:.2f}x",
-            f"{r['naive'] / r['layer']:.2f}x (target > 1)",
+            f"{vs_naive:.2f}x",
             f"{r['naive16'] / r['layer']:.2f}x",
-            f"{flops / r['layer'] / 1e12:.2f}",
+            f"{flops / r['layer'] / 1e9:.1f}",
+            row_status(
+                (
+                    ("layer/dense", vs_dense, LAYER_VS_DENSE if name == "prefill" else None),
+                    ("naive/layer", vs_naive, NAIVE_VS_LAYER),
+                )
+            ),
         )
-    console.print(table)
+    out = console()
+    out.print(table)
     first, warm, ref = mem
-    console.print(
-        f"RSS added by a prefill forward ({args.threads[0]} thread(s)): first forward of a "
-        f"fresh layer (allocates the reusable workspace) {first / 2**20:.0f} MiB = "
-        f"{first / ref:.2f}x, warm forward {warm / 2**20:.0f} MiB = {warm / ref:.2f}x of inputs "
-        f"+ outputs + one copy of the dispatched activations ({ref / 2**20:.0f} MiB); target "
-        f"< 2x (RSS sampled every 0.2 ms, so approximate)"
+    mem_table = titled_table(
+        "RSS added by a prefill forward",
+        f"prefill {shape_text(args.prefill)}",
+        this_machine(args.threads[:1]).describe(),
+        ("forward", "MiB", "x reference", "target", "status"),
+        caption=f"reference: inputs + outputs + one copy of the dispatched activations "
+        f"({ref / 2**20:.0f} MiB); RSS sampled every 0.2 ms, so approximate",
     )
-    console.print(f"bit-identical across two forwards: {all(r[3]['same'] for r in rows)}")
+    mem_rows = (
+        ("first forward of a fresh layer (allocates the workspace)", first),
+        ("warm forward", warm),
+    )
+    for name, nbytes in mem_rows:
+        mem_table.add_row(
+            name,
+            f"{nbytes / 2**20:.0f}",
+            f"{nbytes / ref:.2f}x",
+            RSS_VS_REFERENCE.label(),
+            status(nbytes / ref, RSS_VS_REFERENCE),
+        )
+    out.print(mem_table)
+    out.print(f"bit-identical across two forwards: {all(r[3]['same'] for r in rows)}")
     if args.stages:
-        print_stages(console, stages(args.reps))
-    if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        out = Path(__file__).parent / "out"
-        out.mkdir(exist_ok=True)
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        labels = [f"{r[0]}, {r[2]}t" for r in rows]
-        series = (("layer", "layer"), ("dense GEMMs", "dense"), ("naive loop", "naive"))
-        for j, (label, key) in enumerate(series):
-            ax.bar(
-                [x + 0.27 * j for x in range(len(rows))],
-                [float(r[3][key]) * 1e3 for r in rows],
-                width=0.27,
-                label=label,
+        print_stages(
+            out, stage_times, f"prefill {shape_text(args.prefill)}", this_machine([1]).describe()
+        )
+    if not args.no_plot:
+        fig, axes = plots.figure(
+            2, 3 if args.stages else 2, width=15 if args.stages else 11, height=8
+        )
+        plots.title(
+            fig, "portable bf16 layer, EP1, CPU: ratios against targets", shape_line, machine
+        )
+        names = [f"{n}\n{t} thr\n{r['layer'] * 1e3:.1f} ms" for n, _, t, r in rows]
+        shown = plots.ratio_bars(
+            axes[0],
+            names,
+            [r["layer"] / r["dense"] for *_, r in rows],
+            [LAYER_VS_DENSE if n == "prefill" else None for n, *_ in rows],
+        )
+        axes[0].set_title("layer / dense GEMMs of the same FLOPs (lower is better)", fontsize=9)
+        shown += plots.ratio_bars(
+            axes[1],
+            names,
+            [r["naive"] / r["layer"] for *_, r in rows],
+            [NAIVE_VS_LAYER] * len(rows),
+        )
+        axes[1].set_title("speed-up over the naive per-expert loop (higher is better)", fontsize=9)
+        reported = axes[3 if args.stages else 2]
+        plots.grouped_bars(
+            reported,
+            names,
+            {
+                "eager-epilogue layer / layer": [r["eager"] / r["layer"] for *_, r in rows],
+                "naive all-bf16 loop / layer": [r["naive16"] / r["layer"] for *_, r in rows],
+            },
+            lambda v: f"{v:.2f}x",
+        )
+        reported.set_title("reported, no target (> 1x: the layer is faster)", fontsize=9)
+        shown += plots.ratio_bars(
+            axes[2 if args.stages else 3],
+            [f"{name.split(' (')[0]}\n{nbytes / 2**20:.0f} MiB" for name, nbytes in mem_rows],
+            [nbytes / ref for _, nbytes in mem_rows],
+            [RSS_VS_REFERENCE] * len(mem_rows),
+            wrap=30,
+        )
+        axes[2 if args.stages else 3].set_title(
+            f"RSS added / inputs + outputs + dispatched copy ({ref / 2**20:.0f} MiB), "
+            f"{args.threads[0]} thr",
+            fontsize=9,
+        )
+        if args.stages:
+            forward, dense = stage_times[-2][2], stage_times[-1][2]
+            grid = axes[4].get_gridspec()
+            assert grid is not None  # made by plots.figure's subplots
+            axes[4].remove()
+            axes[5].remove()
+            axes[4] = fig.add_subplot(grid[1, 1:])  # the stages get the row's last two slots
+            plots.ratio_bars(
+                axes[4],
+                [short for _, short, _ in stage_times],
+                [v / dense for *_, v in stage_times],
+                [None] * len(stage_times),
+                fmt=lambda v: f"{v:.2f}x",
             )
-        ax.set_xticks([x + 0.27 for x in range(len(rows))], labels)
-        ax.set_ylabel("ms per forward (min)")
-        ax.set_yscale("log")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "layer_speed.png", dpi=120)
-        console.print(f"wrote {out / 'layer_speed.png'}")
+            axes[4].set_title(
+                f"prefill stages / dense GEMMs, 1 thr, thread CPU time (forward "
+                f"{forward * 1e3:.0f} ms)",
+                fontsize=9,
+            )
+            del axes[5]
+        for ax in axes:
+            ax.set_ylabel("ratio")
+        plots.status_legend(fig, shown)
+        out.print(f"wrote {plots.save(fig, args.out)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

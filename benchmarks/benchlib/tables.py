@@ -1,0 +1,28 @@
+"""The benchmark tables: a console that does not wrap them in logs, titled like the plots."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+LOG_WIDTH = 180  # columns when stdout is not a terminal (rich would wrap at 80)
+
+
+def console() -> Console:
+    """A console on stdout: the terminal's width there, `LOG_WIDTH` columns in a log."""
+    return Console(width=None if sys.stdout.isatty() else LOG_WIDTH)
+
+
+def titled_table(
+    what: str, shape: str, machine: str, columns: Sequence[str], caption: str | None = None
+) -> Table:
+    """A table titled with what is measured, the shape and the machine (and `caption` below,
+    e.g. the targets); the first column left-aligned (names), the others right-aligned
+    (numbers, targets, status)."""
+    table = Table(title=f"{what}\n{shape}\n{machine}", caption=caption)
+    for j, col in enumerate(columns):
+        table.add_column(col, justify="left" if j == 0 else "right", no_wrap=col == "status")
+    return table

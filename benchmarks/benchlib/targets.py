@@ -1,0 +1,86 @@
+"""Targets as docs/runbook.md states them, and the status column of the benchmark tables."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+Op = Literal["<=", "<", ">=", ">"]
+_COMPARE: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    "<": operator.lt,
+    ">=": operator.ge,
+    ">": operator.gt,
+}
+
+OK = "ok"
+OVER = "over target"
+UNDER = "under target"
+NA = "n/a"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A bound a measured ratio must keep: `value <op> bound`.
+
+    `unit` "x" reads ratios as multiples (1.3 -> "1.3x"), "%" as percentages of a fraction
+    (0.8 -> "80%"). `applies_to` names what it covers when that is not everything plotted
+    (e.g. "prefill").
+    """
+
+    op: Op
+    bound: float
+    unit: Literal["x", "%"] = "x"
+    applies_to: str = ""
+
+    def __post_init__(self) -> None:
+        if self.op not in _COMPARE:
+            raise ValueError(f"Target.op must be one of {sorted(_COMPARE)}, got {self.op!r}")
+        if not math.isfinite(self.bound):
+            raise ValueError(f"Target.bound must be finite, got {self.bound!r}")
+
+    def met(self, value: float) -> bool:
+        """Whether `value` keeps the bound (a NaN never does)."""
+        return _COMPARE[self.op](value, self.bound)
+
+    def fmt(self, value: float, digits: int = 2) -> str:
+        """`value` in this target's unit: "1.23x" or "87%"."""
+        if self.unit == "%":
+            return f"{value * 100:.0f}%"
+        return f"{value:.{digits}f}x"
+
+    def label(self) -> str:
+        """The bound as the docs write it, e.g. "<= 1.3x" or ">= 80%"."""
+        bound = f"{self.bound * 100:g}%" if self.unit == "%" else f"{self.bound:g}x"
+        return f"{self.op} {bound}"
+
+
+def status(value: float | None, target: Target | None) -> str:
+    """ "ok" when `value` keeps `target`; "over target" when it is above an upper bound,
+    "under target" when below a lower one; "n/a" when there is no target or no finite
+    value to compare."""
+    if target is None or value is None or not math.isfinite(value):
+        return NA
+    if target.met(value):
+        return OK
+    return OVER if target.op in ("<=", "<") else UNDER
+
+
+def row_status(checks: Iterable[tuple[str, float | None, Target | None]]) -> str:
+    """One status for a table row holding several (name, value, target) ratios: "n/a" when
+    none has a target, "ok" when every targeted one is met, else the misses by name, e.g.
+    "over target: layer/dense"."""
+    results = [(name, status(value, target)) for name, value, target in checks]
+    judged = [(name, s) for name, s in results if s != NA]
+    if not judged:
+        return NA
+    missed = [(name, s) for name, s in judged if s != OK]
+    if not missed:
+        return OK
+    kinds = dict.fromkeys(s for _, s in missed)
+    return "; ".join(
+        f"{kind}: " + ", ".join(name for name, s in missed if s == kind) for kind in kinds
+    )
