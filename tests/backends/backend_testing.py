@@ -31,10 +31,12 @@ def require_drop(drop: Any, *, cutlass: bool = True) -> None:
         pytest.skip("nvidia-cutlass-dsl is not installed (the drop's modules import cutlass)")
 
 
-def run_fresh_python(code: str) -> dict:
+def run_fresh_python(code: str, *, timeout: float = 180) -> dict:
     """Run `code` in a fresh interpreter (the drops own top-level module names); its last
     stdout line parsed as JSON. Fails the test on a non-zero exit."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

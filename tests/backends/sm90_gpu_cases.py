@@ -44,15 +44,32 @@ CASES = [
 @dataclass(frozen=True)
 class Sm90Recipe:
     """How one sm90 kernel quantizes, as `oracle_forward` options (fp8 blockwise, 128x128
-    weights): `fc1_gate_up_interleave` 8 for the pull kernel (its FC1 scale blocks run over
-    rows interleaved by 8), None for the push kernel (gate-then-up rows, the canonical
-    recipe). With these the oracle computes with the kernel's own weight values bit for bit,
-    so the problems use ordinary random weights."""
+    weights, 1x128 FC1 input). The pull kernel: FC1 scale blocks over rows interleaved by 8
+    (`fc1_gate_up_interleave`), the FC2 input in 1x64 blocks (its drop's
+    `Fp8Fc2ActivationScaleK`, in the kernel and in `mega_reference_fp8`), the top-k weight
+    applied to the SwiGLU output before that quantization (`apply_topk_in_fc1`). The push
+    kernel: the canonical DeepSeek-V3 recipe (gate-then-up rows, 1x128, weight after FC2).
+    With these the oracle computes with the kernel's own weight values bit for bit, so the
+    problems use ordinary random weights; `test_drop_reference_conformance.py` checks the
+    pull recipe against the drop's own reference."""
 
     fc1_gate_up_interleave: int | None
+    fc2_act_block: int = 128
+    topk_weight_before_fc2: bool = False
+
+    def oracle_kwargs(self) -> dict[str, Any]:
+        """The `oracle_forward` (and portable fp8 config) keywords of this recipe."""
+        return {
+            "fc1_gate_up_interleave": self.fc1_gate_up_interleave,
+            "fc2_act_block": self.fc2_act_block,
+            "topk_weight_before_fc2": self.topk_weight_before_fc2,
+        }
 
 
-SM90_RECIPES = {PULL: Sm90Recipe(fc1_gate_up_interleave=8), PUSH: Sm90Recipe(None)}
+SM90_RECIPES = {
+    PULL: Sm90Recipe(fc1_gate_up_interleave=8, fc2_act_block=64, topk_weight_before_fc2=True),
+    PUSH: Sm90Recipe(None),
+}
 
 
 def fp8_exact_weights(e: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -107,19 +124,16 @@ def problem_for(case: GpuCase, world_size: int, kernel: str) -> dict[str, torch.
     return make_problem(case, world_size, weights=_weights_kind(kernel))
 
 
-def sm90_oracle(case: GpuCase, world_size: int, kernel: str) -> Any:
-    """`oracle_forward` of `case` with `kernel`'s fp8 recipe (`SM90_RECIPES`)."""
+def sm90_oracle(
+    case: GpuCase, world_size: int, kernel: str, *, recipe: Sm90Recipe | None = None
+) -> Any:
+    """`oracle_forward` of `case` with `kernel`'s fp8 recipe (`SM90_RECIPES`, or `recipe`)."""
     from moe_ep.oracle import oracle_forward
 
     p = problem_for(case, world_size, kernel)
+    r = SM90_RECIPES[kernel] if recipe is None else recipe
     return oracle_forward(
-        p["x"],
-        p["ids"],
-        p["w"],
-        p["w13"],
-        p["w2"],
-        fmt="fp8",
-        fc1_gate_up_interleave=SM90_RECIPES[kernel].fc1_gate_up_interleave,
+        p["x"], p["ids"], p["w"], p["w13"], p["w2"], fmt="fp8", **r.oracle_kwargs()
     )
 
 
@@ -184,8 +198,7 @@ def cpu_twin(kernel: str) -> Any:
     """The portable fp8 config that quantizes exactly as sm90 `kernel` does (runs on CPU)."""
     from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
 
-    b = SM90_RECIPES[kernel].fc1_gate_up_interleave
-    return Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(fc1_gate_up_interleave=b)
+    return Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(**SM90_RECIPES[kernel].oracle_kwargs())
 
 
 def backend_for(case: GpuCase, kernel: str) -> Any:

@@ -7,6 +7,8 @@ here; staging bytes against a scalar e2m1 / e4m3 reference.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from backend_hw import require_capability_at_least
@@ -97,13 +99,17 @@ def test_staging_bytes():
     s = stage_nvfp4_inputs(x, ids, w, max_tokens=t, input_norm_const=nc)
     assert s.activation.shape == (t, H // 2) and s.activation.dtype == torch.uint8
     assert s.activation_scales.shape == (t, 16)
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731 - one fp32 rounding
     for r in range(n):
         for b in (0, 7, H // 16 - 1):
             blk = x[r, 16 * b : 16 * b + 16].float()
-            scale = torch.tensor(float(blk.abs().max()) / 6.0 * nc).to(torch.float8_e4m3fn)
+            # The drop's rule, each step in fp32: e4m3(amax * fp32(1/6) * nc), then the codes
+            # of v * (nc * (1 / scale)).
+            scale = (blk.abs().max() * f32(1 / 6) * nc).to(torch.float8_e4m3fn)
             assert s.activation_scales[r, b].view(torch.uint8) == scale.view(torch.uint8)
+            acc = f32(nc) * torch.reciprocal(scale.float())
             for j in (0, 1, 14, 15):  # element 2i in the low nibble of byte i
-                code = _e2m1_code(float(blk[j]) * nc / float(scale.float()))
+                code = _e2m1_code(float(blk[j] * acc))
                 byte = int(s.activation[r, 8 * b + j // 2])
                 assert (byte >> (4 * (j % 2))) & 0xF == code, (r, b, j)
     assert torch.all(s.activation[n:] == 0)
@@ -111,29 +117,75 @@ def test_staging_bytes():
     assert s.topk_weights[0, 1] == 0 and torch.all(s.topk_weights[n:] == 0)
 
 
-_CROSS_CHECK = r"""
+_HERE = Path(__file__).resolve().parent
+
+_CPU_CROSS_CHECK = r"""
+import json, sys, torch
+sys.path.insert(0, HERE)
+import moe_ep_drop_sm100_cutedsl as drop
+from drop_references import install_cpu_standins
+from moe_ep.quant import nvfp4_global_scale, quantize_nvfp4
+install_cpu_standins(drop)
+rc = drop.import_src_module("moe_nvfp4_swapab.runner_common")
+g = torch.Generator().manual_seed(0)
+w = (torch.randn(2, 256, 384, generator=g) * 0.05).to(torch.bfloat16)
+w[0, :3] = 0.0
+w[0, 1, ::3] = -0.0  # zero blocks, +0 and -0
+nc = nvfp4_global_scale(w, dim=(-2, -1))  # per expert, as the weights are prepared
+res = {"norm_consts": nc.flatten().tolist(), "scales": True, "differing_codes": 0, "codes": 0}
+for e in range(2):
+    ours_p, ours_s = quantize_nvfp4(w[e], norm_const=nc[e])
+    theirs_p, theirs_s = rc.nvfp4_quantize_per_block_16(w[e].float(), float(nc[e]))
+    theirs_p = theirs_p.view(torch.uint8)
+    res["scales"] &= torch.equal(ours_s.view(torch.uint8), theirs_s.view(torch.uint8))
+    res["differing_codes"] += int(((ours_p ^ theirs_p) & 0x0F != 0).sum())
+    res["differing_codes"] += int(((ours_p ^ theirs_p) >> 4 != 0).sum())
+    res["codes"] += 2 * ours_p.numel()
+print(json.dumps(res))
+"""
+
+
+def test_recipe_is_bit_exact_with_the_drops_own_nvfp4_quantizer_on_cpu():
+    """Scales and payload codes equal the drop's `nvfp4_quantize_per_block_16` on bf16
+    weights with per-expert global scales (not 1), zero blocks included. The drop's function
+    runs on CPU with CPU stand-ins for its two CUDA helpers (`drop_references`: an IEEE
+    reciprocal for `rcp.approx.ftz`, a nearest-even e2m1 packer for the `cvt`); the rest of
+    it (scale rule, `acc = nc * rcp(scale)`, `v * acc`) is the drop's own code. The double
+    rounding `fl(fl(v * nc) / scale)` this recipe had got 127 of these 196,608 codes wrong,
+    and its block amax gave 64 of the zero blocks scale byte 0x80 (-0)."""
+    from moe_ep_sm100.drops import CUTEDSL_DROP
+
+    require_drop(CUTEDSL_DROP)
+    res = run_fresh_python(_CPU_CROSS_CHECK.replace("HERE", repr(str(_HERE))))
+    assert all(v != 1.0 for v in res["norm_consts"]), res
+    assert res["scales"] is True and res["codes"] == 196_608
+    assert res["differing_codes"] == 0, res
+
+
+_GPU_CROSS_CHECK = r"""
 import json, torch
 import moe_ep_drop_sm100_cutedsl as drop
-from moe_ep.quant import quantize_nvfp4
+from moe_ep.quant import nvfp4_global_scale, quantize_nvfp4
 rc = drop.import_src_module("moe_nvfp4_swapab.runner_common")
 g = torch.Generator().manual_seed(0)
 x = torch.randn(32, 256, generator=g) * torch.logspace(-2, 2, 32).unsqueeze(1)
-ours_p, ours_s = quantize_nvfp4(x, norm_const=3.0)
-theirs_p, theirs_s = rc.nvfp4_quantize_per_block_16(x.cuda(), 3.0)
-theirs_p, theirs_s = theirs_p.view(torch.uint8).cpu(), theirs_s.cpu()
-print(json.dumps({
-    "scales": torch.equal(ours_s.view(torch.uint8), theirs_s.view(torch.uint8)),
-    "data_mismatch_bytes": int((ours_p != theirs_p).sum()),
-    "bytes": ours_p.numel(),
-}))
+w = (torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16).float()
+out = {"scales": True, "data_mismatch_bytes": 0, "bytes": 0}
+for t, nc in ((x, 3.0), (w, float(nvfp4_global_scale(w)))):
+    ours_p, ours_s = quantize_nvfp4(t, norm_const=nc)
+    theirs_p, theirs_s = rc.nvfp4_quantize_per_block_16(t.cuda(), nc)
+    theirs_p, theirs_s = theirs_p.view(torch.uint8).cpu(), theirs_s.cpu()
+    out["scales"] &= torch.equal(ours_s.view(torch.uint8), theirs_s.view(torch.uint8))
+    out["data_mismatch_bytes"] += int((ours_p != theirs_p).sum())
+    out["bytes"] += ours_p.numel()
+print(json.dumps(out))
 """
 
 
 @pytest.mark.gpu
 def test_recipe_matches_the_drops_own_nvfp4_quantizer():
-    """Scales equal the drop's `nvfp4_quantize_per_block_16` bytes; packed payloads agree
-    except where its approximate reciprocal (`rcp.approx.ftz`, CUDA only) flips a rounding
-    tie: at most 1 byte in 1000 (fresh process: the drop owns top-level names)."""
+    """On a Blackwell GPU: bytes equal the drop's `nvfp4_quantize_per_block_16` with its real
+    CUDA helpers (fresh process: the drop owns top-level names). Never run."""
     from moe_ep_sm100.drops import CUTEDSL_DROP
 
     # Its fp4 packer is a Triton kernel around `cvt.rn.satfinite.e2m1x2.f32`, which ptxas
@@ -142,9 +194,37 @@ def test_recipe_matches_the_drops_own_nvfp4_quantizer():
         (10, 0), "the drop's nvfp4 quantizer runs only on a Blackwell GPU (e2m1x2 cvt)"
     )
     require_drop(CUTEDSL_DROP)
-    res = run_fresh_python(_CROSS_CHECK)
+    res = run_fresh_python(_GPU_CROSS_CHECK)
     assert res["scales"] is True
-    assert res["data_mismatch_bytes"] <= res["bytes"] // 1000, res
+    assert res["data_mismatch_bytes"] == 0, res
+
+
+_RCP_CHECK = r"""
+import json, torch
+import moe_ep_drop_sm100_cutedsl as drop
+rc = drop.import_src_module("moe_nvfp4_swapab.runner_common")
+sf = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+got = rc._rcp_approx_ftz_f32_cuda(sf.cuda()).cpu()
+print(json.dumps({"differ": sf[got != torch.reciprocal(sf)].tolist(), "n": sf.numel()}))
+"""
+
+
+@pytest.mark.gpu
+def test_the_kernels_approximate_reciprocal_is_exact_on_e4m3_scales():
+    """The kernels' nvfp4 quantizers multiply by `nc * rcp.approx.ftz(scale)`; our recipe
+    (and the CPU stand-in) uses the IEEE reciprocal. Scales are e4m3 values, so the two agree
+    on every input that matters iff they agree on all 126 positive finite e4m3 values. Runs on
+    any CUDA GPU with Triton (the drop's `_rcp_approx_ftz_f32_cuda`); never run yet."""
+    import importlib.util
+
+    from moe_ep_sm100.drops import CUTEDSL_DROP
+
+    require_capability_at_least((7, 0), "rcp.approx.ftz.f32 through the drop's Triton helper")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (the drop's rcp helper is a Triton kernel)")
+    require_drop(CUTEDSL_DROP)
+    res = run_fresh_python(_RCP_CHECK)
+    assert res["n"] == 126 and res["differ"] == [], res
 
 
 @pytest.mark.gpu

@@ -3,8 +3,9 @@
 Never run on a GPU yet.
 
 Weights are ordinary random ones; the oracle quantizes them with each kernel's own recipe
-(`sm90_gpu_cases.SM90_RECIPES`: FC1 interleaved by 8 before its 128x128 blocks for the pull
-kernel, canonical gate-then-up blocks for the push kernel), so it computes with the kernel's
+(`sm90_gpu_cases.SM90_RECIPES`: for the pull kernel FC1 interleaved by 8 before its 128x128
+blocks, the FC2 input in 1x64 blocks and the top-k weight before it; for the push kernel
+canonical gate-then-up blocks and 1x128), so it computes with the kernel's
 weight values bit for bit and the remaining differences are accumulation order and
 requantization flips, which the tolerance band covers. The push kernel's bf16 intermediates
 (FC1 output, SwiGLU output, FC2 output, combine partials) move its outputs by up to about a

@@ -13,13 +13,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from gpu_jobs import ep1_jobs
+from gpu_jobs import Job, ep1_jobs, job_outputs
 from sm90_gpu_cases import (
     CASES,
     PULL,
     PUSH,
     SM90_RECIPES,
     GpuCase,
+    backend_for,
     cpu_twin,
     problem_for,
     push_reference,
@@ -30,7 +31,9 @@ from sm90_gpu_cases import (
 )
 
 from moe_ep import quant
-from moe_ep.oracle import compare_to_oracle
+from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
+from moe_ep.errors import MoeEpUsageError
+from moe_ep.oracle import compare_to_oracle, oracle_forward
 
 KERNELS = (PULL, PUSH)
 
@@ -70,6 +73,38 @@ def test_the_pull_and_push_oracles_differ_on_the_random_weights() -> None:
     assert own.max_ratio * 4 < other.max_ratio, (own, other)
     assert SM90_RECIPES[PULL].fc1_gate_up_interleave == 8
     assert SM90_RECIPES[PUSH].fc1_gate_up_interleave is None
+
+
+@pytest.mark.multirank
+def test_the_portable_fp8_kernel_honours_fc2_act_block() -> None:
+    # The pull recipe's 1x64 FC2 input (`fc2_act_block`) goes end to end through the layer
+    # (config -> recipe -> requantize): the twin with 64 and the twin with 128 give different
+    # outputs, each nearer the oracle of its own block than the other's.
+    case = _small(CASES[2])  # one_expert_per_rank: k = 1, a cell is one (token, slot)
+    recipes = {b: replace(SM90_RECIPES[PULL], fc2_act_block=b) for b in (64, 128)}
+    assert SM90_RECIPES[PULL].fc2_act_block == 64 and SM90_RECIPES[PUSH].fc2_act_block == 128
+    twins = {
+        b: Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(**r.oracle_kwargs()) for b, r in recipes.items()
+    }
+    out64, out128 = job_outputs(
+        [Job(case, PULL, twins[64]), Job(case, PULL, twins[128])], 1, backend_for
+    )
+    exact = {b: sm90_oracle(case, 1, PULL, recipe=r).exact for b, r in recipes.items()}
+    assert not torch.equal(out64, out128)
+    dist = lambda out, b: float((out.double() - exact[b]).norm())  # noqa: E731
+    assert dist(out64, 64) < dist(out64, 128) and dist(out128, 128) < dist(out128, 64)
+
+
+def test_fc2_act_block_is_refused_outside_its_values() -> None:
+    p = problem_for(_small(CASES[0]), 1, PULL)
+    args = (p["x"], p["ids"], p["w"], p["w13"], p["w2"])
+    for bad in (32, 96, 64.0, True):
+        with pytest.raises(MoeEpUsageError, match=f"fc2_act_block must be one of .*{bad!r}"):
+            oracle_forward(*args, fmt="fp8", fc2_act_block=bad)  # type: ignore[arg-type]
+        with pytest.raises(MoeEpUsageError, match=f"fc2_act_block must be one of .*{bad!r}"):
+            Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(fc2_act_block=bad)  # type: ignore[arg-type]
+    with pytest.raises(MoeEpUsageError, match="fc2_act_block=64 applies to fmt='fp8' only"):
+        oracle_forward(*args, fmt="mxfp8", fc2_act_block=64)
 
 
 def test_problem_shapes_padding_and_zero_tokens() -> None:

@@ -167,20 +167,29 @@ def fp8_block(vals: list[float], fmt: str, scale_format: str) -> tuple[list[int]
     return [encode(f32(v / scale), fmt) for v in vals], scale
 
 
+FP32_MAX = float.fromhex("0x1.fffffep+127")
+RCP_6 = f32(1.0 / 6.0)  # the kernels' Nvfp4E2M1RcpLimit, an fp32 constant
+
+
+def nvfp4_global_scale(amax: float) -> float:
+    """norm_const of a tensor with amax `amax`: fp32 2688 * fp32(1 / amax), as the sm100 drop's
+    kernel computes it (reciprocal, then multiply); 1.0 for 0, at most 2**126."""
+    if amax == 0:
+        return 1.0
+    return min(f32(2688.0 * f32(1.0 / amax)), 2.0**126)
+
+
 def nvfp4_block(vals: list[float], norm_const: float = 1.0) -> tuple[list[int], int]:
-    """One 16-element block -> (e2m1 codes, e4m3 scale byte)."""
+    """One 16-element block -> (e2m1 codes, e4m3 scale byte), as the sm100 drop computes it:
+    scale = e4m3(min(amax * fp32(1/6) * nc, 448)); acc = min(nc * (1 / scale), FP32_MAX),
+    0 for a zero scale; code = RNE_e2m1(v * acc); every step one fp32 rounding."""
     nc = f32(norm_const)
     amax = max(abs(v) for v in vals)
-    s = min(f32(f32(amax / 6.0) * nc), 448.0)
+    s = min(f32(f32(amax * RCP_6) * nc), 448.0)
     s_code = encode(s, "e4m3")
     sf = decode_e4m3(s_code)
-    codes = []
-    for v in vals:
-        if sf == 0:
-            codes.append(encode(math.copysign(0.0, v), "e2m1"))
-        else:
-            codes.append(encode(f32(f32(v * nc) / sf), "e2m1"))
-    return codes, s_code
+    acc = 0.0 if sf == 0 else min(f32(nc * f32(1.0 / sf)), FP32_MAX)
+    return [encode(f32(v * acc), "e2m1") for v in vals], s_code
 
 
 def pack_nibbles(codes: list[int]) -> list[int]:

@@ -17,6 +17,7 @@ from quant_ref import (
     fp8_fp32_scale,
     mx_block,
     nvfp4_block,
+    nvfp4_global_scale,
     pack_nibbles,
 )
 
@@ -101,6 +102,58 @@ def test_nvfp4_matches_reference(x: torch.Tensor, norm_const: float) -> None:
             want_codes += codes
             assert scales[r, b // 16 : b // 16 + 1].view(torch.uint8).item() == s_code
         assert packed[r].tolist() == pack_nibbles(want_codes)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_nvfp4_zero_blocks_get_scale_byte_zero(rows: int) -> None:
+    # +0 and -0 in any mix and row count (the vectorised and scalar reductions differ in
+    # which zero `maximum` keeps): the scale is +0 (byte 0x00, never -0 = 0x80), as the
+    # reference's amax of |v|; payloads keep each zero's sign (v * 0).
+    for neg in (slice(None), slice(0, None, 2), slice(1, None, 2)):
+        x = torch.zeros(rows, 32)
+        x[:, neg] = -0.0
+        for xx in (x, x.bfloat16()):
+            for nc in (1.0, 3.0):
+                packed, scales = q.quantize_nvfp4(xx, norm_const=nc)
+                assert scales.view(torch.uint8).eq(0).all(), (neg, xx.dtype, nc)
+                codes, s_code = nvfp4_block(x[0, :16].tolist(), nc)
+                assert s_code == 0
+                assert packed[0, :8].tolist() == pack_nibbles(codes)
+
+
+def test_nvfp4_global_scale_is_2688_times_the_reciprocal() -> None:
+    # The kernels' rule (docs/quant.md): fp32(2688 * fp32(1 / amax)), not the correctly
+    # rounded quotient. Every positive finite bf16 amax (what bf16 weights have), plus
+    # fp32 ones, against the scalar reference.
+    bf16 = torch.arange(1, 0x7F80, dtype=torch.int16).view(torch.bfloat16).float()
+    g = torch.Generator().manual_seed(7)
+    fp32 = torch.ldexp(torch.rand(4096, generator=g) + 0.5, torch.randint(-140, 120, (4096,)))
+    amax = torch.cat([bf16, fp32]).unsqueeze(-1)
+    got = q.nvfp4_global_scale(amax, dim=-1).squeeze(-1).tolist()
+    assert got == [nvfp4_global_scale(a) for a in amax.squeeze(-1).tolist()]
+    assert float(q.nvfp4_global_scale(torch.tensor([0.109375, -0.1]))) == 24576.001953125
+    # The two rules differ often enough to matter (exact e2m1 ties move):
+    quotient = (2688.0 / amax.double()).float().clamp_max(2.0**126).squeeze(-1)
+    assert (torch.tensor(got) != quotient).float().mean() > 0.1
+
+
+def test_nvfp4_bf16_weights_with_a_global_scale_match_the_reference() -> None:
+    # Per-expert global scales (not 1): every scale byte and code equals the reference's
+    # single rounding of v * (nc * (1 / scale)); the double rounding fl(fl(v * nc) / scale)
+    # this replaced got 51 of these 32,768 codes wrong (how many depends on nc).
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(2, 64, 256, generator=g) * 0.05).to(torch.bfloat16)
+    nc = q.nvfp4_global_scale(w, dim=(-2, -1))
+    packed, scales = q.quantize_nvfp4(w, norm_const=nc)
+    for e in range(2):
+        assert float(nc[e]) != 1.0
+        for r, row in enumerate(w[e].float().tolist()):
+            want_codes: list[int] = []
+            for b in range(0, 256, 16):
+                codes, s_code = nvfp4_block(row[b : b + 16], float(nc[e]))
+                want_codes += codes
+                assert scales[e, r, b // 16].view(torch.uint8).item() == s_code
+            assert packed[e, r].tolist() == pack_nibbles(want_codes), (e, r)
 
 
 @SETTINGS

@@ -1,10 +1,11 @@
 """Kernel-ready nvfp4 weights and staged inputs of `sm100_nvfp4_nvfp4_bf16_cutedsl` (torch).
 
 Runs on CPU or CUDA tensors alike. Recipe (`moe_ep.quant.quantize_nvfp4`, the drop's own
-convention): e2m1 elements packed two per byte (even element in the low nibble), one e4m3
-scale per 16 elements along K, `scale = e4m3(amax / 6 * norm_const)`. Weights get one
-global scale (norm const) per expert (`nvfp4_global_scale`), activations static ones from the
-config; the kernel applies `fc1_alpha = 1 / (input_norm_const * w13_norm_const[e])` and
+rule): e2m1 elements packed two per byte (even element in the low nibble), one e4m3 scale
+per 16 elements along K, `scale = e4m3(amax * fp32(1/6) * norm_const)`, codes of
+`v * (norm_const * (1 / scale))` (docs/quant.md). Weights get one global scale (norm const)
+per expert (`nvfp4_global_scale`), activations static ones from the config; the kernel
+applies `fc1_alpha = 1 / (input_norm_const * w13_norm_const[e])` and
 `fc2_alpha = 1 / (hidden_norm_const * w2_norm_const[e])` after each GEMM and quantizes the
 FC2 input with `fc1_norm_const[e] = hidden_norm_const`. This is the portable
 `any_nvfp4_nvfp4_bf16_torch` recipe, so the kernel's weights equal the portable ones.

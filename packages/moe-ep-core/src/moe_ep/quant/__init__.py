@@ -20,6 +20,7 @@ from moe_ep.quant._codes import (
     unpack_e2m1,
 )
 from moe_ep.quant.fp8 import (
+    FP8_FC2_ACT_BLOCKS,
     dequantize_fp8_blockwise,
     dequantize_fp8_per_row,
     dequantize_fp8_per_tensor,
@@ -58,6 +59,7 @@ from moe_ep.quant.nvfp4 import (
 
 __all__ = [
     "E2M1_VALUES",
+    "FP8_FC2_ACT_BLOCKS",
     "FP8_MAX",
     "GATE_UP_BLOCKS",
     "MX_BLOCK",

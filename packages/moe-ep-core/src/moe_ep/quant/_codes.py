@@ -54,8 +54,13 @@ def owned_float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def abs_max(xv: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
-    """amax of |xv| over `dim` (kept) without writing |xv|; NaN and inf propagate."""
-    return torch.maximum(xv.amax(dim, keepdim=True), xv.amin(dim, keepdim=True).neg_())
+    """amax of |xv| over `dim` (kept) without writing |xv|; NaN and inf propagate.
+
+    A block of zeros gives +0: `maximum` of a +0 and a -0 (e.g. `-amin` of an all +0 block,
+    or `amax` of an all -0 one) may return either sign, which a scale cast would keep (e4m3
+    byte 0x80), so the result's sign is cleared (only the reduced tensor is touched).
+    """
+    return torch.maximum(xv.amax(dim, keepdim=True), xv.amin(dim, keepdim=True).neg_()).abs_()
 
 
 def block_amax(xv: torch.Tensor) -> torch.Tensor:

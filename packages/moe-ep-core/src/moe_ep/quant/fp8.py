@@ -33,6 +33,7 @@ from moe_ep.quant._validate import (
 )
 
 __all__ = [
+    "FP8_FC2_ACT_BLOCKS",
     "dequantize_fp8_blockwise",
     "dequantize_fp8_per_row",
     "dequantize_fp8_per_tensor",
@@ -41,6 +42,11 @@ __all__ = [
     "quantize_fp8_per_row",
     "quantize_fp8_per_tensor",
 ]
+
+FP8_FC2_ACT_BLOCKS = (64, 128)
+"""1xK block sizes the fp8 blockwise kernels quantize the FC2 input (SwiGLU output) in: 128
+(DeepSeek-V3; the sm90 push kernel), 64 (the sm90 pull kernel: its drop's
+`Fp8Fc2ActivationScaleK`)."""
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _MIN_FP32_SCALE = 2.0**-126

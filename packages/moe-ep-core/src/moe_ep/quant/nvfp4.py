@@ -1,12 +1,14 @@
 """nvfp4: e2m1 elements (two per byte), one e4m3 scale per 16 elements, plus a global scale.
 
-With `norm_const` (the per-tensor fp32 "global scale", usually 448 * 6 / amax(tensor), see
-`nvfp4_global_scale`) and a block's amax16:
+With `norm_const` (the per-tensor fp32 "global scale", `2688 * (1 / amax(tensor))`, see
+`nvfp4_global_scale`) and a block's amax16, as the sm100 drop's kernels and host quantizer
+compute them (fp32 ops, each rounded once; docs/quant.md cites the lines):
 
-    scale   = e4m3(min(amax16 / 6 * norm_const, 448))          (fp32 ops, RNE cast)
-    payload = RNE_e2m1((v * norm_const) / float(scale))        (IEEE division, clamp +-6)
+    scale   = e4m3(min(amax16 * fp32(1/6) * norm_const, 448))     (RNE cast)
+    acc     = min(norm_const * (1 / float(scale)), FLT_MAX), 0 where scale == 0
+    payload = RNE_e2m1(v * acc)                                      (saturating at +-6)
 
-A block whose scale rounds to 0 stores payload 0 (signed). Dequantization is
+so a block whose scale rounds to 0 stores (signed) zero payloads. Dequantization is
 `e2m1 * float(scale) / norm_const`. In a GEMM the global scales are not folded into the
 blocks: both operands are dequantized without them and the product is multiplied by the
 per-expert alpha `nvfp4_alpha(norm_const_a, norm_const_b) = 1 / (norm_const_a * norm_const_b)`.
@@ -47,12 +49,21 @@ __all__ = [
 NVFP4_BLOCK = 16
 _E4M3_MAX = 448.0
 _MAX_NORM_CONST = 2.0**126
+_NORM_NUMERATOR = _E4M3_MAX * E2M1_MAX  # 2688, exact
+# 1/6 as the kernels use it (the drop's Nvfp4E2M1RcpLimit); torch rounds a Python-float
+# factor of a float32 tensor to fp32, as the kernels' Float32(...) does.
+_E2M1_RCP_LIMIT = 1.0 / E2M1_MAX
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def nvfp4_global_scale(
     x: torch.Tensor, *, dim: int | tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    """norm_const = 448 * 6 / amax(x) as float32 (1.0 where amax is 0, at most 2**126).
+    """norm_const = 2688 * (1 / amax(x)) in float32 (1.0 where amax is 0, at most 2**126).
+
+    Reciprocal, then multiply (two fp32 roundings, as the sm100 kernels compute it), not
+    the correctly rounded quotient 2688 / amax: the two differ by an ulp for about a quarter
+    of the amax values (amax 0.109375 gives 24576.001953125, not 24576).
 
     Args:
         x: float32 / bf16 / fp16 tensor, e.g. all experts' w13 `[E, 2I, H]`.
@@ -68,7 +79,7 @@ def nvfp4_global_scale(
     check_finite_amax(amax)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     # Capped so that a (sub)normal-tiny amax cannot overflow it to inf.
-    nc = ((_E4M3_MAX * E2M1_MAX) / safe).clamp_max(_MAX_NORM_CONST)
+    nc = torch.reciprocal(safe).mul_(_NORM_NUMERATOR).clamp_max_(_MAX_NORM_CONST)
     return torch.where(amax > 0, nc, torch.ones_like(amax))
 
 
@@ -135,15 +146,18 @@ def quantize_nvfp4(
     amax = block_amax(xv)
     if check_finite:
         check_finite_amax(amax)
-    scale = (amax / E2M1_MAX * nc).clamp_(max=_E4M3_MAX).to(torch.float8_e4m3fn)
+    no_nc = isinstance(nc, float)  # 1.0: multiplying by it changes nothing
+    block_scale = amax.mul_(_E2M1_RCP_LIMIT) if no_nc else amax.mul_(_E2M1_RCP_LIMIT).mul_(nc)
+    scale = block_scale.clamp_(max=_E4M3_MAX).to(torch.float8_e4m3fn)
     sf = scale.float()
-    # A zero scale would divide to inf / NaN; dividing by inf stores a (signed) zero instead.
-    sf = torch.where(sf == 0, torch.full_like(sf, float("inf")), sf)
-    scaled = xv.mul_(nc) if not (isinstance(nc, float) and nc == 1.0) else xv
-    # Dividing by scale * 64 is the exact division followed by the exact 2**-6 shift that
-    # e2m1_codes_from_shifted expects (a power of two changes no rounding above fp32 subnormals,
-    # and values that small round to zero either way).
-    codes = e2m1_codes_from_shifted(scaled.div_(sf * (1.0 / E2M1_TO_E4M3_SHIFT)))
+    # acc = nc * (1/sf), capped like the kernels' fmin; a zero scale (inf reciprocal) gives
+    # acc 0, so its payloads are signed zeros.
+    acc = torch.reciprocal(sf) if no_nc else torch.reciprocal(sf).mul_(nc)
+    acc = acc.clamp_(max=_FP32_MAX).masked_fill_(sf == 0, 0.0)
+    # One rounding of v * acc, then the exact 2**-6 shift e2m1_codes_from_shifted expects (a
+    # power of two changes no rounding above fp32 subnormals; values that small round to zero
+    # either way). Folding the shift into acc would round a subnormal acc.
+    codes = e2m1_codes_from_shifted(xv.mul_(acc).mul_(E2M1_TO_E4M3_SHIFT))
     return pack_e2m1(codes.view(x.shape)), scale.view(*x.shape[:-1], nb)
 
 

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from moe_ep.backends.base import KernelConfig
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.quant import GATE_UP_BLOCKS
+from moe_ep.quant import FP8_FC2_ACT_BLOCKS, GATE_UP_BLOCKS
 
 __all__ = [
     "Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig",
@@ -68,9 +68,18 @@ class Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(PortableConfig):
     128-row scale block covers gate and up rows `[64j, 64j+64)` for b=8, the values the
     sm90 pull kernel computes with. Only for bf16/fp32 weights (pre-quantized packs are
     rejected: their scales already fix the grouping)."""
+    fc2_act_block: int = 128
+    """Elements per fp32 scale of the FC2 input (the SwiGLU output), one of
+    `moe_ep.quant.FP8_FC2_ACT_BLOCKS`: 128 (DeepSeek-V3, the sm90 push kernel) or 64 (the
+    sm90 pull kernel, its drop's `Fp8Fc2ActivationScaleK`). The FC1 input stays 1x128."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if type(self.fc2_act_block) is not int or self.fc2_act_block not in FP8_FC2_ACT_BLOCKS:
+            raise MoeEpUsageError(
+                f"fc2_act_block must be one of {FP8_FC2_ACT_BLOCKS}, got "
+                f"{self.fc2_act_block!r} (64 for the sm90 pull kernel's FC2 input)"
+            )
         b = self.fc1_gate_up_interleave
         if b is not None and (type(b) is not int or b not in GATE_UP_BLOCKS):
             raise MoeEpUsageError(

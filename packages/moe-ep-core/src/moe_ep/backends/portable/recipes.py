@@ -7,7 +7,9 @@ output) in the same activation format, and prepares the weights once at construc
 
 Formats (each matches the GPU kernel of the same taxonomy name; see docs/layer.md):
     bf16    activations and weights bf16; FC1 / FC2 in bf16 with fp32 accumulation.
-    fp8     DeepSeek-V3 blockwise e4m3: activations 1x128, weights 128x128, fp32 scales.
+    fp8     DeepSeek-V3 blockwise e4m3: activations 1x128, weights 128x128, fp32 scales;
+            optionally FC1 rows gate/up interleaved before quantizing and the FC2 input in
+            1x64 blocks (the sm90 pull kernel).
     mxfp8   e4m3 with one E8M0 byte per 32 elements (ceil rule), activations and weights.
     nvfp4   e2m1 with one e4m3 scale per 16 elements; per-tensor global scales applied as a
             per-expert alpha after each GEMM (static activation global scales from config).
@@ -173,13 +175,21 @@ def _check_scale_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], dt
 
 
 class Fp8BlockRecipe(Recipe):
-    """DeepSeek-V3 blockwise fp8 (e4m3; activations 1x128, weights 128x128; fp32 scales)."""
+    """DeepSeek-V3 blockwise fp8 (e4m3; activations 1x128, weights 128x128; fp32 scales).
+
+    Args:
+        fc1_gate_up_interleave: None or b: FC1 rows are quantized gate/up-interleaved in
+            blocks of b (see `Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig.fc1_gate_up_interleave`).
+        fc2_act_block: elements per scale of the FC2 input (the SwiGLU output); None is the
+            format's activation block (`act_block`). Validated by the config.
+    """
 
     name = "fp8"
     quantized_weight_dtypes = (torch.float8_e4m3fn,)
     k_multiple = 128
     act_block = 128
-    """Activation (FC1 and FC2 input) elements per scale along K."""
+    """Activation elements per scale along K: the FC1 input (dispatched), and the FC2 input
+    unless `fc2_act_block` says otherwise."""
     act_scale_format = "fp32"
     scale_desc = "fp32"
 
@@ -190,13 +200,13 @@ class Fp8BlockRecipe(Recipe):
     def row_bytes(self, hidden: int) -> int:
         return hidden + 4 * (hidden // self.act_block)
 
-    def _qdq_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _qdq_parts(self, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         return quant.quantize_fp8_blockwise(
-            x, block=(1, self.act_block), scale_format=self.act_scale_format, check_finite=False
+            x, block=(1, block), scale_format=self.act_scale_format, check_finite=False
         )
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        data, scales = self._qdq_parts(x)
+        data, scales = self._qdq_parts(x, self.act_block)
         return torch.cat([_bytes(data), _bytes(scales)], dim=1)
 
     def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -206,13 +216,14 @@ class Fp8BlockRecipe(Recipe):
         )
 
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
-        data, scales = self._qdq_parts(h)
-        return quant.dequantize_fp8_blockwise(data, scales, block=(1, self.act_block))
+        data, scales = self._qdq_parts(h, self.fc2_act_block)
+        return quant.dequantize_fp8_blockwise(data, scales, block=(1, self.fc2_act_block))
 
-    def __init__(self, fc1_gate_up_interleave: int | None = None) -> None:
+    def __init__(
+        self, fc1_gate_up_interleave: int | None = None, fc2_act_block: int | None = None
+    ) -> None:
         self.fc1_gate_up_interleave = fc1_gate_up_interleave
-        """None or b: FC1 rows are quantized gate/up-interleaved in blocks of b (see
-        `Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig.fc1_gate_up_interleave`)."""
+        self.fc2_act_block = self.act_block if fc2_act_block is None else fc2_act_block
 
     def check_scales(self, weights: MoEWeightPack) -> None:
         if weights.prequantized and self.fc1_gate_up_interleave is not None:

@@ -1,0 +1,75 @@
+"""Each GPU wrapper conforms to its drop's own reference, on CPU (`drop_references`).
+
+For the sm90 pull, sm100 nvfp4 and sm100 mxfp8 kernels the drop's reference forward, fed with
+the wrapper's weight preparation and input staging, must pass the kernel's GPU test
+(`compare_to_oracle` against the same oracle) on every GPU-test case, at the GPU tests' sizes:
+otherwise a kernel computing exactly as its drop says would fail on the GPU. The EP1 cases
+run by default (about 15 s per kernel on the 2-core machine when it is quiet, up to 80 s
+under load), the multi-rank ones (world size 2, about as long) are `slow`. One fresh process
+per kernel (the CuTe DSL drops share top-level package names).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from backend_testing import require_drop, run_fresh_python
+from drop_references import EP1_RUNS, MULTIRANK_RUNS, MXFP8, NVFP4, PULL
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _reports(kernel: str, runs: tuple[tuple[str, int], ...], **kwargs: object) -> dict:
+    require_drop(_drop(kernel))
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(_HERE)!r})\n"
+        "from drop_references import conformance_reports\n"
+        f"print(json.dumps(conformance_reports({kernel!r}, {runs!r}, **{kwargs!r})))\n"
+    )
+    return run_fresh_python(code, timeout=900)
+
+
+def _drop(kernel: str) -> object:
+    if kernel == PULL:
+        from moe_ep_sm90.drops import PULL_DROP
+
+        return PULL_DROP
+    from moe_ep_sm100.drops import CUTEDSL_DROP
+
+    return CUTEDSL_DROP
+
+
+def _failures(reports: dict, runs: tuple[tuple[str, int], ...]) -> dict:
+    assert {f"{name}/ep{ws}" for name, ws in runs} <= set(reports)
+    return {
+        run: reports[run]["report"]
+        for run in (f"{n}/ep{ws}" for n, ws in runs)
+        if not reports[run]["ok"]
+    }
+
+
+# Planted fault of the pull recipe: the FC2 input in 1x128 blocks (the recipe before 1x64).
+_PLANTED = {"fc2_1x128": {"fc2_act_block": 128}}
+
+
+@pytest.mark.parametrize("kernel", [PULL, NVFP4, MXFP8])
+def test_drop_reference_passes_the_gpu_test(kernel: str) -> None:
+    planted = {"planted_pull_recipes": _PLANTED} if kernel == PULL else {}
+    reports = _reports(kernel, EP1_RUNS, **planted)
+    bad = _failures(reports, EP1_RUNS)
+    assert not bad, f"{kernel}: the drop's own reference fails the GPU test's comparison: {bad}"
+    if kernel == PULL:
+        # The check can fail (same process, to pay the drop's imports once): with the
+        # planted recipe the drop's reference falls outside the band on one_expert_per_rank
+        # (k = 1: one (token, slot) per cell).
+        wrong = reports["one_expert_per_rank/ep1/fc2_1x128"]
+        assert not wrong["ok"] and wrong["violations"] > 0, wrong
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", [PULL, NVFP4, MXFP8])
+def test_drop_reference_passes_the_multirank_gpu_test(kernel: str) -> None:
+    bad = _failures(_reports(kernel, MULTIRANK_RUNS), MULTIRANK_RUNS)
+    assert not bad, f"{kernel}: the drop's own reference fails the GPU test's comparison: {bad}"
