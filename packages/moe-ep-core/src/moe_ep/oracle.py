@@ -12,11 +12,15 @@ backend beyond `moe_ep.quant`.
 
 Band (DESIGN section 5): per output cell, `ulps * eps_bf16 * sum_k |w_k * y_k| + flip +
 atol` with eps_bf16 = 2**-7, i.e. a few bf16 ulps of the magnitude of the terms summed, plus
-an allowance for one requantization flip of the FC2 input (`tolerance_band`).
+an allowance for one requantization flip of the FC2 input (`tolerance_band`). Beside it, a
+global check: the relative Frobenius error and the least-squares slope of the output against
+the exact value, within a per-format bound (`global_bound`), which sees what a loose cell
+band cannot: a scaled output, a misrouted pair, a skipped requantization.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +34,8 @@ __all__ = [
     "OracleResult",
     "ToleranceReport",
     "compare_to_oracle",
+    "global_bound",
+    "grid_rel_error",
     "oracle_forward",
     "tolerance_band",
 ]
@@ -46,6 +52,8 @@ _ACT_REL_STEP = {
     "fp8_fp4": 2.0**-3,
     "nvfp4": 1.0,
 }
+# Stored mantissa bits of the FC2-input element format (bf16, e4m3, e2m1): `global_bound`.
+_ACT_MANTISSA_BITS = {"bf16": 7, "fp8": 3, "mxfp8": 3, "fp8_fp4": 3, "nvfp4": 1}
 _FLIP_CHUNK = 32
 DEFAULT_ULPS = 4.0
 DEFAULT_ATOL = 1e-6
@@ -55,21 +63,24 @@ DEFAULT_ATOL = 1e-6
 class OracleResult:
     """output: `[T, H]` bf16; exact: `[T, H]` float64 before the cast; terms: `[T, H]`
     float64 `sum_k |w_k * y_k|`; flip: `[T, H]` float64, the most one requantization flip of
-    the FC2 input per (token, slot) can move a cell (see `tolerance_band`)."""
+    the FC2 input per (token, slot) can move a cell (see `tolerance_band`); fmt: the format
+    (one of `FORMATS`), which sets the global bound (`global_bound`)."""
 
     output: torch.Tensor
     exact: torch.Tensor
     terms: torch.Tensor
     flip: torch.Tensor
+    fmt: str
 
 
-def _qdq_act(x: torch.Tensor, fmt: str, global_scale: float) -> torch.Tensor:
-    """Quantize-dequantize activations `[m, K]` per token (no global scale folded back)."""
+def _qdq_act(x: torch.Tensor, fmt: str, global_scale: float, fp8_block: int = 128) -> torch.Tensor:
+    """Quantize-dequantize activations `[m, K]` per token (no global scale folded back);
+    fp8 in 1 x `fp8_block` blocks."""
     x = x.float()
     if fmt == "bf16":
         return x.to(torch.bfloat16).double()
     if fmt in ("fp8", "fp8_fp4"):  # fp8: DeepSeek-V3 1x128 fp32; fp8_fp4: DeepGEMM 1x32 UE8M0
-        sf, b = ("fp32", 128) if fmt == "fp8" else ("ue8m0", 32)
+        sf, b = ("fp32", fp8_block) if fmt == "fp8" else ("ue8m0", 32)
         d, s = quant.quantize_fp8_blockwise(x, block=(1, b), scale_format=sf)
         return quant.dequantize_fp8_blockwise(d, s, block=(1, b)).double()
     if fmt == "mxfp8":
@@ -111,6 +122,7 @@ def oracle_forward(
     hidden_global_scale: float = 1.0,
     fc1_gate_up_interleave: int | None = None,
     topk_weight_before_fc2: bool = False,
+    fc2_act_block: int = 128,
 ) -> OracleResult:
     """Reference forward on global inputs.
 
@@ -129,7 +141,19 @@ def oracle_forward(
         topk_weight_before_fc2: multiply each pair's SwiGLU output by its top-k weight
             before the FC2 input is quantized, and sum the FC2 outputs unweighted (the sm100
             kernels' and DeepGEMM's order; the portable config knob of the same name).
+        fc2_act_block: fmt "fp8" only, one of `quant.FP8_FC2_ACT_BLOCKS`: the FC2 input is
+            quantized in 1 x `fc2_act_block` blocks (128 DeepSeek-V3 and the sm90 push
+            kernel, 64 the sm90 pull kernel); the FC1 input stays 1x128.
     """
+    if type(fc2_act_block) is not int or fc2_act_block not in quant.FP8_FC2_ACT_BLOCKS:
+        raise MoeEpUsageError(
+            f"fc2_act_block must be one of {quant.FP8_FC2_ACT_BLOCKS}, got {fc2_act_block!r}"
+        )
+    if fc2_act_block != 128 and fmt != "fp8":
+        raise MoeEpUsageError(
+            f"fc2_act_block={fc2_act_block} applies to fmt='fp8' only, got fmt={fmt!r} "
+            "(the other formats' FC2-input blocks are fixed)"
+        )
     b = fc1_gate_up_interleave
     if b is not None and (type(b) is not int or b not in quant.GATE_UP_BLOCKS):
         raise MoeEpUsageError(
@@ -167,7 +191,7 @@ def oracle_forward(
         h = F.silu(g) * u
         if topk_weight_before_fc2:
             h = h * wts[tok, slot][:, None]
-        hq = _qdq_act(h.float(), fmt, hidden_global_scale)
+        hq = _qdq_act(h.float(), fmt, hidden_global_scale, fc2_act_block)
         y = hq @ w2q[ex].t()
         scale2 = 1.0 if gs2 is None else 1.0 / float(hidden_global_scale * gs2[ex])
         y_all[tok, slot] = y * scale2
@@ -184,7 +208,7 @@ def oracle_forward(
         exact += term
         terms += term.abs()
         flips += weight[:, j : j + 1].abs() * flip_all[:, j]
-    return OracleResult(exact.to(torch.bfloat16), exact, terms, flips)
+    return OracleResult(exact.to(torch.bfloat16), exact, terms, flips, fmt)
 
 
 def tolerance_band(
@@ -203,10 +227,39 @@ def tolerance_band(
     return reference.terms * (ulps * EPS_BF16) + reference.flip + atol
 
 
+def global_bound(fmt: str) -> float:
+    """The most `||out - exact||_F / ||exact||_F` of a correct kernel in format `fmt`.
+
+    `2**-8 + q / 4` (docs/layer.md derives it). 2**-8, the largest relative error of one
+    bf16 rounding, covers the result's own bf16 roundings (FC2 output per (token, slot),
+    weighted partial, final sum: expected `grid_rel_error(7)` = 1.5e-3 each, 2.7e-3 for
+    three). q = `grid_rel_error` of the FC2 input's element format is the expected error of
+    its requantization, i.e. what skipping it costs; q / 4 is what rounding a fraction
+    f = 1/192 of its elements to the other neighbour costs (`sqrt(12 f) * q`: a flip moves
+    an element by a whole step, a rounding by RMS step / sqrt(12)).
+    """
+    if fmt not in _ACT_MANTISSA_BITS:
+        raise MoeEpUsageError(f"format must be one of {FORMATS}, got {fmt!r}")
+    return 2.0**-8 + grid_rel_error(_ACT_MANTISSA_BITS[fmt]) / 4
+
+
+def grid_rel_error(mantissa_bits: int) -> float:
+    """Expected relative (Frobenius) error of round-to-nearest onto a float grid with
+    `mantissa_bits` stored mantissa bits: the step is `u = 2**-mantissa_bits` of the binade,
+    the error uniform over a step (RMS `u / sqrt(12)`), the mantissa m log-uniform in [1, 2)
+    (`E[m**2] = 3 / (2 ln 2)`): `u / sqrt(12 * E[m**2]) = u / sqrt(18 / ln 2) ~ 0.196 u`."""
+    return 2.0**-mantissa_bits / math.sqrt(18.0 / math.log(2.0))
+
+
 @dataclass(frozen=True)
 class ToleranceReport:
-    """max_ratio: max over cells of |out - exact| / band (<= 1 passes); worst: (row, col);
-    violations: cells with ratio > 1; got / want / band: values at the worst cell."""
+    """Per-cell band: max_ratio: max over cells of |out - exact| / band (<= 1 passes); worst:
+    (row, col); violations: cells with ratio > 1; got / want / band: values at the worst cell.
+
+    Global: rel_err: `||out - exact||_F / ||exact||_F` (<= rel_bound passes); slope: the
+    least-squares slope of out against exact, `<out, exact> / <exact, exact>` (`|slope - 1|
+    <= slope_bound` passes). `ok` needs both the band and the global check.
+    """
 
     max_ratio: float
     worst: tuple[int, int]
@@ -214,16 +267,30 @@ class ToleranceReport:
     got: float
     want: float
     band: float
+    rel_err: float
+    rel_bound: float
+    slope: float
+    slope_bound: float
+
+    @property
+    def band_ok(self) -> bool:
+        return self.max_ratio <= 1.0
+
+    @property
+    def global_ok(self) -> bool:
+        return self.rel_err <= self.rel_bound and abs(self.slope - 1.0) <= self.slope_bound
 
     @property
     def ok(self) -> bool:
-        return self.max_ratio <= 1.0
+        return self.band_ok and self.global_ok
 
     def __str__(self) -> str:
         r, c = self.worst
         return (
             f"max err/band = {self.max_ratio:.3g} at [{r}, {c}] (got {self.got:.6g}, want "
-            f"{self.want:.6g}, band {self.band:.3g}); {self.violations} cell(s) over the band"
+            f"{self.want:.6g}, band {self.band:.3g}); {self.violations} cell(s) over the band; "
+            f"||err||/||exact|| = {self.rel_err:.3g} (bound {self.rel_bound:.3g}); slope "
+            f"{self.slope:.6g} (bound 1 +- {self.slope_bound:.3g})"
         )
 
 
@@ -234,25 +301,49 @@ def compare_to_oracle(
     ulps: float = DEFAULT_ULPS,
     atol: float = DEFAULT_ATOL,
 ) -> ToleranceReport:
-    """Compare a kernel's `[T, H]` output with the oracle cell by cell against the band."""
+    """Compare a kernel's `[T, H]` output with the oracle: cell by cell against the band,
+    and globally (relative Frobenius error and slope against `global_bound(reference.fmt)`).
+
+    The slope bound is `global_bound / min(4, sqrt(n))` for n nonzero exact cells: by
+    Cauchy-Schwarz `|slope - 1| <= rel_err` always; a correct kernel's errors are unbiased
+    (round to nearest, flips either way), so their projection on exact shrinks like
+    `1 / sqrt(n)`, of which only a factor 4 is taken.
+    """
     if tuple(output.shape) != tuple(reference.exact.shape):
         raise MoeEpUsageError(
             f"output shape {tuple(output.shape)} != oracle shape {tuple(reference.exact.shape)}"
         )
+    rel_bound = global_bound(reference.fmt)
     got = output.detach().cpu().double()
+    exact = reference.exact
+    if got.numel() == 0:
+        return ToleranceReport(0.0, (0, 0), 0, 0.0, 0.0, 0.0, 0.0, rel_bound, 1.0, rel_bound)
     band = tolerance_band(reference, ulps=ulps, atol=atol)
-    err = (got - reference.exact).abs()
+    err = (got - exact).abs()
     err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
-    if err.numel() == 0:
-        return ToleranceReport(0.0, (0, 0), 0, 0.0, 0.0, 0.0)
     ratio = err / band
     flat = int(torch.argmax(ratio))
     r, c = divmod(flat, int(ratio.shape[1]))
+    rel_err, slope = _global_stats(got, exact, float(torch.linalg.vector_norm(err)))
+    nonzero = int(torch.count_nonzero(exact))
     return ToleranceReport(
         max_ratio=float(ratio.view(-1)[flat]),
         worst=(r, c),
         violations=int((ratio > 1).sum()),
         got=float(got[r, c]),
-        want=float(reference.exact[r, c]),
+        want=float(exact[r, c]),
         band=float(band[r, c]),
+        rel_err=rel_err,
+        rel_bound=rel_bound,
+        slope=slope,
+        slope_bound=rel_bound / min(4.0, math.sqrt(max(nonzero, 1))),
     )
+
+
+def _global_stats(got: torch.Tensor, exact: torch.Tensor, err_norm: float) -> tuple[float, float]:
+    """(relative Frobenius error, least-squares slope); an all-zero exact value gives (0, 1)
+    for an all-zero output and (inf, nan) otherwise, which fail."""
+    norm2 = float((exact * exact).sum())
+    if norm2 == 0.0:
+        return (0.0, 1.0) if err_norm == 0.0 else (math.inf, math.nan)
+    return err_norm / math.sqrt(norm2), float((got * exact).sum()) / norm2
