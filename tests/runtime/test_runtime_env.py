@@ -149,3 +149,114 @@ def test_nvshmem_symmetric_size_reads_as_nvshmem_does(raw: str | None, want: int
 def test_a_malformed_nvshmem_symmetric_size_is_named(raw: str) -> None:
     with pytest.raises(MoeEpUsageError, match=rf"NVSHMEM_SYMMETRIC_SIZE .*got '{raw}'"):
         env.nvshmem_symmetric_size({"NVSHMEM_SYMMETRIC_SIZE": raw})
+
+
+@pytest.mark.parametrize(
+    ("reader", "name", "value", "rule"),
+    [
+        (env.timeout_s, "MOE_EP_TIMEOUT_S", "1e15", "<= 604800"),  # timedelta overflowed
+        (env.timeout_s, "MOE_EP_TIMEOUT_S", "604801", "<= 604800"),
+        (env.local_rank, "LOCAL_RANK", str(2**31), "0..2147483647"),
+        (env.torchrun_rank, "RANK", "9" * 30, "0..2147483647"),
+        (env.torchrun_world_size, "WORLD_SIZE", str(2**31), "1..2147483647"),
+        (env.nvshmem_symmetric_size, "NVSHMEM_SYMMETRIC_SIZE", "1e400", "> 0 and < 2**63"),
+        (env.nvshmem_symmetric_size, "NVSHMEM_SYMMETRIC_SIZE", "1e19", "> 0 and < 2**63"),
+        (env.nvshmem_symmetric_size, "NVSHMEM_SYMMETRIC_SIZE", "0", "> 0 and < 2**63"),
+        (env.debug, "MOE_EP_DEBUG", "yes", "0 or 1"),
+    ],
+)
+def test_every_range_is_checked(reader, name: str, value: str, rule: str) -> None:
+    with pytest.raises(MoeEpUsageError) as info:
+        reader({name: value})
+    msg = str(info.value)
+    assert name in msg and repr(value) in msg and rule in msg
+
+
+def test_the_largest_values_in_range_are_accepted() -> None:
+    assert env.timeout_s({"MOE_EP_TIMEOUT_S": "604800"}) == env.MAX_TIMEOUT_S
+    assert env.torchrun_world_size({"WORLD_SIZE": str(2**31 - 1)}) == 2**31 - 1
+    assert env.nvshmem_symmetric_size({"NVSHMEM_SYMMETRIC_SIZE": "8e18"}) == 8 * 10**18
+
+
+def test_a_timeout_of_1e15_is_a_usage_error_in_the_config_too() -> None:
+    import datetime
+
+    from moe_ep import BootstrapConfig
+
+    with pytest.raises(OverflowError):  # what the runtime would have met
+        datetime.timedelta(seconds=1e15)
+    with pytest.raises(
+        MoeEpUsageError, match=r"timeout_s must be .*<= 604800.*got 1000000000000000.0"
+    ):
+        BootstrapConfig(1, 0, timeout_s=1e15)
+    with pytest.raises(MoeEpUsageError, match="MOE_EP_TIMEOUT_S"):
+        BootstrapConfig(1, 0).effective_timeout_s({"MOE_EP_TIMEOUT_S": "1e15"})
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({}, None),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, (1, 2)),
+        ({"RANK": "1"}, "WORLD_SIZE is unset"),
+        ({"WORLD_SIZE": "2"}, "RANK is unset"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK must be < WORLD_SIZE, got RANK=2, WORLD_SIZE=2"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer in 0..2147483647, got 'x'"),
+    ],
+)
+def test_torchrun_rank_and_world_size(values: dict[str, str], expected: object) -> None:
+    if isinstance(expected, str):
+        with pytest.raises(MoeEpUsageError, match=re.escape(expected)):
+            env.torchrun_rank_and_world_size(values)
+    else:
+        assert env.torchrun_rank_and_world_size(values) == expected
+
+
+# One malformed value per documented variable; the free-form ones take any string.
+MALFORMED = {
+    "LOCAL_RANK": "-1",
+    "MEGA_SINGLE_GPU_GLOO": "yes",
+    "MOE_EP_TIMEOUT_S": "abc",
+    "MASTER_ADDR, MASTER_PORT": ("MASTER_PORT", "70000"),
+    "RANK, WORLD_SIZE": ("RANK", "x"),
+    "TORCHELASTIC_USE_AGENT_STORE": "1",
+    "MOE_EP_PUSH_BUILD": "2",
+    "MOE_EP_CPU_FUSED": "on",
+    "NVSHMEM_SYMMETRIC_SIZE": "-1g",
+    "MOE_EP_DEBUG": "true",
+}
+FREE_FORM = {
+    "CUDA_VISIBLE_DEVICES": "only echoed in messages (CUDA parses it)",
+    "MOE_EP_PUSH_CACHE": "a directory",
+    "MOE_EP_CPU_FUSED_CACHE": "a directory",
+    "CUTE_DSL_ARCH": "compared as written with the compile checks' --arch",
+    "CC": "a command or path; a missing one is the fused epilogues' unavailability reason",
+}
+
+
+def test_every_documented_variable_is_either_checked_or_free_form() -> None:
+    assert {v.name for v in env.ENV_VARS} == set(MALFORMED) | set(FREE_FORM)
+    assert not set(MALFORMED) & set(FREE_FORM)
+
+
+def _malformed_env(entry: str) -> tuple[str, dict[str, str]]:
+    bad = MALFORMED[entry]
+    name, value = bad if isinstance(bad, tuple) else (entry, bad)
+    values = {"MASTER_ADDR": "node0", "WORLD_SIZE": "2"} if "," in entry else {}
+    return name, {**values, name: value}
+
+
+@pytest.mark.parametrize("entry", sorted(MALFORMED))
+def test_check_all_names_each_malformed_variable(entry: str) -> None:
+    name, values = _malformed_env(entry)
+    with pytest.raises(MoeEpUsageError, match=f"environment variable {name} ") as info:
+        env.check_all(values)
+    assert repr(values[name]) in str(info.value)
+
+
+def test_check_all_names_every_malformed_variable_at_once() -> None:
+    values = {"MOE_EP_TIMEOUT_S": "1e15", "LOCAL_RANK": "x", "MOE_EP_CPU_FUSED": "on"}
+    with pytest.raises(MoeEpUsageError) as info:
+        env.check_all(values)
+    assert all(name in str(info.value) for name in values)
+    env.check_all({name: "anything at all" for name in FREE_FORM})

@@ -1,16 +1,21 @@
-"""spawn_local: results in rank order, per-rank env, failures with tracebacks, timeouts."""
+"""spawn_local: results in rank order, per-rank env, failures with tracebacks (or the signal
+that killed a rank), timeouts; ranks stopped with SIGTERM first and never outliving the launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError, MoeEpUsageError
-from moe_ep.launch import spawn_local
+from moe_ep.launch import launch_local, spawn_local
 
 pytestmark = pytest.mark.multirank
 
@@ -131,3 +136,127 @@ def test_after_a_failure_the_others_get_a_grace_period_then_are_killed() -> None
 def test_usage_errors(world_size: object, kwargs: dict[str, float]) -> None:
     with pytest.raises(MoeEpUsageError):
         spawn_local(_report_env, world_size, 1, **kwargs)  # type: ignore[arg-type]
+
+
+def _killed_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_it() -> None:
+    run = launch_local(_killed_on_rank_one, 2, timeout_s=60)
+    assert not run.ok and run.results == {0: 0} and run.stopped == ()
+    (failure,) = run.failures
+    assert (failure.rank, failure.exitcode, failure.signal_name) == (1, -9, "SIGKILL")
+    assert failure.describe() == (
+        "rank 1 was killed by SIGKILL (exit code -9), usually the out-of-memory killer"
+    )
+    with pytest.raises(MoeEpPeerError, match=r"rank 1 was killed by SIGKILL") as info:
+        run.values()
+    assert info.value.rank_errors == {}
+
+
+def _record_sigterm_then_hang(rank: int, world_size: int, out_dir: str) -> int:
+    def on_term(signum: int, frame: object) -> None:
+        Path(out_dir, f"{rank}.term").write_text("SIGTERM")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    Path(out_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+    return rank
+
+
+def _raise_in_the_launcher_once_ranks_run(out_dir: Path, world_size: int) -> None:
+    """A stand-in for the CLI's SIGTERM: the launcher's wait is interrupted by an exception."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        if len(list(out_dir.glob("*.pid"))) == world_size:
+            raise KeyboardInterrupt
+        signal.alarm(1)
+
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(1)
+
+
+def test_an_exception_in_the_launcher_forwards_sigterm_to_every_rank(tmp_path: Path) -> None:
+    previous = signal.getsignal(signal.SIGALRM)
+    _raise_in_the_launcher_once_ranks_run(tmp_path, 2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            spawn_local(_record_sigterm_then_hang, 2, str(tmp_path), timeout_s=120)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert sorted(p.name for p in tmp_path.glob("*.term")) == ["0.term", "1.term"]
+    for rank in range(2):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((tmp_path / f"{rank}.pid").read_text()), 0)
+    assert not multiprocessing.active_children()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie (exited, not yet reaped by its parent, the forkserver) is gone too
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+LAUNCHER = """
+import os, sys, time
+from pathlib import Path
+from moe_ep.launch import spawn_local
+
+def sleep_in_rank(rank, world_size, pid_dir):
+    Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+if __name__ == "__main__":  # the ranks re-import this file
+    spawn_local(sleep_in_rank, 2, sys.argv[1], timeout_s=600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_ranks_exit_when_their_launcher_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, str(script), str(pid_dir)])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pid_dir.glob("*.pid"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "ranks never started"
+            time.sleep(0.2)
+        time.sleep(0.2)  # the pid files are written: let both writes finish
+        pids = [int((pid_dir / f"{r}.pid").read_text()) for r in range(2)]
+        assert not any(_gone(pid) for pid in pids)
+        proc.kill()  # SIGKILL: the launcher runs no clean-up at all
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"ranks {pids} outlived their launcher"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+        for path in pid_dir.glob("*.pid"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(path.read_text()), signal.SIGKILL)
+
+
+def _unpicklable_result(rank: int, world_size: int) -> object:
+    return lambda: rank
+
+
+def test_an_unpicklable_result_is_a_named_failure() -> None:
+    run = launch_local(_unpicklable_result, 1, timeout_s=60)
+    (failure,) = run.failures
+    assert failure.error_type is not None and failure.family == ""
+    assert failure.describe().startswith(
+        f"rank 0 raised {failure.error_type}: its result could not be sent"
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from moe_ep.errors import MoeEpUsageError
@@ -22,11 +22,15 @@ from moe_ep.errors import MoeEpUsageError
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV_VARS",
+    "MAX_TIMEOUT_S",
     "EnvVar",
+    "c_compiler",
+    "check_all",
     "cpu_fused_cache_dir",
     "cpu_fused_mode",
     "cuda_visible_devices",
     "cute_dsl_arch",
+    "debug",
     "local_rank",
     "master_addr_port",
     "nvshmem_symmetric_size",
@@ -37,11 +41,19 @@ __all__ = [
     "timeout_s",
     "torchelastic_agent_store",
     "torchrun_rank",
+    "torchrun_rank_and_world_size",
     "torchrun_world_size",
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
 """Bound on every collective wait when neither `timeout_s=` nor MOE_EP_TIMEOUT_S is given."""
+
+MAX_TIMEOUT_S = 7 * 86400.0
+"""Largest accepted timeout (one week): a bound, not "never"; far below what the waits'
+timedelta / millisecond clocks can hold (1e15 s overflows `datetime.timedelta`)."""
+
+MAX_RANK = 2**31 - 1
+"""torch.distributed holds ranks and world sizes in C ints."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +68,7 @@ class EnvVar:
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "LOCAL_RANK",
-        "integer >= 0",
+        f"integer 0..{MAX_RANK}",
         "CUDA device ordinal of this rank when `BootstrapConfig.device` is not given "
         "(set by torchrun). Hosts that pass `device=` never need it.",
     ),
@@ -68,7 +80,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "MOE_EP_TIMEOUT_S",
-        f"number > 0 (default {DEFAULT_TIMEOUT_S:g})",
+        f"number > 0, at most {MAX_TIMEOUT_S:g} (one week; default {DEFAULT_TIMEOUT_S:g})",
         "Seconds every bootstrap / barrier / teardown wait may take when "
         "`BootstrapConfig.timeout_s` is not given.",
     ),
@@ -80,9 +92,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "RANK, WORLD_SIZE",
-        "integers (0 <= RANK < WORLD_SIZE)",
+        f"integers, 0 <= RANK < WORLD_SIZE <= {MAX_RANK}; set both or neither",
         "torchrun's global rank and world size; when set they must agree with "
-        "`BootstrapConfig.rank` / `world_size` if moe-ep initialises torch.distributed.",
+        "`BootstrapConfig.rank` / `world_size` if moe-ep initialises torch.distributed. "
+        "`moe-ep run` runs in-process under torchrun when they are set (then MASTER_ADDR / "
+        "MASTER_PORT must be set too).",
     ),
     EnvVar(
         "TORCHELASTIC_USE_AGENT_STORE",
@@ -124,7 +138,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "NVSHMEM_SYMMETRIC_SIZE",
-        "bytes, optional k/m/g/t suffix (NVSHMEM's default 1g)",
+        "bytes > 0, optional k/m/g/t suffix (NVSHMEM's default 1g)",
         "NVSHMEM's symmetric heap per PE, read by NVSHMEM at initialisation; moe-ep reads it "
         "only to refuse, before allocating, CuTe DSL workspaces that would not fit.",
     ),
@@ -133,6 +147,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "CuTe DSL arch, e.g. sm_90a / sm_100a",
         "Read by the CuTe DSL when cutlass is imported; the compile-only checks require it "
         "to equal their `--arch`.",
+    ),
+    EnvVar(
+        "CC",
+        "C compiler command or path (default: the first of cc, gcc, clang on PATH)",
+        "The compiler that builds the fused CPU epilogue library; when set, only it is tried.",
+    ),
+    EnvVar(
+        "MOE_EP_DEBUG",
+        "0 or 1 (default 0)",
+        "1: `moe-ep` prints the traceback of a failure (and the ranks' tracebacks) above its "
+        "one-line error, as `moe-ep --debug` does.",
     ),
 )
 
@@ -149,20 +174,20 @@ def _raw(env: Mapping[str, str] | None, name: str) -> str | None:
     return value.strip()
 
 
-def _int(env: Mapping[str, str] | None, name: str, *, minimum: int) -> int | None:
+def _int(
+    env: Mapping[str, str] | None, name: str, *, minimum: int, maximum: int = MAX_RANK
+) -> int | None:
     raw = _raw(env, name)
     if raw is None:
         return None
     try:
         value = int(raw, 10)
     except ValueError:
+        value = None
+    if value is None or not minimum <= value <= maximum:
         raise MoeEpUsageError(
-            f"environment variable {name} must be an integer >= {minimum}, got {raw!r} "
-            f"(example: {name}=0)"
-        ) from None
-    if value < minimum:
-        raise MoeEpUsageError(
-            f"environment variable {name} must be an integer >= {minimum}, got {raw!r}"
+            f"environment variable {name} must be an integer in {minimum}..{maximum}, "
+            f"got {raw!r} (example: {name}={minimum})"
         )
     return value
 
@@ -190,6 +215,27 @@ def torchrun_world_size(env: Mapping[str, str] | None = None) -> int | None:
     return _int(env, "WORLD_SIZE", minimum=1)
 
 
+def torchrun_rank_and_world_size(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) when both are set, None when neither is.
+
+    One without the other, or RANK >= WORLD_SIZE, is an error.
+    """
+    rank, world = torchrun_rank(env), torchrun_world_size(env)
+    if rank is None and world is None:
+        return None
+    if rank is None or world is None:
+        missing = "RANK" if rank is None else "WORLD_SIZE"
+        raise MoeEpUsageError(
+            f"environment variables RANK and WORLD_SIZE must be set together; {missing} is "
+            f"unset (RANK={rank!r}, WORLD_SIZE={world!r})"
+        )
+    if rank >= world:
+        raise MoeEpUsageError(
+            f"environment variable RANK must be < WORLD_SIZE, got RANK={rank}, WORLD_SIZE={world}"
+        )
+    return rank, world
+
+
 def single_gpu_gloo(env: Mapping[str, str] | None = None) -> bool:
     """MEGA_SINGLE_GPU_GLOO: True for "1", False for "0" or unset; anything else is an error."""
     return _zero_one(_raw(env, "MEGA_SINGLE_GPU_GLOO"), "MEGA_SINGLE_GPU_GLOO")
@@ -209,7 +255,7 @@ def torchelastic_agent_store(env: Mapping[str, str] | None = None) -> bool:
 
 
 def timeout_s(env: Mapping[str, str] | None = None) -> float | None:
-    """MOE_EP_TIMEOUT_S as a finite float > 0, None when unset."""
+    """MOE_EP_TIMEOUT_S as a float in (0, `MAX_TIMEOUT_S`], None when unset."""
     raw = _raw(env, "MOE_EP_TIMEOUT_S")
     if raw is None:
         return None
@@ -217,10 +263,10 @@ def timeout_s(env: Mapping[str, str] | None = None) -> float | None:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
+    if not 0 < value <= MAX_TIMEOUT_S:  # NaN fails too
         raise MoeEpUsageError(
-            f"environment variable MOE_EP_TIMEOUT_S must be a number of seconds > 0, "
-            f"got {raw!r} (example: MOE_EP_TIMEOUT_S=30)"
+            f"environment variable MOE_EP_TIMEOUT_S must be a number of seconds > 0 and "
+            f"<= {MAX_TIMEOUT_S:g} (one week), got {raw!r} (example: MOE_EP_TIMEOUT_S=30)"
         )
     return value
 
@@ -231,7 +277,7 @@ def master_addr_port(env: Mapping[str, str] | None = None) -> tuple[str, int] | 
     One without the other, or a port outside 1..65535, is an error.
     """
     addr = _raw(env, "MASTER_ADDR")
-    port = _int(env, "MASTER_PORT", minimum=1)
+    port = _int(env, "MASTER_PORT", minimum=1, maximum=65535)
     if addr is None and port is None:
         return None
     if addr is None or port is None:
@@ -240,8 +286,6 @@ def master_addr_port(env: Mapping[str, str] | None = None) -> tuple[str, int] | 
             f"environment variables MASTER_ADDR and MASTER_PORT must be set together; "
             f"{missing} is unset (MASTER_ADDR={addr!r}, MASTER_PORT={port!r})"
         )
-    if port > 65535:
-        raise MoeEpUsageError(f"environment variable MASTER_PORT must be in 1..65535, got {port}")
     return addr, port
 
 
@@ -283,8 +327,19 @@ def cute_dsl_arch(env: Mapping[str, str] | None = None) -> str | None:
     return read_env(env).get("CUTE_DSL_ARCH")
 
 
+def c_compiler(env: Mapping[str, str] | None = None) -> str | None:
+    """CC as written (a command or a path), None when unset or empty."""
+    return _raw(env, "CC")
+
+
+def debug(env: Mapping[str, str] | None = None) -> bool:
+    """MOE_EP_DEBUG: True for "1", False for "0" or unset; anything else is an error."""
+    return _zero_one(_raw(env, "MOE_EP_DEBUG"), "MOE_EP_DEBUG")
+
+
 NVSHMEM_DEFAULT_HEAP = 1 << 30
 _SIZE_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_MAX_SIZE = float(2**63 - 1024)  # the largest double below 2**63
 
 
 def nvshmem_symmetric_size(env: Mapping[str, str] | None = None) -> int:
@@ -297,9 +352,47 @@ def nvshmem_symmetric_size(env: Mapping[str, str] | None = None) -> int:
     # NVSHMEM: "only one multiplier is recognized and any characters following it are
     # ignored" ("20kk" is 20 KiB)
     m = re.match(r"(\d*\.?\d+(?:[eE][-+]?\d+)?)([kKmMgGtT]?)", raw)
-    if m is None:
+    size = float(m.group(1)) * _SIZE_SUFFIX[m.group(2).lower()] if m else math.nan
+    if not 0 < size <= _MAX_SIZE:  # NaN fails too
         raise MoeEpUsageError(
-            "environment variable NVSHMEM_SYMMETRIC_SIZE must be a size in bytes with an "
-            f"optional k/m/g/t suffix, got {raw!r} (example: NVSHMEM_SYMMETRIC_SIZE=4g)"
+            "environment variable NVSHMEM_SYMMETRIC_SIZE must be a size in bytes > 0 and "
+            f"< 2**63 with an optional k/m/g/t suffix, got {raw!r} "
+            "(example: NVSHMEM_SYMMETRIC_SIZE=4g)"
         )
-    return math.ceil(float(m.group(1)) * _SIZE_SUFFIX[m.group(2).lower()])
+    return math.ceil(size)
+
+
+_CHECKS: dict[str, Callable[[Mapping[str, str] | None], object]] = {
+    "LOCAL_RANK": local_rank,
+    "MEGA_SINGLE_GPU_GLOO": single_gpu_gloo,
+    "MOE_EP_TIMEOUT_S": timeout_s,
+    "MASTER_ADDR, MASTER_PORT": master_addr_port,
+    "RANK, WORLD_SIZE": torchrun_rank_and_world_size,
+    "TORCHELASTIC_USE_AGENT_STORE": torchelastic_agent_store,
+    "CUDA_VISIBLE_DEVICES": cuda_visible_devices,
+    "MOE_EP_PUSH_CACHE": push_cache_dir,
+    "MOE_EP_PUSH_BUILD": push_build_enabled,
+    "MOE_EP_CPU_FUSED": cpu_fused_mode,
+    "MOE_EP_CPU_FUSED_CACHE": cpu_fused_cache_dir,
+    "NVSHMEM_SYMMETRIC_SIZE": nvshmem_symmetric_size,
+    "CUTE_DSL_ARCH": cute_dsl_arch,
+    "CC": c_compiler,
+    "MOE_EP_DEBUG": debug,
+}
+"""The reader of each `ENV_VARS` entry (by its name), for `check_all`."""
+
+
+def check_all(env: Mapping[str, str] | None = None) -> None:
+    """Parse every variable of `ENV_VARS` with its reader.
+
+    Raises:
+        MoeEpUsageError: one message naming every malformed variable with its rule.
+    """
+    errors = []
+    for var in ENV_VARS:
+        try:
+            _CHECKS[var.name](env)
+        except MoeEpUsageError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise MoeEpUsageError("; ".join(errors))

@@ -3,12 +3,12 @@
 `demo` (no arguments) runs every portable format on 2 local ranks (gloo on CPU, NCCL on
 CUDA, plus the best available GPU kernel there) on a small DeepSeek-like shape, checks each
 against the oracle and prints one table. `run` does the same for one kernel and any shape;
-under torchrun (RANK / WORLD_SIZE / MASTER_ADDR set) it runs in this process (env://)
-instead of spawning local ranks.
+under torchrun (RANK / WORLD_SIZE set) it runs in this process (env://) instead of spawning
+local ranks.
 
-Every rank generates the same global problem from the seed, takes its token slice and its
-experts, and checks its own output rows against the oracle (which needs all experts'
-weights but only the rank's tokens), so no rank gathers the others' outputs.
+Every rank builds only its shard of the problem (its tokens, its experts; `problem`) and
+checks its own output rows against the oracle, which it builds from the weights of only the
+experts its tokens route to, a chunk at a time; no rank gathers the others' outputs.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
+from moe_ep.cli.exits import EXIT_CHECK_FAILED, EXIT_OK
+from moe_ep.cli.problem import JobSpec
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 
 __all__ = ["JobSpec", "add_parsers", "run_command", "run_job"]
-
-EXIT_OK, EXIT_CHECK_FAILED = 0, 1
 
 PORTABLE_KERNELS = (
     "any_bf16_bf16_bf16_torch",
@@ -51,40 +51,6 @@ DEMO_SHAPE: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class JobSpec:
-    """One problem: `tokens` per rank; kernels run one after another on the same ranks."""
-
-    kernels: tuple[str, ...]
-    world_size: int
-    tokens: int
-    hidden: int
-    intermediate: int
-    experts: int
-    topk: int
-    routing: str = "uniform"
-    check: bool = True
-    iters: int = 3
-    seed: int = 0
-
-    def validate(self) -> None:
-        for name in ("world_size", "hidden", "intermediate", "experts", "topk", "iters"):
-            value = getattr(self, name)
-            if value < 1:
-                raise MoeEpUsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.tokens < 0:
-            raise MoeEpUsageError(f"--tokens must be >= 0, got {self.tokens}")
-        if self.experts % self.world_size:
-            raise MoeEpUsageError(
-                f"--experts must be divisible by --world-size: got {self.experts} experts on "
-                f"{self.world_size} ranks (e.g. --experts {self.world_size * 8})"
-            )
-        if self.topk > self.experts:
-            raise MoeEpUsageError(f"--topk ({self.topk}) must be <= --experts ({self.experts})")
-        if self.routing not in ("uniform", "skewed"):
-            raise MoeEpUsageError(f"--routing must be uniform or skewed, got {self.routing!r}")
-
-
 def oracle_format(kernel: str) -> str:
     """The oracle format of a kernel name, from its taxonomy (act, weight) tags."""
     from moe_ep.registry import parse_kernel_name
@@ -98,24 +64,6 @@ def oracle_format(kernel: str) -> str:
     return fmt
 
 
-def make_problem(spec: JobSpec) -> dict[str, Any]:
-    """The global problem (all ranks' tokens, all experts), deterministic in the seed."""
-    import torch
-
-    g = torch.Generator().manual_seed(spec.seed)
-    t = spec.tokens * spec.world_size
-    h, i, e, k = spec.hidden, spec.intermediate, spec.experts, spec.topk
-    x = torch.randn(t, h, generator=g).bfloat16()
-    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()
-    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()
-    scores = torch.rand(t, e, generator=g)
-    if spec.routing == "skewed":
-        scores[:, e - 1] += (torch.rand(t, generator=g) < 0.7).float()  # one hot expert
-    ids = scores.topk(k, dim=1).indices
-    weights = torch.softmax(torch.randn(t, k, generator=g), dim=1)
-    return {"x": x, "ids": ids, "topk_weights": weights, "w13": w13, "w2": w2}
-
-
 def run_job(
     rank: int, world_size: int, spec: JobSpec, gather: bool = False
 ) -> list[dict[str, Any]]:
@@ -127,29 +75,30 @@ def run_job(
     import torch
 
     from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
-    from moe_ep.oracle import compare_to_oracle, oracle_forward
+    from moe_ep.cli.problem import expert_weights, rank_oracle, rank_tokens
+    from moe_ep.oracle import compare_to_oracle
     from moe_ep.runtime import acquire
 
     if not torch.cuda.is_available():
         # Ranks share the cores: oversubscribed OpenMP threads spin and crawl.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    p = make_problem(spec)
-    el = spec.experts // world_size
-    sl = slice(rank * spec.tokens, (rank + 1) * spec.tokens)
+    el = spec.local_experts
+    w13, w2 = expert_weights(spec, list(range(rank * el, (rank + 1) * el)))
+    mine = rank_tokens(spec, rank)
     boot = BootstrapConfig(world_size, rank)
     keep = acquire(boot)
     rows: list[dict[str, Any]] = []
     try:
         for kernel in spec.kernels:
-            weights = MoEWeightPack(
-                p["w13"][rank * el : (rank + 1) * el], p["w2"][rank * el : (rank + 1) * el]
-            )
             layer = MoEEpLayer(
-                boot, FleetParams(spec.experts, max(spec.tokens, 1), spec.hidden), weights, kernel
+                boot,
+                FleetParams(spec.experts, max(spec.tokens, 1), spec.hidden),
+                MoEWeightPack(w13, w2),
+                kernel,
             )
             dev = layer.device
             tensors = MoEEpTensors(
-                p["x"][sl].to(dev), p["ids"][sl].to(dev), p["topk_weights"][sl].to(dev)
+                mine["x"].to(dev), mine["ids"].to(dev), mine["topk_weights"].to(dev)
             )
             out = layer(tensors)  # warm-up
             keep.barrier()
@@ -162,15 +111,9 @@ def run_job(
             layer.destroy()
             row: dict[str, Any] = {"kernel": kernel, "seconds": per_forward, "rank": rank}
             if spec.check:
-                ref = oracle_forward(
-                    p["x"][sl],
-                    p["ids"][sl],
-                    p["topk_weights"][sl],
-                    p["w13"],
-                    p["w2"],
-                    fmt=oracle_format(kernel),
+                report = compare_to_oracle(
+                    out.cpu(), rank_oracle(spec, mine, oracle_format(kernel))
                 )
-                report = compare_to_oracle(out.cpu(), ref)
                 row.update(ratio=report.max_ratio, ok=report.ok, detail=str(report))
             rows.append(row)
         if gather:
@@ -184,20 +127,37 @@ def run_job(
         keep.release()
 
 
-def _under_torchrun() -> bool:
-    return all(os.environ.get(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+def _torchrun_rank_and_world_size() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) when launched by torchrun (both set), None when neither is set.
+
+    Raises:
+        MoeEpUsageError: a malformed or partial torchrun environment (RANK=x, RANK without
+            WORLD_SIZE, RANK >= WORLD_SIZE, no MASTER_ADDR / MASTER_PORT).
+    """
+    from moe_ep import env
+
+    launched = env.torchrun_rank_and_world_size()
+    if launched is not None and env.master_addr_port() is None:
+        raise MoeEpUsageError(
+            "RANK and WORLD_SIZE are set (torchrun) but MASTER_ADDR and MASTER_PORT are not; "
+            "launch with torchrun, or unset RANK and WORLD_SIZE to spawn local ranks"
+        )
+    return launched
 
 
 def preflight(spec: JobSpec) -> None:
-    """Checks that need no rank: the spec itself, enough GPUs for the spawned ranks, and each
-    kernel's shape rules."""
+    """Checks that need no rank: every environment variable, the spec itself, enough GPUs
+    for the spawned ranks, each kernel's shape rules; warns when the spawned ranks would
+    overload this machine (`capacity`)."""
+    from moe_ep import env
     from moe_ep.layer.layer import resolve_backend
 
+    env.check_all()
     spec.validate()
-    if not _under_torchrun():  # spawned ranks bind cuda:0..N-1 (LOCAL_RANK = rank)
+    if _torchrun_rank_and_world_size() is None:  # spawned ranks bind cuda:0..N-1
         import torch
 
-        from moe_ep import env
+        from moe_ep.cli.capacity import capacity_warnings
 
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if 0 < count < spec.world_size and not env.single_gpu_gloo():
@@ -207,6 +167,8 @@ def preflight(spec: JobSpec) -> None:
                 f"use --world-size <= {count}, or MEGA_SINGLE_GPU_GLOO=1 to let ranks share "
                 "GPUs (gloo)"
             )
+        for warning in capacity_warnings(spec, on_cuda=count > 0):
+            print(f"moe-ep: warning: {warning}", file=sys.stderr)
     for kernel in spec.kernels:
         kernel_cls, config = resolve_backend(kernel)
         ok, reason = kernel_cls.availability()
@@ -223,33 +185,35 @@ def execute(spec: JobSpec) -> tuple[JobSpec, list[dict[str, Any]]]:
     Under torchrun the launcher's world size wins over `spec.world_size` (the spec actually
     run is returned) and every rank gets the merged rows of all ranks.
     """
-    if _under_torchrun():
-        rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    launched = _torchrun_rank_and_world_size()
+    if launched is not None:
+        rank, ws = launched
         spec = JobSpec(**{**asdict(spec), "world_size": ws, "kernels": spec.kernels})
     preflight(spec)
-    if _under_torchrun():
+    if launched is not None:
         per_rank: list[Any] = run_job(rank, ws, spec, True)
     else:
-        from moe_ep.errors import MoeEpPeerError
-        from moe_ep.launch import spawn_local
+        from moe_ep import launch
+        from moe_ep.cli.exits import rank_failure_error
 
-        try:
-            per_rank = spawn_local(run_job, spec.world_size, spec, timeout_s=600)
-        except MoeEpPeerError as exc:
-            if "MoeEpUsageError" in exc.rank_errors.values():  # a usage error found on a rank
-                raise MoeEpUsageError(str(exc)) from None
-            raise
+        run = launch.launch_local(run_job, spec.world_size, spec, timeout_s=600)
+        if not run.ok:  # one line of the root cause's kind; its cause has the tracebacks
+            raise rank_failure_error(run) from run.error()
+        per_rank = run.values()
     merged = []
     for j, kernel in enumerate(spec.kernels):
         rows = [r[j] for r in per_rank]
         worst = max(rows, key=lambda r: r.get("ratio", 0.0))
+        # A failing rank's detail: the check can fail globally on a rank whose band ratio
+        # is not the largest.
+        shown = next((r for r in rows if not r.get("ok", True)), worst)
         merged.append(
             {
                 "kernel": kernel,
                 "seconds": max(r["seconds"] for r in rows),
                 "ratio": worst.get("ratio"),
                 "ok": all(r.get("ok", True) for r in rows),
-                "detail": f"rank {worst['rank']}: {worst.get('detail', '')}",
+                "detail": f"rank {shown['rank']}: {shown.get('detail', '')}",
             }
         )
     return spec, merged
@@ -283,7 +247,8 @@ def _report(spec: JobSpec, merged: list[dict[str, Any]], *, info: bool) -> int:
     import torch
     from rich.console import Console
 
-    if _under_torchrun() and int(os.environ["RANK"]) != 0:
+    launched = _torchrun_rank_and_world_size()
+    if launched is not None and launched[0] != 0:
         return EXIT_OK if all(r["ok"] for r in merged) else EXIT_CHECK_FAILED
     console = Console()
     if console.width < 100:  # not a terminal: keep kernel names whole
@@ -353,8 +318,10 @@ def add_parsers(sub: Any) -> None:
         "run",
         help="one kernel on any shape (spawns local ranks, or runs under torchrun)",
         description="Run one kernel on a synthetic problem; --check compares with the oracle "
-        "(exit 1 if it fails). Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) it runs in "
-        "this process with env:// rendezvous and the launcher's world size.",
+        "(exit 1 if it fails). Each rank builds only its shard of the problem; a warning "
+        "comes first when the ranks would not fit this machine's memory or cores. Under "
+        "torchrun (RANK and WORLD_SIZE set) it runs in this process with env:// rendezvous "
+        "and the launcher's world size.",
     )
     run.add_argument("--world-size", type=int, default=1, help="local ranks to spawn (1)")
     run.add_argument("--kernel", default=PORTABLE_KERNELS[0], help="kernel name (%(default)s)")

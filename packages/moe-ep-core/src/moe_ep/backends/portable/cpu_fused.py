@@ -59,11 +59,26 @@ _MIN_ROWS_PER_THREAD = 16
 _i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
 
 
+_COMPILERS = ("cc", "gcc", "clang")
+
+
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
+    """The C compiler's path: `CC` when set (then only it), else the first of `_COMPILERS`."""
+    cc = env.c_compiler()
+    for name in [cc] if cc else _COMPILERS:
+        if path := shutil.which(name):
             return path
     return None
+
+
+def _no_compiler_reason() -> str:
+    cc = env.c_compiler()
+    if cc:
+        return f"no C compiler found: CC={cc!r} is not an executable command; set CC to one"
+    return (
+        f"no C compiler found: CC is unset and none of {', '.join(_COMPILERS)} is on PATH; "
+        "install one or set CC"
+    )
 
 
 def _arch_flags() -> list[str]:
@@ -123,7 +138,7 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         return None, "disabled by MOE_EP_CPU_FUSED=0"
     cc = _compiler()
     if cc is None:
-        return None, "no C compiler found (set CC, or install cc / gcc / clang)"
+        return None, _no_compiler_reason()
     try:
         lib = ctypes.CDLL(str(_build(cc, _default_cache())))
     except (OSError, RuntimeError) as exc:
@@ -160,7 +175,10 @@ def library() -> ctypes.CDLL | None:
         return lib
     mode = env.cpu_fused_mode()  # read only on the fallback path: library() runs per block
     if mode == "1":
-        raise MoeEpUnavailableError(f"MOE_EP_CPU_FUSED=1 but the fused CPU epilogues: {why}")
+        raise MoeEpUnavailableError(
+            f"MOE_EP_CPU_FUSED=1 but the fused CPU epilogues cannot be built: {why} (or set "
+            "MOE_EP_CPU_FUSED=auto to fall back to the eager code)"
+        )
     if mode == "auto" and not _warned.is_set():
         _warned.set()
         warnings.warn(f"moe-ep: eager CPU epilogues (slower): {why}", stacklevel=2)
