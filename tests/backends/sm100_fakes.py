@@ -48,7 +48,10 @@ def drop_signature(kind: str, method: str) -> list[str]:
     rel, cls_name = DROP_FILES[kind]
     path = DROP_SRC / rel
     if not path.is_file():
-        pytest.skip(f"the sm100 drop is not materialized ({path} missing)")
+        pytest.skip(
+            f"the sm100 drop is not materialized ({path} missing); run "
+            "`uv run tools/vendor.py sync sm100_cutedsl_megamoe`"
+        )
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name == cls_name:

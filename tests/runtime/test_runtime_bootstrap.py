@@ -346,7 +346,7 @@ def test_auto_bootstrap_false_without_group() -> None:
 def test_no_way_to_rendezvous() -> None:
     from moe_ep import runtime
 
-    with pytest.raises(MoeEpUsageError, match="MASTER_ADDR and MASTER_PORT"):
+    with pytest.raises(MoeEpUsageError, match=r"world_size=2 needs a rendezvous.*MASTER_ADDR"):
         runtime.acquire(BootstrapConfig(2, 0))
     _assert_untouched()
 
@@ -395,4 +395,54 @@ def test_bad_arguments() -> None:
         runtime.acquire(BootstrapConfig(1, 0), requirements={"nvshmem": True})  # type: ignore[arg-type]
     with pytest.raises(MoeEpUsageError, match="init_method"):
         runtime.acquire(BootstrapConfig(1, 0, init_method="file:///tmp/x"))
+    _assert_untouched()
+
+
+# ------------------------------------------------------------------ one process, no rendezvous
+
+
+@pytest.mark.usefixtures("no_rendezvous_env")
+def test_world_size_1_needs_no_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moe_ep import runtime
+
+    def no_tcp_store(*args: object, **kwargs: object) -> None:
+        raise AssertionError("world size 1 must not open a TCPStore")
+
+    monkeypatch.setattr(dist, "TCPStore", no_tcp_store)
+    try:
+        for _ in range(2):  # a second lifetime in the same process works as the first
+            with runtime.acquire(BootstrapConfig(1, 0, timeout_s=5)) as rt:
+                assert (rt.rank, rt.world_size, rt.backend, str(rt.device)) == (0, 1, "gloo", "cpu")
+                assert dist.is_initialized() and dist.get_world_size(rt.group) == 1
+                t = torch.tensor([3.0])
+                dist.all_reduce(t, group=rt.group)
+                assert t.item() == 3.0
+                with runtime.acquire(BootstrapConfig(1, 0)) as inner:  # shares the state
+                    assert inner.group is rt.group and runtime.active_refcount() == 2
+                start = time.monotonic()
+                rt.barrier()
+                rt.barrier()
+                assert time.monotonic() - start < 1.0  # nobody to wait for
+            _assert_untouched()  # the last release destroyed the group moe-ep created
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("no_rendezvous_env")
+@pytest.mark.parametrize(
+    ("env", "needle"), [({"RANK": "1"}, "RANK=1"), ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2")]
+)
+def test_world_size_1_still_checks_the_torchrun_env(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], needle: str
+) -> None:
+    from moe_ep import runtime
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MoeEpUsageError, match=needle):
+        runtime.acquire(BootstrapConfig(1, 0))
     _assert_untouched()

@@ -42,7 +42,7 @@ class _State:
     backend: str
     timeout: datetime.timedelta
     created_group: bool
-    store: Any  # our rendezvous TCPStore when created_group, else the host's default store
+    store: Any  # ours when created_group (TCPStore; HashStore at world size 1), else the host's
     store_prefix: str
     store_host_desc: str
     refs: int = 0
@@ -299,14 +299,16 @@ def acquire(config: BootstrapConfig, *, requirements: RuntimeRequirements | None
     The first acquire in a process binds the CUDA device (`resolve_local_device`), then
     reuses `config.process_group` or an initialised default group (never destroying it),
     else initialises torch.distributed itself: rendezvous at `config.init_method`
-    ("tcp://HOST:PORT") or, when MASTER_ADDR/MASTER_PORT are set, there (env://); gloo on
-    CPU and under MEGA_SINGLE_GPU_GLOO=1, NCCL with `device_id` on CUDA. NVSHMEM is
+    ("tcp://HOST:PORT") or, when MASTER_ADDR/MASTER_PORT are set, there (env://); at world
+    size 1 with neither, over a local in-process store (no network); gloo on CPU and under
+    MEGA_SINGLE_GPU_GLOO=1, NCCL with `device_id` on CUDA. NVSHMEM is
     initialised only when `requirements.nvshmem`. Later acquires with the same config share
     that state (ref-counted).
 
     Raises:
-        MoeEpUsageError: bad config, no way to rendezvous, a group whose size/rank disagrees
-            with the config, or auto_bootstrap=False without an initialised group.
+        MoeEpUsageError: bad config, no way to rendezvous (world size > 1 with neither
+            init_method nor MASTER_ADDR/MASTER_PORT), a group whose size/rank disagrees with
+            the config, or auto_bootstrap=False without an initialised group.
         MoeEpUnavailableError: requirements this machine cannot meet (raised before any
             collective, so no peer hangs on this rank).
         MoeEpTimeoutError / MoeEpPeerError: a peer did not arrive or died; names the rank.

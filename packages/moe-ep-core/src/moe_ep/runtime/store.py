@@ -1,5 +1,7 @@
 """The rendezvous store moe-ep hosts, and barriers over a store that are bounded in time.
 
+One process (world size 1) with no rendezvous configured gets a local in-process store.
+
 Barriers run over a TCPStore rather than the process group: a dead peer then shows up as a
 missing key, which names the rank, instead of a hung or aborted collective.
 """
@@ -22,6 +24,7 @@ from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError, MoeEpUsageError
 
 __all__ = [
     "LIFETIME_KEY",
+    "LOCAL_STORE_DESC",
     "STORE_HOST",
     "create_store",
     "host_store",
@@ -31,6 +34,7 @@ __all__ = [
 ]
 
 STORE_HOST = 0  # group rank hosting the TCPStore moe-ep creates
+LOCAL_STORE_DESC = "this process's local store (world size 1, no rendezvous)"
 
 
 # ---------------------------------------------------------------- bounded store barrier
@@ -147,9 +151,11 @@ def store_barrier(
 # ---------------------------------------------------------------- rendezvous
 
 
-def rendezvous_url(config: BootstrapConfig) -> tuple[str, int]:
+def rendezvous_url(config: BootstrapConfig) -> tuple[str, int] | None:
     """(host, port) of the store: `config.init_method` wins, else MASTER_ADDR/MASTER_PORT
-    (whose RANK / WORLD_SIZE, when set, must agree with the config); else a usage error."""
+    (whose RANK / WORLD_SIZE, when set, must agree with the config); else None at world size
+    1 (one process has no one to meet: `create_store` makes a local store); else a usage
+    error."""
     if config.init_method is not None:
         parsed = urlparse(config.init_method)
         if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
@@ -159,12 +165,13 @@ def rendezvous_url(config: BootstrapConfig) -> tuple[str, int]:
             )
         return parsed.hostname, parsed.port
     addr_port = _env.master_addr_port()
-    if addr_port is None:
+    if addr_port is None and config.world_size > 1:
         raise MoeEpUsageError(
             "torch.distributed is not initialised and moe-ep cannot initialise it: "
+            f"BootstrapConfig.world_size={config.world_size} needs a rendezvous: "
             "set MASTER_ADDR and MASTER_PORT (torchrun does), pass "
             "BootstrapConfig(init_method='tcp://HOST:PORT'), or initialise "
-            "torch.distributed in the host and pass process_group="
+            "torch.distributed in the host and pass process_group= (world size 1 needs none)"
         )
     env_rank, env_world = _env.torchrun_rank(), _env.torchrun_world_size()
     if env_world is not None and env_world != config.world_size:
@@ -197,7 +204,8 @@ LIFETIME_KEY = "moe_ep/lifetime"  # which runtime lifetime the store's keys belo
 
 
 def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> tuple[Any, str]:
-    """Host (rank 0) or join the rendezvous TCPStore, within `timeout_s`.
+    """Host (rank 0) or join the rendezvous TCPStore, within `timeout_s`; at world size 1
+    with no rendezvous configured, an in-process `HashStore` (no port, no network).
 
     Returns the store with every key under `moe_ep/life-<lifetime>/`, and a description of
     who hosts it. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True at MASTER_ADDR:PORT)
@@ -209,7 +217,10 @@ def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> tu
     and reaches the previous store on the same port before rank 0 has closed it, waits
     (reconnecting when that store goes away) instead of joining a stale store.
     """
-    host, port = rendezvous_url(config)
+    url = rendezvous_url(config)
+    if url is None:  # world size 1, nothing configured: nobody to meet
+        return dist.PrefixStore(f"moe_ep/life-{lifetime}", dist.HashStore()), LOCAL_STORE_DESC
+    host, port = url
     agent = _env.torchelastic_agent_store() and _env.master_addr_port() == (host, port)
     is_rank0 = config.rank == STORE_HOST
     serve = is_rank0 and not agent
