@@ -107,6 +107,44 @@ def test_packed_fp4_halves_are_checked() -> None:
         _build(MoEWeightPack(w13, w2, s13, s2[:, :, :-1]), nvfp4)
 
 
+@pytest.mark.parametrize("backend", [BF16, "any_nvfp4_nvfp4_bf16_torch"])
+def test_weights_are_validated_once_per_construction(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """One generic pack check and one isfinite pass over each weight per construction (the
+    layer's, before the rendezvous; the kernel does not repeat it)."""
+    import moe_ep.backends.portable.kernel as portable
+
+    w = _weights()
+    passes: list[tuple[int, ...]] = []
+    checks: list[object] = []
+    real_isfinite, real_check = torch.isfinite, portable.validate_weight_pack
+
+    def isfinite(t: torch.Tensor) -> torch.Tensor:
+        if t.shape in (w.w13.shape, w.w2.shape):
+            passes.append(tuple(t.shape))
+        return real_isfinite(t)
+
+    def check(*args: object, **kwargs: object) -> object:
+        checks.append(args[0])
+        return real_check(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "isfinite", isfinite)
+    monkeypatch.setattr(portable, "validate_weight_pack", check)
+    built = MoEEpLayer(_boot(), FleetParams(E, MAX_T, H), w, backend)
+    try:
+        assert checks == [w]
+        assert sorted(passes) == sorted([tuple(w.w13.shape), tuple(w.w2.shape)])
+        # a kernel built directly (no layer in front of it) still checks its weights
+        bad = MoEWeightPack(w.w13, w.w2[:, :, :-16])
+        with pytest.raises(MoeEpUsageError, match=r"w13 must be \[E_local, 2I, H\]"):
+            type(built._kernel)(
+                config=built.config, fleet=built.fleet, runtime=built._runtime, weights=bad
+            )
+    finally:
+        built.destroy()
+
+
 def test_backend_argument() -> None:
     w = _weights(e=1)
     with pytest.raises(MoeEpUsageError, match="backend must be a kernel name"):
@@ -164,7 +202,8 @@ def test_ids_out_of_range_message(layer: MoEEpLayer) -> None:
     [
         ("topk_ids", lambda t: t.topk_ids.float(), "topk_ids must be int32 or int64"),
         ("topk_ids", lambda t: t.topk_ids[:, :1].t(), r"topk_ids must be \[n, k\]"),
-        ("topk_weights", lambda t: t.topk_weights.double(), "topk_weights must be float32"),
+        ("topk_weights", lambda t: t.topk_weights.double(), "must be float32, or bfloat16 / fl"),
+        ("topk_weights", lambda t: t.topk_weights.to(torch.int32), "got torch.int32"),
         ("topk_weights", lambda t: t.topk_weights[:, :1], "topk_weights must have topk_ids' shape"),
         ("hidden_states", lambda t: t.hidden_states.float(), "hidden_states must be bfloat16"),
         ("hidden_states", lambda t: t.hidden_states[:, :64], r"hidden_states must be \[n, H\]"),
@@ -214,6 +253,45 @@ def test_forward_matches_oracle_output_honoured_and_staging(layer: MoEEpLayer) -
         layer.compute_staged(staged)
     with pytest.raises(MoeEpUsageError, match="must come from this layer"):
         layer.compute_staged(object())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_topk_weights_are_upcast_exactly(
+    layer: MoEEpLayer, dtype: torch.dtype
+) -> None:
+    """What Hugging Face routers return (bf16 / fp16 softmax outputs) is accepted; the
+    forward equals the fp32 forward of the same values, bit for bit."""
+    t = _inputs()
+    half = (t.topk_weights * 3 - 1).to(dtype)  # negative and > 1 values too
+    assert not torch.equal(half.float(), t.topk_weights)
+    got = layer(_replace(t, topk_weights=half))
+    want = layer(_replace(t, topk_weights=half.float()))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not torch.equal(got, layer(t))  # the weights really matter here
+    bad = half.clone()
+    bad[2, 0] = float("nan")
+    with pytest.raises(MoeEpUsageError, match=r"topk_weights must be finite: .* at row 2"):
+        layer(_replace(t, topk_weights=bad))
+
+
+def test_staged_forward_of_another_layer_is_refused(layer: MoEEpLayer) -> None:
+    other = MoEEpLayer(_boot(), FleetParams(E, MAX_T, H), _weights(), BF16)
+    try:
+        staged = other.stage_inputs(_inputs())
+        with pytest.raises(MoeEpUsageError, match="staged must come from this layer"):
+            layer.compute_staged(staged)
+        assert not staged.used
+        assert torch.equal(other.compute_staged(staged), layer(_inputs()))
+    finally:
+        other.destroy()
+
+
+def test_stream_is_refused_on_a_cpu_rank() -> None:
+    # world size 4 with no rendezvous: the error must come before any collective
+    with pytest.raises(
+        MoeEpUsageError, match=r"^BootstrapConfig.stream=7 is a CUDA stream handle, .* on CPU"
+    ):
+        MoEEpLayer(BootstrapConfig(4, 1, stream=7), FleetParams(E, MAX_T, H), _weights(e=1), BF16)
 
 
 def test_empty_batch_and_all_padded(layer: MoEEpLayer) -> None:

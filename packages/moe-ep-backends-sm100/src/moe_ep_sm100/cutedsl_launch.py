@@ -274,13 +274,6 @@ class CutedslMegaKernel(PooledKernel):
             cls.kernel_name, weights, fleet, world_size, config, packed_fp4=cls.packed_fp4
         )
 
-    def _intermediate_size(
-        self, weights: MoEWeightPack, fleet: FleetParams, world_size: int
-    ) -> int:
-        return check_sm100_pack(
-            self.kernel_name, weights, fleet, world_size, self.cfg, packed_fp4=self.packed_fp4
-        )
-
     # -- subclass hooks -----------------------------------------------------------------
     @abstractmethod
     def _stage(self, tensors: MoEEpTensors, max_tokens: int) -> StagedBuffers:

@@ -149,11 +149,6 @@ class Sm100Fp8Fp4Bf16DeepgemmKernel(PooledKernel):
         """Local checks before any collective: pack shapes, geometry, the 512 rule."""
         _checked_intermediate(cls.kernel_name, weights, fleet, world_size, config)
 
-    def _intermediate_size(
-        self, weights: MoEWeightPack, fleet: FleetParams, world_size: int
-    ) -> int:
-        return _checked_intermediate(self.kernel_name, weights, fleet, world_size, self.cfg)
-
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> DeepgemmWeights:
         w = weights.to(device)
         return prepare_deepgemm_weights(w.w13, w.w2, w.w13_scale, w.w2_scale)

@@ -57,7 +57,8 @@ class _Fp8BlockwiseConfig(GeometryCheckedConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(_Fp8BlockwiseConfig):
-    """Hopper pull-style CuTe DSL mega-MoE, fp8 e4m3 blockwise (1x128 act, 128x128 weights).
+    """Hopper pull-style CuTe DSL mega-MoE, fp8 e4m3 blockwise (1x128 FC1 input, 128x128
+    weights; in the kernel the FC2 input is quantized 1x64, the drop's Fp8Fc2ActivationScaleK).
 
     Knobs mirror the drop's compile-time geometry. Defaults are the drop driver's manual
     defaults (native layout, tile (64, 128, 128), cluster (1, 1, 1)).
@@ -80,7 +81,7 @@ class Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(_Fp8BlockwiseConfig):
     """Routes per token, compiled into the kernel; set it so `warmup()` can compile ahead,
     else the first forward compiles."""
     prequantized_fc1_gate_up_interleave: int | None = None
-    """For a pre-quantized weight pack only (ignored for bf16/fp32 weights): the FC1 row
+    """For a pre-quantized weight pack only (refused with bf16/fp32 weights): the FC1 row
     grouping its `w13_scale` was computed over. None: canonical 128x128 blocks over the
     stored gate-then-up rows (DeepSeek-V3 checkpoints, the portable fp8 backend's packs);
     usable only where each gate row block's scales equal the up block's at the same offset.

@@ -14,6 +14,8 @@ Recipe (DeepSeek-V3 blockwise fp8, `moe_ep.quant.fp8`): e4m3 payload, fp32 scale
   scale block j covers gate rows and up rows `[64j, 64j + 64)`); weights are passed as
   K-major views `[E_local, K, N]` (K stride 1) of the `[E_local, N, K]` storage; staged
   activations are e4m3 with a `[T, ceil4(H/128)]` fp32 scale plane; token ids are int64.
+  (The kernel quantizes its FC2 input itself, in 1x64 blocks: its drop's
+  `Fp8Fc2ActivationScaleK`; the oracle's `fc2_act_block=64`.)
 - Push kernel (`sm90_fp8_fp8_bf16_push_cuda`): FC1 keeps gate-then-up rows, weights stay
   `[E_local, N, K]` contiguous; activations are staged as bf16 (its dispatch quantizes
   them); token ids are int32.
@@ -110,13 +112,20 @@ def check_pack(
     """
     prequantized = getattr(weights, "w13_scale", None) is not None
     e, i, h = _check_weights(weights.w13, weights.w2, prequantized=prequantized)
+    pack_interleave = getattr(config, "prequantized_fc1_gate_up_interleave", None)
+    if not prequantized and pack_interleave is not None:
+        raise MoeEpUsageError(
+            f"{kernel}: prequantized_fc1_gate_up_interleave={pack_interleave} describes a "
+            f"pre-quantized pack, but the weights are {weights.w13.dtype} without scales "
+            "(the kernel quantizes them with its own grouping): leave it None"
+        )
     if prequantized:
         from moe_ep_sm90.fp8_packs import check_prequantized_pack
 
         check_prequantized_pack(
             kernel,
             weights,
-            pack_fc1_interleave=getattr(config, "prequantized_fc1_gate_up_interleave", None),
+            pack_fc1_interleave=pack_interleave,
             kernel_fc1_interleave=kernel_fc1_interleave,
         )
     e_expected = fleet.num_experts // world_size if world_size else 0

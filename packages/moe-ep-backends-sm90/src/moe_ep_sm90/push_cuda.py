@@ -107,9 +107,6 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
         check_pack(cls.kernel_name, weights, fleet, world_size, config)
         check_launchable(config)
 
-    def _check_config(self, config: Any) -> None:
-        check_launchable(config)
-
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> PushWeights:
         if weights.prequantized:
             p = push_weights_from_pack(weights.to(device))

@@ -1,7 +1,8 @@
 """moe-ep: a Mixture-of-Experts expert-parallel runtime for LLM inference.
 
 Public names are resolved lazily so that `import moe_ep` stays light (no torch.distributed
-set-up, no backend import) and works on machines without a GPU.
+set-up, no backend import) and works on machines without a GPU. The exception classes
+(`moe_ep.MoeEpUsageError`, ...) come from `moe_ep.errors`, which imports no torch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from moe_ep.config import BootstrapConfig
     from moe_ep.device import resolve_local_device
+    from moe_ep.errors import (
+        MoeEpError,
+        MoeEpPeerError,
+        MoeEpTimeoutError,
+        MoeEpUnavailableError,
+        MoeEpUsageError,
+    )
     from moe_ep.layer import FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
 
 __all__ = [
@@ -20,6 +28,11 @@ __all__ = [
     "MoEEpLayer",
     "MoEEpTensors",
     "MoEWeightPack",
+    "MoeEpError",
+    "MoeEpPeerError",
+    "MoeEpTimeoutError",
+    "MoeEpUnavailableError",
+    "MoeEpUsageError",
     "__version__",
     "resolve_local_device",
 ]
@@ -33,6 +46,11 @@ _LAZY = {
     "MoEEpLayer": "moe_ep.layer",
     "MoEEpTensors": "moe_ep.layer",
     "MoEWeightPack": "moe_ep.layer",
+    "MoeEpError": "moe_ep.errors",
+    "MoeEpPeerError": "moe_ep.errors",
+    "MoeEpTimeoutError": "moe_ep.errors",
+    "MoeEpUnavailableError": "moe_ep.errors",
+    "MoeEpUsageError": "moe_ep.errors",
 }
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, dataclass
@@ -33,7 +32,11 @@ class BootstrapConfig:
     Args:
         world_size: number of EP ranks, >= 1.
         rank: this process's EP rank, `0 <= rank < world_size`.
-        stream: CUDA stream handle kernels launch on (0 = the current/default stream).
+        stream: a CUDA stream handle (`cudaStream_t` as an int, e.g.
+            `torch.cuda.current_stream().cuda_stream`) an `MoEEpLayer` works on: its weight
+            preparation, staging, kernels and copies run on
+            `torch.cuda.ExternalStream(stream)`; 0 = the stream current at each call.
+            `MoEEpLayer` refuses a non-zero stream on a CPU rank. Never run on a GPU.
         auto_bootstrap: initialise torch.distributed when no group exists; False makes
             `moe_ep.runtime.acquire` require a host-initialised group or `process_group`.
         process_group: the host's EP `torch.distributed.ProcessGroup` (reused, never
@@ -103,12 +106,11 @@ class BootstrapConfig:
             if (
                 isinstance(t, bool)
                 or not isinstance(t, numbers.Real)
-                or not math.isfinite(float(t))
-                or float(t) <= 0
+                or not 0 < float(t) <= _env.MAX_TIMEOUT_S  # NaN fails too
             ):
                 raise MoeEpUsageError(
-                    f"BootstrapConfig.timeout_s must be a finite number of seconds > 0 or "
-                    f"None, got {t!r}"
+                    f"BootstrapConfig.timeout_s must be a number of seconds > 0 and <= "
+                    f"{_env.MAX_TIMEOUT_S:g} (one week), or None, got {t!r}"
                 )
             set_(self, "timeout_s", float(t))
 

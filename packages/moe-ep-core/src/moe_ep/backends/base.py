@@ -5,15 +5,20 @@ and exposed through the `moe_ep.backends` entry-point group, whose entry name is
 name. `MoEEpLayer` composes it: it validates the user's inputs, allocates the output and
 calls the kernel with keyword arguments only.
 
-Lifecycle: `__init__` validates the config against the fleet and prepares the weights once
-(no collectives); `warmup()` and `destroy()` are collective; `stage_inputs()` copies/quantizes
-the caller's tensors into the kernel's buffers and `compute_staged()` runs dispatch -> experts
--> combine into the output it was given.
+Lifecycle: the classmethod `validate_weights()` checks a weight pack locally (the layer
+calls it before its first collective); `__init__` checks the config and the weights (unless
+the caller already ran `validate_weights` on them, see `weights_validated_by_caller`) and
+prepares the weights once (no collectives); `warmup()` and `destroy()` are collective;
+`stage_inputs()` copies/quantizes the caller's tensors into the kernel's buffers and
+`compute_staged()` runs dispatch -> experts -> combine into the output it was given.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -23,7 +28,48 @@ if TYPE_CHECKING:
     from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
     from moe_ep.runtime import Runtime
 
-__all__ = ["KernelConfig", "MegaKernel", "RuntimeRequirements"]
+__all__ = [
+    "KernelConfig",
+    "MegaKernel",
+    "RuntimeRequirements",
+    "caller_validated_weights",
+    "weights_validated_by_caller",
+]
+
+# (weights, fleet, world_size, config) a caller validated for the construction under way.
+_VALIDATED: ContextVar[tuple[Any, Any, int, Any] | None] = ContextVar(
+    "moe_ep_validated_weights", default=None
+)
+
+
+@contextmanager
+def caller_validated_weights(
+    weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
+) -> Iterator[None]:
+    """Within the block, kernels built from exactly these objects skip their own weight
+    checks: the caller ran the kernel class's `validate_weights` on them for this one
+    construction (`MoEEpLayer` does, before its first collective), so the full pass over
+    the weights (shapes, finiteness) runs once."""
+    token = _VALIDATED.set((weights, fleet, world_size, config))
+    try:
+        yield
+    finally:
+        _VALIDATED.reset(token)
+
+
+def weights_validated_by_caller(
+    weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
+) -> bool:
+    """True inside `caller_validated_weights` for these very objects (identity, not
+    equality: another pack with equal shapes was not checked)."""
+    done = _VALIDATED.get()
+    return (
+        done is not None
+        and done[0] is weights
+        and done[1] is fleet
+        and done[2] == world_size
+        and done[3] is config
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +106,17 @@ class MegaKernel(ABC):
     def availability(cls) -> tuple[bool, str]:
         """(True, "") if this kernel can run on this machine, else (False, reason)."""
         return True, ""
+
+    @classmethod
+    def validate_weights(
+        cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
+    ) -> None:
+        """Local checks of a weight pack for this kernel and config (no collective);
+        `MoeEpUsageError` naming the tensor and the rule. Default: the generic pack checks
+        (`moe_ep.layer.validation.validate_weight_pack`: bf16 / fp32, shapes)."""
+        from moe_ep.layer.validation import validate_weight_pack
+
+        validate_weight_pack(weights, fleet, world_size)
 
     def __init__(
         self,

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Any
 
 import torch
 
-from moe_ep.backends.base import KernelConfig, MegaKernel
+from moe_ep.backends.base import KernelConfig, MegaKernel, caller_validated_weights
 from moe_ep.config import BootstrapConfig
+from moe_ep.device import resolve_local_device
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.layer.agreement import agree_on_setup, setup_fingerprint
 from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
-from moe_ep.layer.validation import validate_forward, validate_weight_pack
+from moe_ep.layer.validation import validate_forward
 
 __all__ = ["MoEEpLayer", "StagedForward", "resolve_backend"]
 
@@ -37,13 +40,23 @@ def resolve_backend(backend: str | KernelConfig) -> tuple[type[MegaKernel], Kern
 
 
 class StagedForward:
-    """Inputs staged by `MoEEpLayer.stage_inputs`, consumed once by `compute_staged`."""
+    """Inputs staged by `MoEEpLayer.stage_inputs`, consumed once by that layer's
+    `compute_staged` (another layer's `compute_staged` refuses it)."""
 
-    def __init__(self, output: torch.Tensor, handle: Any, generation: int) -> None:
+    def __init__(self, output: torch.Tensor, handle: Any, layer: MoEEpLayer) -> None:
         self.output = output
         self.handle = handle
-        self.generation = generation
+        self.layer = layer
         self.used = False
+
+
+def _check_stream(bootstrap: BootstrapConfig) -> None:
+    """A non-zero `BootstrapConfig.stream` needs a CUDA rank (checked before any collective)."""
+    if bootstrap.stream and resolve_local_device(bootstrap) is None:
+        raise MoeEpUsageError(
+            f"BootstrapConfig.stream={bootstrap.stream} is a CUDA stream handle, but this rank "
+            "runs on CPU (no visible CUDA device); pass stream=0"
+        )
 
 
 class MoEEpLayer:
@@ -69,6 +82,14 @@ class MoEEpLayer:
     other ranks then fail in their next collective with `MoeEpPeerError` /
     `MoeEpTimeoutError` within the bootstrap timeout (`BootstrapConfig.timeout_s`) instead
     of hanging.
+
+    A non-zero `BootstrapConfig.stream` (a `cudaStream_t` as an int) is where the layer
+    works: the kernel's construction (weight preparation), `stage_inputs` (the input checks
+    included), `compute_staged`, `warmup` and `destroy` run inside
+    `torch.cuda.stream(torch.cuda.ExternalStream(stream))`, so the output allocation, the
+    staging copies and every kernel launch (they launch on the current stream) go to it.
+    Refused on a CPU rank. Warning: this CUDA path has never run on a GPU (tested on CPU
+    with a fake stream).
     """
 
     def __init__(
@@ -90,31 +111,37 @@ class MoEEpLayer:
             raise MoeEpUsageError(
                 f"weights must be a moe_ep.MoEWeightPack, got {type(weights).__name__}"
             )
+        _check_stream(bootstrap)
         kernel_cls, config = resolve_backend(backend)
         ok, reason = kernel_cls.availability()
         if not ok:
             raise MoeEpUnavailableError(f"kernel {kernel_cls.kernel_name!r}: {reason}")
-        validate = getattr(kernel_cls, "validate_weights", None)
-        if validate is not None:
-            validate(weights, fleet_params, bootstrap.world_size, config)
-        else:
-            validate_weight_pack(weights, fleet_params, bootstrap.world_size)
+        world_size = bootstrap.world_size
+        kernel_cls.validate_weights(weights, fleet_params, world_size, config)
         self.fleet = fleet_params
         self.kernel_name = kernel_cls.kernel_name
         self.config = config
-        self._generation = 0
         self._destroyed = False
         from moe_ep.runtime import acquire
 
         self._runtime = acquire(bootstrap, requirements=kernel_cls.requirements)
         try:
+            self._stream = (
+                torch.cuda.ExternalStream(bootstrap.stream, device=self._runtime.device)
+                if bootstrap.stream
+                else None
+            )
             agree_on_setup(
                 self._runtime,
                 setup_fingerprint(kernel_cls.kernel_name, config, fleet_params, weights),
             )
-            self._kernel: MegaKernel = kernel_cls(
-                config=config, fleet=fleet_params, runtime=self._runtime, weights=weights
-            )
+            with (
+                self._on_stream(),
+                caller_validated_weights(weights, fleet_params, world_size, config),
+            ):
+                self._kernel: MegaKernel = kernel_cls(
+                    config=config, fleet=fleet_params, runtime=self._runtime, weights=weights
+                )
             self._runtime.barrier()
         except BaseException:
             self._runtime.release()
@@ -142,6 +169,12 @@ class MoEEpLayer:
             raise MoeEpUsageError("this MoEEpLayer was destroyed; construct a new one")
         return self._runtime
 
+    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """`BootstrapConfig.stream` as the current stream (no-op for stream 0)."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
     # -- forward ------------------------------------------------------------------------
     def stage_inputs(self, tensors: MoEEpTensors) -> StagedForward:
         """Validate `tensors`, allocate (or take) the output, stage inputs (no collective).
@@ -150,23 +183,29 @@ class MoEEpLayer:
         valid once `compute_staged` returns.
         """
         rt = self._live()
-        out = validate_forward(tensors, self.fleet, rt.device)
-        if out is None:
-            out = torch.empty(
-                (tensors.num_tokens, self.fleet.hidden_size), dtype=torch.bfloat16, device=rt.device
-            )
-        handle = self._kernel.stage_inputs(tensors=tensors, output=out)
-        return StagedForward(out, handle, self._generation)
+        with self._on_stream():  # the checks read the inputs too: on the layer's stream
+            out = validate_forward(tensors, self.fleet, rt.device)
+            if tensors.topk_weights.dtype != torch.float32:  # bf16 / fp16: exact
+                tensors = dataclasses.replace(tensors, topk_weights=tensors.topk_weights.float())
+            if out is None:
+                out = torch.empty(
+                    (tensors.num_tokens, self.fleet.hidden_size),
+                    dtype=torch.bfloat16,
+                    device=rt.device,
+                )
+            handle = self._kernel.stage_inputs(tensors=tensors, output=out)
+        return StagedForward(out, handle, self)
 
     def compute_staged(self, staged: StagedForward) -> torch.Tensor:
         """Collective: dispatch, run the experts, combine; returns `[n, H]` bf16."""
         self._live()
-        if not isinstance(staged, StagedForward) or staged.generation != self._generation:
+        if not isinstance(staged, StagedForward) or staged.layer is not self:
             raise MoeEpUsageError("staged must come from this layer's stage_inputs()")
         if staged.used:
             raise MoeEpUsageError("this staged forward was already computed; stage again")
         staged.used = True
-        return self._kernel.compute_staged(staged=staged.handle)
+        with self._on_stream():
+            return self._kernel.compute_staged(staged=staged.handle)
 
     def forward(self, tensors: MoEEpTensors) -> torch.Tensor:
         """Collective: `[n, H]` bf16 = sum over k of `topk_weights[:, k] * expert(x)`."""
@@ -178,7 +217,8 @@ class MoEEpLayer:
     def warmup(self) -> None:
         """Collective: let the kernel compile / allocate what a first forward would."""
         self._live()
-        self._kernel.warmup()
+        with self._on_stream():
+            self._kernel.warmup()
 
     def destroy(self) -> None:
         """Collective and idempotent: release the kernel's workspaces and the runtime.
@@ -190,7 +230,8 @@ class MoEEpLayer:
             return
         self._destroyed = True
         try:
-            self._kernel.destroy()
+            with self._on_stream():
+                self._kernel.destroy()
         finally:
             self._runtime.release()
 

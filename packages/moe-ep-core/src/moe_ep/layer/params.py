@@ -138,7 +138,8 @@ class MoEEpTensors:
     topk_ids: `[n, k]` int32 or int64 global expert ids in `[0, E)`; `-1` marks a padded
         slot that contributes exactly zero. A row may repeat an expert: each slot then
         contributes its own weighted term (the duplicates are summed).
-    topk_weights: `[n, k]` fp32, finite.
+    topk_weights: `[n, k]` fp32, finite; bf16 / fp16 (what Hugging Face routers return)
+        are accepted and upcast exactly to fp32 by the layer; other dtypes are refused.
     output: optional `[n, H]` bf16 buffer on the same device to write into; allocated
         by the layer when None.
     """

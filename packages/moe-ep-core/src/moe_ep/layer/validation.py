@@ -10,9 +10,12 @@ import torch
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
 
-__all__ = ["validate_forward", "validate_weight_pack"]
+__all__ = ["TOPK_WEIGHT_DTYPES", "validate_forward", "validate_weight_pack"]
 
 _FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+TOPK_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""`topk_weights` dtypes a forward takes: fp32, or bf16 / fp16 (what Hugging Face routers
+return), which the layer upcasts to fp32 (exact: every bf16 / fp16 value is an fp32 value)."""
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -118,8 +121,11 @@ def validate_forward(
         raise MoeEpUsageError(
             f"topk_weights must have topk_ids' shape {_shape(ids)}, got {_shape(w)}"
         )
-    if w.dtype != torch.float32:
-        raise MoeEpUsageError(f"topk_weights must be float32, got {w.dtype}")
+    if w.dtype not in TOPK_WEIGHT_DTYPES:
+        raise MoeEpUsageError(
+            "topk_weights must be float32, or bfloat16 / float16 (upcast exactly to float32), "
+            f"got {w.dtype}"
+        )
     e = fleet.num_experts
     if ids.numel():
         bad = (ids < -1) | (ids >= e)

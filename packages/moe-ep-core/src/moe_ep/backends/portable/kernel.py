@@ -7,7 +7,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from moe_ep.backends.base import KernelConfig, MegaKernel, RuntimeRequirements
+from moe_ep.backends.base import (
+    KernelConfig,
+    MegaKernel,
+    RuntimeRequirements,
+    weights_validated_by_caller,
+)
 from moe_ep.backends.portable import comm, cpu_fused
 from moe_ep.backends.portable.configs import (
     Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
@@ -73,10 +78,11 @@ class PortableTorchKernel(MegaKernel):
     @classmethod
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
-    ) -> tuple[int, int]:
-        """Local checks of a weight pack (no collective); returns (E_local, I)."""
+    ) -> None:
+        """Local checks of a weight pack (no collective): the generic pack checks, the
+        recipe's block multiples and scale planes, finite unquantized weights."""
         recipe = cls.make_recipe(config)
-        e_local, inter = validate_weight_pack(
+        _, inter = validate_weight_pack(
             weights, fleet, world_size, quantized_dtypes=recipe.quantized_weight_dtypes
         )
         recipe.check_dims(fleet.hidden_size, inter)
@@ -86,7 +92,6 @@ class PortableTorchKernel(MegaKernel):
                 t = getattr(weights, name)
                 if t.numel() and not bool(torch.isfinite(t).all()):
                     raise MoeEpUsageError(f"{name} has non-finite values (NaN or inf)")
-        return e_local, inter
 
     def __init__(
         self,
@@ -103,9 +108,10 @@ class PortableTorchKernel(MegaKernel):
             )
         super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
         self.pconfig: PortableConfig = config  # type: ignore[assignment]
-        self.e_local, self.intermediate = self.validate_weights(
-            weights, fleet, runtime.world_size, config
-        )
+        if not weights_validated_by_caller(weights, fleet, runtime.world_size, config):
+            self.validate_weights(weights, fleet, runtime.world_size, config)
+        self.e_local = fleet.experts_per_rank(runtime.world_size)
+        self.intermediate = int(weights.w13.shape[1]) // 2  # w13 is [E_local, 2I, H(/2)]
         self.recipe = self.make_recipe(config)
         dev = runtime.device
         if dev.type == "cpu":
@@ -202,7 +208,9 @@ class Fp8TorchKernel(PortableTorchKernel):
 
     @classmethod
     def make_recipe(cls, config: KernelConfig) -> Recipe:
-        return Fp8BlockRecipe(getattr(config, "fc1_gate_up_interleave", None))
+        return Fp8BlockRecipe(
+            getattr(config, "fc1_gate_up_interleave", None), getattr(config, "fc2_act_block", None)
+        )
 
 
 @register_mega_kernel("any_mxfp8_mxfp8_bf16_torch")

@@ -12,7 +12,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.base import MegaKernel
+from moe_ep.backends.base import MegaKernel, weights_validated_by_caller
 from moe_ep.backends.support.args import LaunchGeometry, check_config_geometry
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
@@ -69,11 +69,13 @@ class StagedCall:
 class PooledKernel(MegaKernel):
     """Base of the compile-once kernels: pooled entry, `warmup`, idempotent `destroy`.
 
-    Construction: the config's type is checked, then `_check_config` (refused knobs), then
-    `_intermediate_size` (local weight checks; I), then `_prepare_weights` (kernel-ready
+    Construction: the config's type is checked, then the class's `validate_weights` (pack,
+    geometry and refused knobs; skipped when the caller ran it for this construction, see
+    `moe_ep.backends.base.caller_validated_weights`), then `_prepare_weights` (kernel-ready
     weights on the runtime's device, in `self.prepared`). Subclasses set `pool` and
-    implement `_prepare_weights` and `_compile`. `build_verb` names what the first use does
-    ("compile", "build") in the error raised while `top_k` is still unknown.
+    implement `validate_weights`, `_prepare_weights` and `_compile`. `build_verb` names
+    what the first use does ("compile", "build") in the error raised while `top_k` is
+    still unknown.
     """
 
     pool: ClassVar[WorkspacePool[Any]]
@@ -89,10 +91,11 @@ class PooledKernel(MegaKernel):
         weights: MoEWeightPack,
     ) -> None:
         require_config(config, self.config_cls)
-        self._check_config(config)
+        if not weights_validated_by_caller(weights, fleet, runtime.world_size, config):
+            self.validate_weights(weights, fleet, runtime.world_size, config)
         super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
         self.cfg = config
-        intermediate_size = self._intermediate_size(weights, fleet, runtime.world_size)
+        intermediate_size = int(weights.w13.shape[1]) // 2  # w13 is [E_local, 2I, H(/2)]
         self.prepared = self._prepare_weights(weights, runtime.device)
         # top_k is part of the compiled kernel; from the config, else from the first inputs.
         self.geometry = LaunchGeometry(
@@ -110,14 +113,13 @@ class PooledKernel(MegaKernel):
         self._weight_args: dict[str, Any] | None = None
 
     # -- subclass hooks -----------------------------------------------------------------
-    def _check_config(self, config: Any) -> None:
-        """Refuse knobs the config accepts but this kernel cannot honour (default: none)."""
-
-    def _intermediate_size(
-        self, weights: MoEWeightPack, fleet: FleetParams, world_size: int
-    ) -> int:
-        """I of the layer, after any local weight checks (default: `w2 [E_local, H, I]`)."""
-        return int(weights.w2.shape[-1])
+    @classmethod
+    @abstractmethod
+    def validate_weights(
+        cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
+    ) -> None:
+        """Local checks before any collective: the pack's shapes and dtypes against this
+        kernel's recipe, the geometry against the config, knobs the kernel cannot honour."""
 
     @abstractmethod
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Any:
