@@ -114,7 +114,12 @@ def run_job(
                 report = compare_to_oracle(
                     out.cpu(), rank_oracle(spec, mine, oracle_format(kernel))
                 )
-                row.update(ratio=report.max_ratio, ok=report.ok, detail=str(report))
+                row.update(
+                    ratio=report.max_ratio,
+                    global_ratio=report.rel_err / report.rel_bound,
+                    ok=report.ok,
+                    detail=str(report),
+                )
             rows.append(row)
         if gather:
             import torch.distributed as dist
@@ -212,6 +217,9 @@ def execute(spec: JobSpec) -> tuple[JobSpec, list[dict[str, Any]]]:
                 "kernel": kernel,
                 "seconds": max(r["seconds"] for r in rows),
                 "ratio": worst.get("ratio"),
+                "global_ratio": max(
+                    (r["global_ratio"] for r in rows if "global_ratio" in r), default=None
+                ),
                 "ok": all(r.get("ok", True) for r in rows),
                 "detail": f"rank {shown['rank']}: {shown.get('detail', '')}",
             }
@@ -227,15 +235,18 @@ def _table(spec: JobSpec, merged: list[dict[str, Any]], device: str) -> Any:
         f"I={spec.intermediate}, E={spec.experts}, k={spec.topk}, {spec.routing} routing"
     )
     table = Table(title=title)
-    for col in ("kernel", "max err / band", "check", "time / forward", "tokens/s"):
+    columns = ("kernel", "max err / band", "rel err / bound", "check", "time / forward", "tokens/s")
+    for col in columns:
         table.add_column(col, justify="left" if col == "kernel" else "right", no_wrap=True)
     total = spec.tokens * spec.world_size
     for row in merged:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
+        global_ratio = "-" if row.get("global_ratio") is None else f"{row['global_ratio']:.3f}"
         check = "-" if row["ratio"] is None else ("ok" if row["ok"] else "FAIL")
         table.add_row(
             row["kernel"],
             ratio,
+            global_ratio,
             check,
             f"{row['seconds'] * 1e3:.2f} ms",
             f"{total / row['seconds']:,.0f}" if row["seconds"] > 0 else "-",
@@ -251,8 +262,8 @@ def _report(spec: JobSpec, merged: list[dict[str, Any]], *, info: bool) -> int:
     if launched is not None and launched[0] != 0:
         return EXIT_OK if all(r["ok"] for r in merged) else EXIT_CHECK_FAILED
     console = Console()
-    if console.width < 100:  # not a terminal: keep kernel names whole
-        console = Console(width=100)
+    if console.width < 112:  # not a terminal: keep kernel names and columns whole
+        console = Console(width=112)
     if info:
         from moe_ep.cli.report import print_info
 
