@@ -9,13 +9,15 @@ Commands:
       First import: fetch, write vendor/NAME/{src/,vendor.lock.json,VENDOR.md,pyproject.toml,
       hatch_build.py,shim/}.
   sync (NAME... | --all) [--to REV [--sha256 HEX]] [--force]
-      Materialize src/ from the pin (atomic swap; skipped when src/ already matches the lock).
+      Materialize src/ from the pin (staged, then swapped in atomically with the lock and
+      VENDOR.md; skipped when src/ already matches the lock).
       Refuses to overwrite local edits without --force. --to re-pins (git commit or ref, PyPI
       version, or directory) and drops the [[pending]] entries the new pin already contains.
   verify (NAME... | --all | --present)
       Offline: every byte and mode matches vendor.lock.json, nothing missing or extra, the lock
-      matches the VENDOR.md pin, pending patches reproduce, license files present. --present
-      checks only the drops whose src/ is materialized (the pre-commit guard).
+      matches the VENDOR.md pin, pending patches reproduce, license files present, no
+      shim/*/_upstream/ in the checkout. --present checks only the drops whose src/ is
+      materialized (the pre-commit guard).
   diff NAME [--against REV | --head]
       Unified diff, limited to the drop's subdir, from the pin (or REV, or upstream head) to
       src/, then a summary. Exit 1 when they differ.
@@ -26,7 +28,8 @@ Commands:
   pull-file NAME PATH --rev REV --reason TEXT
       Take one file (PATH relative to src/) from a newer upstream revision; record it as a
       [[pending]] entry with from/to revision and sha256 and a patch under patches/.
-  lint (NAME... | --all)       Metadata and member layout checks.
+  lint (NAME... | --all)       Metadata and member layout checks (hatch_build.py and the shim
+                               exactly as tools/vendorlib/templates.py generates them).
   licenses (NAME... | --all)   Declared SPDX license vs license files and SPDX file headers.
 
 Options for every command: --json (machine output on stdout), --quiet (no progress bars),

@@ -20,8 +20,10 @@ from types import ModuleType
 
 import pytest
 import yaml
-from vendor_testlib import REPO
-from vendorlib import checks
+from vendor_testlib import REPO, write_tree
+from vendorlib import checks, templates
+from vendorlib.lockfile import entries_of, write_lock
+from vendorlib.meta import load_meta
 
 from moe_ep.errors import MoeEpUnavailableError
 
@@ -119,14 +121,20 @@ def _load_shim(drop: str, tmp_path: Path, with_src: bool) -> ModuleType:
     package, _ = DROPS[drop]
     fake = tmp_path / "vendor" / drop
     shutil.copytree(REPO / "vendor" / drop / "shim", fake / "shim")
-    shutil.copy(REPO / "vendor" / drop / "vendor.lock.json", fake / "vendor.lock.json")
     if with_src:
-        (fake / "src" / "pkg").mkdir(parents=True)
-        (fake / "src" / "pkg" / "__init__.py").write_text("VALUE = 42\n")
+        tree = {"pkg/__init__.py": (0o644, b"VALUE = 42\n")}
+        write_tree(fake / "src", tree)
+        write_lock(fake / "vendor.lock.json", drop, {}, {}, entries_of(tree))
+    else:
+        shutil.copy(REPO / "vendor" / drop / "vendor.lock.json", fake / "vendor.lock.json")
     name = f"_shim_copy_{drop}_{with_src}"
-    spec = importlib.util.spec_from_file_location(name, fake / "shim" / package / "__init__.py")
+    init = fake / "shim" / package / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        name, init, submodule_search_locations=[str(init.parent)]
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -152,6 +160,25 @@ def test_shim_finds_in_repo_src_only_beside_a_lock(tmp_path: Path) -> None:
     assert shim.is_materialized() is False
 
 
+@pytest.mark.parametrize("drop", sorted(DROPS))
+def test_shims_and_build_hooks_are_generated_from_one_template(drop: str) -> None:
+    """The four shims share one implementation: every file of each drop's shim package and
+    its build hook is exactly what tools/vendorlib/templates.py generates for that drop."""
+    package, _ = DROPS[drop]
+    d = REPO / "vendor" / drop
+    meta = load_meta(d)
+    lock = json.loads((d / "vendor.lock.json").read_text())
+    python_tree = any(
+        f["path"].count("/") == 1 and f["path"].endswith("/__init__.py") for f in lock["files"]
+    )
+    want = templates.shim_files(drop, package, meta.description, python_tree)
+    shim = d / "shim" / package
+    assert sorted(p.name for p in shim.iterdir() if p.name != "__pycache__") == sorted(want)
+    for rel, text in want.items():
+        assert (shim / rel).read_text(encoding="utf-8") == text, rel
+    assert (d / "hatch_build.py").read_text(encoding="utf-8") == templates.HATCH_BUILD
+
+
 def test_one_cutedsl_drop_per_process(materialized: None) -> None:
     code = """
 import sys
@@ -160,6 +187,7 @@ from moe_ep.errors import MoeEpUsageError
 mod = pull.import_src_module("common.megamoe_constants")
 assert str(pull.src_dir()) in mod.__file__, mod.__file__
 assert sys.path[0] == str(pull.src_dir())
+assert type(mod.__loader__).__name__ == "VerifiedSourceLoader", mod.__loader__
 try:
     sm100.activate()
 except MoeEpUsageError as exc:

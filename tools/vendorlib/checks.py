@@ -12,9 +12,11 @@ from typing import Any
 
 from vendorlib.drops import Drop, drop_names, load_drop
 from vendorlib.errors import MismatchError, UsageError
-from vendorlib.lockfile import Lock, diff_entries, load_lock, scan_dir, tree_digest
-from vendorlib.meta import META_NAME, NOT_RECORDED
+from vendorlib.lockfile import LOCK_NAME, Lock, diff_entries, load_lock, scan_dir, tree_digest
+from vendorlib.meta import META_NAME, NOT_RECORDED, DropMeta
 from vendorlib.patching import apply_patch, reverse_patch
+from vendorlib.paths import inside
+from vendorlib.templates import HATCH_BUILD, is_python_tree, shim_files
 
 __all__ = ["check_tree", "licenses", "lint", "problem", "status", "today", "verify"]
 
@@ -50,11 +52,15 @@ def check_tree(drop: Drop, lock: Lock) -> list[dict[str, str]]:
 def _check_pending(drop: Drop) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
     for p in drop.meta.pending:
-        patch_path = drop.dir / p.patch
+        try:
+            patch_path = inside(drop.dir, p.patch, f"[[pending]] {p.path} patch", "patches/x.patch")
+            current = inside(drop.src, p.path, "[[pending]] path", "common/utils.py")
+        except UsageError as exc:
+            out.append(problem("pending", p.path, str(exc)))
+            continue
         if not patch_path.is_file():
             out.append(problem("pending", p.path, f"patch file {p.patch} is missing"))
             continue
-        current = drop.src / p.path
         if not current.is_file():
             continue  # reported as missing by the tree check
         data = current.read_bytes()
@@ -80,9 +86,23 @@ def _check_pending(drop: Drop) -> list[dict[str, str]]:
     return out
 
 
+def _planted_upstream(drop_dir: Path) -> list[dict[str, str]]:
+    # Only a built wheel carries <package>/_upstream/ (hatch_build.py); in a checkout one is
+    # planted or stale, and a shim must never be offered it.
+    return [
+        problem(
+            "planted",
+            p.relative_to(drop_dir).as_posix(),
+            "only a built wheel carries _upstream/; the checkout's tree is src/. Remove it",
+        )
+        for p in sorted(drop_dir.glob("shim/*/_upstream"))
+    ]
+
+
 def verify(root: Path, name: str) -> dict[str, Any]:
     """Offline check of one drop: front matter, lock vs src/ bytes and modes, pin, pending,
-    license files. A malformed VENDOR.md is a failed check here (exit 1), not a usage error."""
+    license files, no `_upstream/` in the shim. A malformed VENDOR.md is a failed check here
+    (exit 1), not a usage error."""
     if name not in drop_names(root):
         load_drop(root, name)  # raises UsageError naming the known drops
     try:
@@ -96,7 +116,7 @@ def verify(root: Path, name: str) -> dict[str, Any]:
             "tree_sha256": None,
             "problems": [problem("front-matter", META_NAME, str(exc))],
         }
-    problems: list[dict[str, str]] = []
+    problems = _planted_upstream(drop.dir)
     materialized = drop.src.is_dir()
     try:
         lock: Lock | None = load_lock(drop.lock_path)
@@ -204,6 +224,33 @@ def _tracked(root: Path, rel: str) -> list[str]:
     return proc.stdout.split() if proc.returncode == 0 else []
 
 
+def _generated(d: Path, pkg: str, meta: DropMeta) -> list[dict[str, str]]:
+    """The build hook and shim files that differ from what `templates` generates."""
+    try:
+        lock_paths: list[str] = list(load_lock(d / LOCK_NAME).files)
+    except UsageError as exc:
+        return [problem("lock", LOCK_NAME, str(exc))]
+    want = {"hatch_build.py": HATCH_BUILD} | {
+        f"{pkg}/{rel}": text
+        for rel, text in shim_files(
+            meta.name, Path(pkg).name, meta.description, is_python_tree(lock_paths)
+        ).items()
+    }
+    out: list[dict[str, str]] = []
+    for rel, text in want.items():
+        path = d / rel
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            out.append(
+                problem(
+                    "generated",
+                    rel,
+                    "differs from what tools/vendorlib/templates.py generates for this drop "
+                    "(every drop's build hook and shim come from there; regenerate, do not edit)",
+                )
+            )
+    return out
+
+
 def lint(root: Path, name: str) -> dict[str, Any]:
     """Static checks of a drop's metadata and member layout (offline)."""
     problems: list[dict[str, str]] = []
@@ -261,6 +308,8 @@ def lint(root: Path, name: str) -> dict[str, Any]:
                 problems.append(
                     problem("member", "pyproject.toml", f"package {pkg!r} is not a shim/ package")
                 )
+            else:
+                problems += _generated(d, pkg, m)
     if (
         "/src/" not in (d / ".gitignore").read_text(encoding="utf-8")
         if (d / ".gitignore").is_file()

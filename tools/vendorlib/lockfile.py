@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vendorlib.errors import UsageError
+from vendorlib.paths import unsafe_reason
 
 __all__ = [
     "LOCK_NAME",
@@ -199,6 +200,12 @@ def load_lock(path: Path) -> Lock:
             f["path"]: FileEntry(f["path"], f["mode"], int(f["size"]), f["sha256"], f["git_blob"])
             for f in doc["files"]
         }
+        for rel in [*files, *doc.get("pending", {})]:
+            if unsafe_reason(str(rel)):
+                raise UsageError(
+                    f"{path}: file path {rel!r} is refused ({unsafe_reason(str(rel))}); a lock "
+                    "lists paths relative to src/ only"
+                )
         return Lock(
             drop=str(doc["drop"]),
             pin={str(k): str(v) for k, v in doc["pin"].items()},

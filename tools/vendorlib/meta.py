@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from vendorlib.errors import UsageError
+from vendorlib.paths import relative_path
 
 __all__ = [
     "DEFAULT_INDEX",
     "META_NAME",
     "NOT_RECORDED",
+    "PATCH_DIR",
     "SCHEMA",
     "DropMeta",
     "License",
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 META_NAME = "VENDOR.md"
+PATCH_DIR = "patches"
 SCHEMA = 1
 NOT_RECORDED = "not recorded"
 DEFAULT_INDEX = "https://pypi.org/simple"
@@ -220,14 +223,22 @@ def parse_meta(text: str, where: str = META_NAME) -> DropMeta:
     pending = []
     for i, p in enumerate(doc.get("pending", [])):
         w = f"{where} [[pending]] #{i + 1}"
+        # Both paths are read, written and deleted by the tool: they must stay in the drop.
+        path = relative_path(_need(p, "path", w), f"{w} path", "common/utils.py")
+        patch = relative_path(_need(p, "patch", w), f"{w} patch", PATCH_DIR + "/x.patch")
+        if not patch.startswith(PATCH_DIR + "/"):
+            raise UsageError(
+                f"{w} patch {patch!r} is refused: patches live under {PATCH_DIR}/, "
+                f"e.g. {PATCH_DIR + '/common__utils.py.patch'!r}"
+            )
         pending.append(
             Pending(
-                path=_need(p, "path", w),
+                path=path,
                 from_rev=_need(p, "from_rev", w),
                 to_rev=_need(p, "to_rev", w),
                 from_sha256=_need(p, "from_sha256", w),
                 to_sha256=_need(p, "to_sha256", w),
-                patch=_need(p, "patch", w),
+                patch=patch,
                 reason=_need(p, "reason", w),
                 date=str(p.get("date", "")),
             )

@@ -3,7 +3,8 @@
 They return JSON-ready dicts; the CLI only formats them (the offline checks are in `checks`).
 
 Every command that changes a drop builds the new state completely aside (a staging directory
-inside the drop) and swaps it in with renames, so a failure leaves the drop as it was.
+inside the drop, `staging.Staging`) and swaps it in all at once, so a failure leaves the drop
+as it was.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import hashlib
 import os
 import re
 import shutil
-import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from vendorlib.drops import Drop, load_drop
 from vendorlib.errors import MismatchError, SourceError, UsageError
 from vendorlib.globs import select
 from vendorlib.lockfile import (
+    LOCK_NAME,
     FileEntry,
     Lock,
     Tree,
@@ -35,6 +36,7 @@ from vendorlib.lockfile import (
     write_lock,
 )
 from vendorlib.meta import (
+    META_NAME,
     NOT_RECORDED,
     DropMeta,
     License,
@@ -44,14 +46,17 @@ from vendorlib.meta import (
     write_meta,
 )
 from vendorlib.patching import apply_patch, make_patch, reverse_patch
+from vendorlib.paths import inside, unsafe_reason
 from vendorlib.progress import Progress
 from vendorlib.sources import fetch_tree, head_revision, pin_at
+from vendorlib.staging import Staging, sweep_stale
 from vendorlib.templates import (
     GITIGNORE,
     HATCH_BUILD,
+    is_python_tree,
     render_body,
     render_pyproject,
-    render_shim,
+    shim_files,
 )
 
 __all__ = ["add", "diff", "outdated", "pull_file", "sync"]
@@ -65,9 +70,11 @@ def _sha256(data: bytes) -> str:
 
 def _filtered(tree: Tree, meta: DropMeta) -> Tree:
     for p in tree:
-        parts = p.split("/")
-        if p.startswith("/") or ".." in parts or "" in parts:
-            raise SourceError(f"the source holds an unsafe path {p!r}; refusing to write it")
+        why = unsafe_reason(p)
+        if why:
+            raise SourceError(
+                f"the source holds an unsafe path {p!r} ({why}); refusing to write it"
+            )
     return {p: v for p, v in tree.items() if select(p, meta.include, meta.exclude)}
 
 
@@ -90,27 +97,19 @@ def _write_file(path: Path, mode: int, data: bytes) -> None:
     os.chmod(path, mode)
 
 
-def _swap_in(drop_dir: Path, tree: Tree, progress: Progress) -> None:
-    """Write `tree` to a staging dir inside the drop, then rename it over `src/` atomically."""
-    tmp = drop_dir / f".vendor-tmp-{uuid.uuid4().hex[:12]}"
-    staging = tmp / "src"
-    src = drop_dir / "src"
-    try:
-        with progress.task(f"write {len(tree)} files", len(tree)) as advance:
-            for rel in sorted(tree):
-                mode, data = tree[rel]
-                _write_file(staging / rel, mode, data)
-                advance(1)
-        if src.exists():
-            os.replace(src, tmp / "old")
-        try:
-            os.replace(staging, src)
-        except OSError:
-            if (tmp / "old").exists():
-                os.replace(tmp / "old", src)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _write_tree(dest: Path, tree: Tree, progress: Progress) -> None:
+    """Write `tree` under `dest` (a path inside a staging directory)."""
+    dest.mkdir()
+    with progress.task(f"write {len(tree)} files", len(tree)) as advance:
+        for rel in sorted(tree):
+            mode, data = tree[rel]
+            _write_file(dest / rel, mode, data)
+            advance(1)
+
+
+def _patch_path(drop_dir: Path, p: Pending) -> Path:
+    """Where entry `p`'s patch lives; refused when it would leave the drop."""
+    return inside(drop_dir, p.patch, f"[[pending]] {p.path} patch", "patches/x.patch")
 
 
 # --------------------------------------------------------------------------- sync
@@ -137,7 +136,7 @@ def _apply_pending(
                 f"{p.from_sha256} (nor its to_sha256); the patch no longer applies. Take the file "
                 "again with `pull-file` after syncing, or remove the entry"
             )
-        patch_path = drop_dir / p.patch
+        patch_path = _patch_path(drop_dir, p)
         if not patch_path.is_file():
             raise MismatchError(f"pending {p.path}: patch file {p.patch} is missing")
         new = apply_patch(data, patch_path.read_text(encoding="utf-8"), p.path)
@@ -165,6 +164,9 @@ def sync(
     lock = load_lock(drop.lock_path) if drop.lock_path.is_file() else None
     if sha256 is not None and to is None:
         raise UsageError("--sha256 only goes with --to (it pins the new artifact)")
+    for p in meta.pending:  # before anything is read or deleted through them
+        _patch_path(drop.dir, p)
+    sweep_stale(drop.dir)
 
     if drop.src.exists() and not force:
         dirty = check_tree(drop, lock) if lock else [problem("lock", "", "no lock to compare")]
@@ -202,15 +204,22 @@ def sync(
                 "the pin no longer reproduces the lock"
             )
 
-    _swap_in(drop.dir, tree, progress)
     pending_map = {p.path: p.to_sha256 for p in kept}
-    if to is not None or lock is None:
-        write_lock(drop.lock_path, name, pin.identity(), pending_map, entries)
-    if to is not None:
-        new_meta = replace(meta, source=pin, sync_date=today(), pending=tuple(kept))
-        write_meta(drop.dir, new_meta)
-        for p in absorbed:
-            (drop.dir / p.patch).unlink(missing_ok=True)
+    with Staging(drop.dir) as stage:
+        _write_tree(stage.path("src"), tree, progress)
+        moves = [(stage.path("src"), drop.src)]
+        if to is not None or lock is None:
+            write_lock(stage.path(LOCK_NAME), name, pin.identity(), pending_map, entries)
+            moves.append((stage.path(LOCK_NAME), drop.lock_path))
+        if to is not None:
+            new_meta = replace(meta, source=pin, sync_date=today(), pending=tuple(kept))
+            write_meta(stage.dir, new_meta)
+            moves.append((stage.path(META_NAME), drop.dir / META_NAME))
+            for i, p in enumerate(absorbed):  # moved into staging: deleted with it
+                patch = _patch_path(drop.dir, p)
+                if patch.exists():
+                    moves.append((stage.path(f"absorbed-{i}.patch"), patch))
+        stage.commit(moves)
     return {
         "name": name,
         "action": "repinned" if to is not None else "materialized",
@@ -275,22 +284,31 @@ def add(
     missing_lic = [f for f in license_files if f not in tree]
     if missing_lic:
         raise UsageError(f"license files {missing_lic} are not in the fetched tree")
-    python_tree = any(p.count("/") == 1 and p.endswith("/__init__.py") for p in tree)
+    created = not drop_dir.exists()
     drop_dir.mkdir(parents=True, exist_ok=True)
-    (drop_dir / ".gitignore").write_text(GITIGNORE, encoding="utf-8")
-    (drop_dir / "hatch_build.py").write_text(HATCH_BUILD, encoding="utf-8")
-    (drop_dir / "pyproject.toml").write_text(
-        render_pyproject(distribution, package, description, spdx), encoding="utf-8"
-    )
-    shim = drop_dir / "shim" / package
-    shim.mkdir(parents=True, exist_ok=True)
-    (shim / "__init__.py").write_text(
-        render_shim(name, package, description, python_tree), encoding="utf-8"
-    )
-    _swap_in(drop_dir, tree, progress)
     entries = entries_of(tree)
-    write_lock(drop_dir / "vendor.lock.json", name, pin.identity(), {}, entries)
-    write_meta(drop_dir, meta)
+    try:
+        with Staging(drop_dir) as stage:
+            member = {
+                ".gitignore": GITIGNORE,
+                "hatch_build.py": HATCH_BUILD,
+                "pyproject.toml": render_pyproject(distribution, package, description, spdx),
+            }
+            for rel, text in member.items():
+                stage.path(rel).write_text(text, encoding="utf-8")
+            shim = stage.path("shim") / package
+            shim.mkdir(parents=True)
+            for rel, text in shim_files(name, package, description, is_python_tree(tree)).items():
+                (shim / rel).write_text(text, encoding="utf-8")
+            _write_tree(stage.path("src"), tree, progress)
+            write_lock(stage.path(LOCK_NAME), name, pin.identity(), {}, entries)
+            write_meta(stage.dir, meta)
+            names = [*member, "shim", "src", LOCK_NAME, META_NAME]
+            stage.commit([(stage.path(n), drop_dir / n) for n in names])
+    except BaseException:
+        if created:
+            shutil.rmtree(drop_dir, ignore_errors=True)
+        raise
     return {
         "name": name,
         "action": "added",
@@ -414,6 +432,9 @@ def pull_file(
     drop = load_drop(root, name)
     if not reason.strip():
         raise UsageError("--reason must say why the file is taken ahead of the pin")
+    for p in drop.meta.pending:
+        _patch_path(drop.dir, p)
+    sweep_stale(drop.dir)
     lock = load_lock(drop.lock_path)
     problems = (
         check_tree(drop, lock) if drop.src.is_dir() else [problem("materialized", "src/", "")]
@@ -435,9 +456,8 @@ def pull_file(
     old_entry = next((p for p in drop.meta.pending if p.path == path), None)
     base = current
     if old_entry is not None:
-        base = apply_patch(
-            current, reverse_patch((drop.dir / old_entry.patch).read_text(encoding="utf-8")), path
-        )
+        old_patch = _patch_path(drop.dir, old_entry).read_text(encoding="utf-8")
+        base = apply_patch(current, reverse_patch(old_patch), path)
     if new == current:
         return {"name": name, "action": "unchanged", "path": path, "to_rev": new_pin.revision}
     others = tuple(p for p in drop.meta.pending if p.path != path)
@@ -457,19 +477,30 @@ def pull_file(
             date=today(),
         )
         pending = (*others, entry)
-        (drop.dir / "patches").mkdir(exist_ok=True)
-        (drop.dir / entry.patch).write_text(make_patch(base, new, path), encoding="utf-8")
     target = drop.src / path
     mode = target.stat().st_mode & 0o777
-    tmp = target.with_name(target.name + ".vendor-tmp")
-    _write_file(tmp, mode, new)
-    os.replace(tmp, target)
     files = dict(lock.files)
     files[path] = entry_of(path, mode, new)
-    write_lock(drop.lock_path, name, lock.pin, {p.path: p.to_sha256 for p in pending}, files)
-    write_meta(drop.dir, replace(drop.meta, pending=pending))
-    if entry is None and old_entry is not None:
-        (drop.dir / old_entry.patch).unlink(missing_ok=True)
+    with Staging(drop.dir) as stage:
+        _write_file(stage.path("file"), mode, new)
+        write_lock(
+            stage.path(LOCK_NAME), name, lock.pin, {p.path: p.to_sha256 for p in pending}, files
+        )
+        write_meta(stage.dir, replace(drop.meta, pending=pending))
+        moves = [
+            (stage.path("file"), target),
+            (stage.path(LOCK_NAME), drop.lock_path),
+            (stage.path(META_NAME), drop.dir / META_NAME),
+        ]
+        if entry is not None:
+            stage.path("patch").write_text(make_patch(base, new, path), encoding="utf-8")
+            patch = _patch_path(drop.dir, entry)
+            patch.parent.mkdir(exist_ok=True)
+            moves.append((stage.path("patch"), patch))
+        elif old_entry is not None and _patch_path(drop.dir, old_entry).exists():
+            # moved into staging: deleted with it
+            moves.append((stage.path("old.patch"), _patch_path(drop.dir, old_entry)))
+        stage.commit(moves)
     return {
         "name": name,
         "action": "pending-added" if entry else "pending-removed",

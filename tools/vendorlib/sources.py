@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tarfile
 import urllib.error
@@ -124,8 +125,13 @@ def _git_tree(pin: Pin, root: Path, progress: Progress) -> Tree:
         mode, kind, sha = meta.decode().split()
         path = path_b.decode("utf-8", errors="surrogateescape")
         rel = _under(path, subdir)
-        if rel is None or kind == "commit":
+        if rel is None:
             continue
+        if kind == "commit":
+            raise SourceError(
+                f"{url}@{commit}: {path} is a submodule, whose files the drop would silently "
+                "lack; vendor the submodule's repository as its own drop"
+            )
         if mode == "120000":
             raise SourceError(f"{url}@{commit}: {path} is a symlink; drops hold regular files only")
         items.append((rel, mode, sha))
@@ -341,6 +347,15 @@ def _extract(artifact: Path, subdir: str, progress: Progress) -> Tree:
                 for i in zf.infolist()
                 if not i.is_dir() and _under(i.filename, subdir) is not None
             ]
+            for info in infos:
+                # The Unix file type sits in the high bits (0 when the archiver recorded none);
+                # a symlink entry's data is its target, which must not become a regular file.
+                kind = stat.S_IFMT(info.external_attr >> 16)
+                if kind not in (0, stat.S_IFREG):
+                    what = "a symlink" if kind == stat.S_IFLNK else f"file type {oct(kind)}"
+                    raise SourceError(
+                        f"{name}: entry {info.filename} is {what}; drops hold regular files only"
+                    )
             with progress.task(f"extract {len(infos)} files", len(infos)) as advance:
                 for info in infos:
                     rel = _under(info.filename, subdir) or info.filename
@@ -408,12 +423,22 @@ def _path_tree(pin: Pin, root: Path, progress: Progress) -> Tree:
         raise SourceError(
             f"{top}: not a directory (source path {pin.fields['path']!r}, subdir {pin.subdir!r})"
         )
-    files = sorted(p for p in top.rglob("*") if not p.is_dir())
+    files: list[Path] = []
+    # os.walk, not rglob: a symlinked directory must be refused, not silently left out.
+    for dirpath, dirnames, filenames in os.walk(top):
+        for d in sorted(dirnames):
+            if os.path.islink(os.path.join(dirpath, d)):
+                raise SourceError(
+                    f"{Path(dirpath, d)}: a symlink to a directory; drops hold regular files only"
+                )
+        files += [Path(dirpath, f) for f in filenames]
+    files.sort()
     tree: Tree = {}
     with progress.task(f"copy {len(files)} files", len(files)) as advance:
         for p in files:
             if p.is_symlink() or not p.is_file():
-                raise SourceError(f"{p}: not a regular file; drops hold regular files only")
+                what = "a symlink" if p.is_symlink() else "not a regular file"
+                raise SourceError(f"{p}: {what}; drops hold regular files only")
             tree[p.relative_to(top).as_posix()] = (
                 0o755 if p.stat().st_mode & 0o111 else 0o644,
                 p.read_bytes(),

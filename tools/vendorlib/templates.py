@@ -1,10 +1,26 @@
-"""Files `add` writes for a new drop member: pyproject, build hook, shim, .gitignore, prose."""
+"""Files `add` writes for a new drop member: pyproject, build hook, shim, .gitignore, prose.
+
+These are the one source of every drop's generated files: the build hook (`HATCH_BUILD`) and
+the shim (`shim_files`: a per-drop `__init__.py` over core's `moe_ep.drop_tree`, which holds
+the logic every drop shares) are written by `add`, and `lint` and tests/vendor check that each
+drop's copies are exactly what this module generates. A drop depends on moe-ep-core only,
+never on another drop.
+"""
 
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Iterable
 
-__all__ = ["GITIGNORE", "HATCH_BUILD", "render_body", "render_pyproject", "render_shim"]
+__all__ = [
+    "GITIGNORE",
+    "HATCH_BUILD",
+    "is_python_tree",
+    "render_body",
+    "render_pyproject",
+    "render_shim",
+    "shim_files",
+]
 
 GITIGNORE = """\
 # Upstream bytes are materialized by `uv run tools/vendor.py sync`; never committed.
@@ -16,8 +32,10 @@ HATCH_BUILD = '''\
 """Hatch build hook: a standard wheel ships src/ as `<upstream-package>/_upstream/`.
 
 Exactly the files vendor.lock.json lists are shipped, each checked against its sha256, so a
-wheel never carries bytes the lock does not vouch for. Editable installs ship nothing: the
-shim then reads the in-repo `src/`.
+wheel never carries bytes the lock does not vouch for; the lock itself goes beside them as
+`<upstream-package>/_upstream.lock.json`, and the shim checks the installed tree against it
+before first use. Editable installs ship nothing: the shim then reads the in-repo `src/`.
+Generated from tools/vendorlib/templates.py (HATCH_BUILD); the same in every drop.
 """
 
 from __future__ import annotations
@@ -38,42 +56,44 @@ class UpstreamTreeHook(BuildHookInterface):
             return
         root = Path(self.root)
         package = str(self.config["upstream-package"])
-        lock = json.loads((root / "vendor.lock.json").read_text(encoding="utf-8"))
+        lock_path = root / "vendor.lock.json"
+        lock = json.loads(lock_path.read_text(encoding="utf-8"))
         src = root / "src"
         sync = f"uv run tools/vendor.py sync {lock['drop']}"
         if not src.is_dir():
             raise RuntimeError(f"{src} is missing: run `{sync}` before building this wheel")
+        real_src = src.resolve()
         for entry in lock["files"]:
             path = src / entry["path"]
-            if not path.is_file():
-                raise RuntimeError(f"{path} is missing: run `{sync}`")
+            if real_src not in path.resolve().parents:
+                raise RuntimeError(f"vendor.lock.json lists {entry['path']!r}, outside src/")
+            if path.is_symlink() or not path.is_file():
+                raise RuntimeError(f"{path} is missing or not a regular file: run `{sync}`")
             if hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
                 raise RuntimeError(f"{path} differs from vendor.lock.json: run `{sync} --force`")
             build_data["force_include"][str(path)] = f"{package}/_upstream/{entry['path']}"
+        build_data["force_include"][str(lock_path)] = f"{package}/_upstream.lock.json"
 '''
 
-_SHIM = '''\
-"""Shim of a vendored drop: the only code that touches the drop's upstream `src/`.
+_SHIM_INIT = '''\
+"""Shim of the vendored drop `@@NAME@@`: the only code that touches its upstream tree.
 
-Drop: `@@NAME@@`.
 @@DESCRIPTION@@
 
-`src/` is byte-verbatim upstream, materialized by
-`uv run tools/vendor.py sync @@NAME@@` and never committed.
-An editable (workspace) install reads `vendor/@@NAME@@/src/`;
-a built wheel ships the same tree as `@@PKG@@/_upstream/`.
-Importing this package never touches `src/`: callers ask `availability()` first, or catch
+The tree is byte-verbatim upstream. In a checkout it is `vendor/@@NAME@@/src/`,
+materialized by `uv run tools/vendor.py sync @@NAME@@` and never committed;
+a built wheel ships it as `@@PKG@@/_upstream/`.
+It is checked against the drop's lock before first use, and only bytes the lock vouches for
+are imported (`moe_ep.drop_tree`).
+Importing this package never touches the tree: callers ask `availability()` first, or catch
 `DropUnavailableError`.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
-from types import ModuleType
 
-from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.drop_tree import DropUnavailableError, UpstreamTree
 
 __all__ = [
     "DROP_NAME",
@@ -92,147 +112,44 @@ __all__ = [
 
 DROP_NAME = "@@NAME@@"
 SYNC_COMMAND = f"uv run tools/vendor.py sync {DROP_NAME}"
-# True when src/ holds Python packages imported as top-level names (the CuTe DSL drops).
+# True when the tree holds Python packages imported as top-level names (the CuTe DSL drops).
 PYTHON_TREE = @@PYTHON_TREE@@
 
-_HERE = Path(__file__).resolve().parent
-_active: Path | None = None
+_TREE = UpstreamTree(DROP_NAME, Path(__file__).resolve().parent, python_tree=PYTHON_TREE)
 
-
-class DropUnavailableError(MoeEpUnavailableError):
-    """The drop's upstream tree is not materialized, or cannot be imported here."""
-
-
-def _candidates() -> tuple[Path, ...]:
-    # A built wheel carries `_upstream/`; a workspace checkout has vendor/<drop>/src/ beside
-    # the drop's vendor.lock.json (the marker keeps an unrelated `src/` from being taken).
-    checkout = _HERE.parents[1]
-    in_repo = (checkout / "src",) if (checkout / "vendor.lock.json").is_file() else ()
-    return (_HERE / "_upstream", *in_repo)
-
-
-def _find() -> Path | None:
-    for path in _candidates():
-        if path.is_dir() and any(path.iterdir()):
-            return path
-    return None
-
-
-def is_materialized() -> bool:
-    """True when the upstream tree is present (in the wheel or in the checkout)."""
-    return _find() is not None
-
-
-def availability() -> tuple[bool, str]:
-    """`(True, path)` when the tree is present, else `(False, reason naming the fix)`."""
-    path = _find()
-    if path is None:
-        return False, f"vendored drop {DROP_NAME!r} is not materialized; run `{SYNC_COMMAND}`"
-    return True, str(path)
-
-
-def src_dir() -> Path:
-    """Root of the upstream tree.
-
-    Raises:
-        DropUnavailableError: the tree is not materialized (the message names the sync command).
-    """
-    path = _find()
-    if path is None:
-        raise DropUnavailableError(availability()[1])
-    return path
-
-
-def source_files(pattern: str = "**/*") -> list[Path]:
-    """Files of the upstream tree matching `pattern` (e.g. `**/*.cu`), sorted."""
-    root = src_dir()
-    return sorted(p for p in root.glob(pattern) if p.is_file() and "__pycache__" not in p.parts)
-
-
-def top_level_packages() -> tuple[str, ...]:
-    """Names of the top-level Python packages in the tree (e.g. `common`, `src`)."""
-    root = src_dir()
-    return tuple(sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file()))
-
-
-def active_src() -> Path | None:
-    """The tree this drop put on `sys.path`, or None when it has not been activated."""
-    return _active
-
-
-def _other_active_drop() -> str | None:
-    for name, module in list(sys.modules.items()):
-        if name.startswith("moe_ep_drop_") and "." not in name and name != __name__:
-            other = getattr(module, "active_src", None)
-            if callable(other) and other() is not None:
-                return name
-    return None
-
-
-def activate() -> Path:
-    """Put the tree first on `sys.path` so its generic top-level packages import; idempotent.
-
-    Warning:
-        The CuTe DSL drops share top-level names (`common`, `src`, ...), so only one drop may
-        be active per process, and activation cannot be undone.
-
-    Raises:
-        DropUnavailableError: the tree is not materialized.
-        MoeEpUsageError: another drop is active, a top-level name is already imported from
-            elsewhere, or this drop is not a Python tree.
-    """
-    global _active
-    root = src_dir()
-    if _active is not None:
-        return _active
-    if not PYTHON_TREE:
-        raise MoeEpUsageError(
-            f"drop {DROP_NAME!r} is not a Python tree; use src_dir() / source_files() instead"
-        )
-    other = _other_active_drop()
-    if other is not None:
-        raise MoeEpUsageError(
-            f"drop {DROP_NAME!r} cannot activate: {other} is already active in this process "
-            "(the drops share top-level package names; use one drop per process)"
-        )
-    for name in top_level_packages():
-        module = sys.modules.get(name)
-        origin = getattr(module, "__file__", None) if module is not None else None
-        if module is not None and (origin is None or root not in Path(origin).resolve().parents):
-            raise MoeEpUsageError(
-                f"drop {DROP_NAME!r} cannot activate: top-level module {name!r} is already "
-                f"imported from {origin!r}, not from {root}"
-            )
-    sys.path.insert(0, str(root))
-    _active = root
-    return root
-
-
-def import_src_module(module: str) -> ModuleType:
-    """Activate the drop and import `module` from it (e.g. `"common.moe_utils"`).
-
-    Raises:
-        DropUnavailableError: the tree is missing, or importing `module` failed (the cause
-            is chained and named in the message).
-    """
-    activate()
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise DropUnavailableError(
-            f"drop {DROP_NAME!r}: importing {module!r} failed: {exc}"
-        ) from exc
+is_materialized = _TREE.is_materialized
+availability = _TREE.availability
+src_dir = _TREE.src_dir
+source_files = _TREE.source_files
+top_level_packages = _TREE.top_level_packages
+active_src = _TREE.active_src
+activate = _TREE.activate
+import_src_module = _TREE.import_src_module
 '''
+
+
+def is_python_tree(paths: Iterable[str]) -> bool:
+    """True when the tree has a top-level Python package (`<name>/__init__.py`)."""
+    return any(p.count("/") == 1 and p.endswith("/__init__.py") for p in paths)
 
 
 def render_shim(name: str, package: str, description: str, python_tree: bool) -> str:
     """The shim `__init__.py` for a drop."""
     return (
-        _SHIM.replace("@@NAME@@", name)
+        _SHIM_INIT.replace("@@NAME@@", name)
         .replace("@@PKG@@", package)
         .replace("@@DESCRIPTION@@", textwrap.fill(description.rstrip(".") + ".", width=96))
         .replace("@@PYTHON_TREE@@", "True" if python_tree else "False")
     )
+
+
+def shim_files(name: str, package: str, description: str, python_tree: bool) -> dict[str, str]:
+    """Every file of a drop's shim package, by name: `__init__.py` and `py.typed` (the shared
+    logic is `moe_ep.drop_tree`, in core)."""
+    return {
+        "__init__.py": render_shim(name, package, description, python_tree),
+        "py.typed": "",
+    }
 
 
 def render_pyproject(distribution: str, package: str, description: str, spdx: str) -> str:

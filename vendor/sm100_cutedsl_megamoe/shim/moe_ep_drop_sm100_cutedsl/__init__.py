@@ -1,25 +1,22 @@
-"""Shim of a vendored drop: the only code that touches the drop's upstream `src/`.
+"""Shim of the vendored drop `sm100_cutedsl_megamoe`: the only code that touches its upstream tree.
 
-Drop: `sm100_cutedsl_megamoe`.
 sm100 (Blackwell) CuTe DSL fused dispatch + FC1 + SwiGLU + FC2 + combine mega-MoE kernels: nvfp4
 (Sm100MegaMoEKernel) and mxfp8 (Sm100MegaMoEMxfp8Kernel).
 
-`src/` is byte-verbatim upstream, materialized by
-`uv run tools/vendor.py sync sm100_cutedsl_megamoe` and never committed.
-An editable (workspace) install reads `vendor/sm100_cutedsl_megamoe/src/`;
-a built wheel ships the same tree as `moe_ep_drop_sm100_cutedsl/_upstream/`.
-Importing this package never touches `src/`: callers ask `availability()` first, or catch
+The tree is byte-verbatim upstream. In a checkout it is `vendor/sm100_cutedsl_megamoe/src/`,
+materialized by `uv run tools/vendor.py sync sm100_cutedsl_megamoe` and never committed;
+a built wheel ships it as `moe_ep_drop_sm100_cutedsl/_upstream/`.
+It is checked against the drop's lock before first use, and only bytes the lock vouches for
+are imported (`moe_ep.drop_tree`).
+Importing this package never touches the tree: callers ask `availability()` first, or catch
 `DropUnavailableError`.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
-from types import ModuleType
 
-from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.drop_tree import DropUnavailableError, UpstreamTree
 
 __all__ = [
     "DROP_NAME",
@@ -38,133 +35,16 @@ __all__ = [
 
 DROP_NAME = "sm100_cutedsl_megamoe"
 SYNC_COMMAND = f"uv run tools/vendor.py sync {DROP_NAME}"
-# True when src/ holds Python packages imported as top-level names (the CuTe DSL drops).
+# True when the tree holds Python packages imported as top-level names (the CuTe DSL drops).
 PYTHON_TREE = True
 
-_HERE = Path(__file__).resolve().parent
-_active: Path | None = None
+_TREE = UpstreamTree(DROP_NAME, Path(__file__).resolve().parent, python_tree=PYTHON_TREE)
 
-
-class DropUnavailableError(MoeEpUnavailableError):
-    """The drop's upstream tree is not materialized, or cannot be imported here."""
-
-
-def _candidates() -> tuple[Path, ...]:
-    # A built wheel carries `_upstream/`; a workspace checkout has vendor/<drop>/src/ beside
-    # the drop's vendor.lock.json (the marker keeps an unrelated `src/` from being taken).
-    checkout = _HERE.parents[1]
-    in_repo = (checkout / "src",) if (checkout / "vendor.lock.json").is_file() else ()
-    return (_HERE / "_upstream", *in_repo)
-
-
-def _find() -> Path | None:
-    for path in _candidates():
-        if path.is_dir() and any(path.iterdir()):
-            return path
-    return None
-
-
-def is_materialized() -> bool:
-    """True when the upstream tree is present (in the wheel or in the checkout)."""
-    return _find() is not None
-
-
-def availability() -> tuple[bool, str]:
-    """`(True, path)` when the tree is present, else `(False, reason naming the fix)`."""
-    path = _find()
-    if path is None:
-        return False, f"vendored drop {DROP_NAME!r} is not materialized; run `{SYNC_COMMAND}`"
-    return True, str(path)
-
-
-def src_dir() -> Path:
-    """Root of the upstream tree.
-
-    Raises:
-        DropUnavailableError: the tree is not materialized (the message names the sync command).
-    """
-    path = _find()
-    if path is None:
-        raise DropUnavailableError(availability()[1])
-    return path
-
-
-def source_files(pattern: str = "**/*") -> list[Path]:
-    """Files of the upstream tree matching `pattern` (e.g. `**/*.cu`), sorted."""
-    root = src_dir()
-    return sorted(p for p in root.glob(pattern) if p.is_file() and "__pycache__" not in p.parts)
-
-
-def top_level_packages() -> tuple[str, ...]:
-    """Names of the top-level Python packages in the tree (e.g. `common`, `src`)."""
-    root = src_dir()
-    return tuple(sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file()))
-
-
-def active_src() -> Path | None:
-    """The tree this drop put on `sys.path`, or None when it has not been activated."""
-    return _active
-
-
-def _other_active_drop() -> str | None:
-    for name, module in list(sys.modules.items()):
-        if name.startswith("moe_ep_drop_") and "." not in name and name != __name__:
-            other = getattr(module, "active_src", None)
-            if callable(other) and other() is not None:
-                return name
-    return None
-
-
-def activate() -> Path:
-    """Put the tree first on `sys.path` so its generic top-level packages import; idempotent.
-
-    Warning:
-        The CuTe DSL drops share top-level names (`common`, `src`, ...), so only one drop may
-        be active per process, and activation cannot be undone.
-
-    Raises:
-        DropUnavailableError: the tree is not materialized.
-        MoeEpUsageError: another drop is active, a top-level name is already imported from
-            elsewhere, or this drop is not a Python tree.
-    """
-    global _active
-    root = src_dir()
-    if _active is not None:
-        return _active
-    if not PYTHON_TREE:
-        raise MoeEpUsageError(
-            f"drop {DROP_NAME!r} is not a Python tree; use src_dir() / source_files() instead"
-        )
-    other = _other_active_drop()
-    if other is not None:
-        raise MoeEpUsageError(
-            f"drop {DROP_NAME!r} cannot activate: {other} is already active in this process "
-            "(the drops share top-level package names; use one drop per process)"
-        )
-    for name in top_level_packages():
-        module = sys.modules.get(name)
-        origin = getattr(module, "__file__", None) if module is not None else None
-        if module is not None and (origin is None or root not in Path(origin).resolve().parents):
-            raise MoeEpUsageError(
-                f"drop {DROP_NAME!r} cannot activate: top-level module {name!r} is already "
-                f"imported from {origin!r}, not from {root}"
-            )
-    sys.path.insert(0, str(root))
-    _active = root
-    return root
-
-
-def import_src_module(module: str) -> ModuleType:
-    """Activate the drop and import `module` from it (e.g. `"common.moe_utils"`).
-
-    Raises:
-        DropUnavailableError: the tree is missing, or importing `module` failed (the cause
-            is chained and named in the message).
-    """
-    activate()
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise DropUnavailableError(
-            f"drop {DROP_NAME!r}: importing {module!r} failed: {exc}"
-        ) from exc
+is_materialized = _TREE.is_materialized
+availability = _TREE.availability
+src_dir = _TREE.src_dir
+source_files = _TREE.source_files
+top_level_packages = _TREE.top_level_packages
+active_src = _TREE.active_src
+activate = _TREE.activate
+import_src_module = _TREE.import_src_module
