@@ -165,13 +165,17 @@ description = "{description}"
 requires-python = ">=3.11,<3.13"
 # The shim is Apache-2.0; the shipped upstream tree carries its own license (see VENDOR.md).
 license = "{license_expr}"
+# LICENSE covers the shim; licenses/ holds the upstream texts, NOTICE says which
+# upstream files each covers (add both before building: docs/vendoring.md, "Adding a drop").
+license-files = ["LICENSE", "NOTICE", "licenses/*.txt"]
 dependencies = [
     # MoeEpUnavailableError / MoeEpUsageError for the shim's errors.
     "moe-ep-core",
 ]
 
 [build-system]
-requires = ["hatchling>=1.25"]
+# >= 1.27: PEP 639 `license-files`.
+requires = ["hatchling>=1.27"]
 build-backend = "hatchling.build"
 
 [tool.hatch.build.targets.wheel]
@@ -185,7 +189,17 @@ upstream-package = "{package}"
 [tool.hatch.build.targets.sdist]
 # src/ is git-ignored but belongs in the sdist, so that the wheel built from it ships it.
 ignore-vcs = true
-include = ["/shim", "/src", "/patches", "/VENDOR.md", "/vendor.lock.json", "/hatch_build.py"]
+include = [
+    "/shim",
+    "/src",
+    "/patches",
+    "/VENDOR.md",
+    "/vendor.lock.json",
+    "/hatch_build.py",
+    "/LICENSE",
+    "/NOTICE",
+    "/licenses",
+]
 exclude = ["__pycache__", "*.pyc"]
 
 [tool.uv.sources]
