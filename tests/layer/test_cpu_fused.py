@@ -184,13 +184,13 @@ def test_not_applicable_inputs_are_left_to_eager() -> None:
 @needs_cc
 def test_builds_once_into_the_cache_dir(fresh_load: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert cpu_fused.status() == (True, "built and loaded")
-    built = list((tmp_path / "cache").glob("cpu_fused-*.so"))
+    built = list((tmp_path / "cache").glob("cpu_fused-*/cpu_fused.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     cpu_fused._load.cache_clear()
     assert cpu_fused.status()[0]
-    assert [p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*.so")] == [stamp]
-    assert not list((tmp_path / "cache").glob("*.tmp"))
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("*/*.so")] == [stamp]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [built[0].parent.name]
 
 
 def test_env_zero_keeps_eager(fresh_load: pytest.MonkeyPatch) -> None:

@@ -222,13 +222,14 @@ MALFORMED = {
     "TORCHELASTIC_USE_AGENT_STORE": "1",
     "MOE_EP_PUSH_BUILD": "2",
     "MOE_EP_CPU_FUSED": "on",
+    "MOE_EP_PUSH_CACHE": "relative/dir",
+    "MOE_EP_CPU_FUSED_CACHE": "relative/dir",
     "NVSHMEM_SYMMETRIC_SIZE": "-1g",
     "MOE_EP_DEBUG": "true",
 }
 FREE_FORM = {
     "CUDA_VISIBLE_DEVICES": "only echoed in messages (CUDA parses it)",
-    "MOE_EP_PUSH_CACHE": "a directory",
-    "MOE_EP_CPU_FUSED_CACHE": "a directory",
+    "HOME": "checked only where the caches' defaults need it (moe_ep.cache_trust)",
     "CUTE_DSL_ARCH": "compared as written with the compile checks' --arch",
     "CC": "a command or path; a missing one is the fused epilogues' unavailability reason",
 }

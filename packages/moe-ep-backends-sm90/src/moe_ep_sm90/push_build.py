@@ -9,7 +9,8 @@ modules (`push_style_megamoe/shim/{jit,gemm}.py` in the wheel).
 Two uses:
 - compile-only checks (no GPU): `a2a_cubin_command` / `binding_cubin_command` (device code,
   `-cubin`), run by `compile_check` and the tests;
-- `build_modules` (shared libraries into a content-addressed cache dir) and `load_modules`
+- `build_modules` (shared libraries into a private, verified, content-addressed cache
+  entry: `moe_ep.cache_trust`) and `load_modules`
   (`tvm_ffi.load_module`). Warning: no call into either module has ever run (they need a
   GPU). The a2a module builds and loads on CPU (`slow` test). The GEMM module's host build
   needs `curand_kernel.h` (torch 2.11's cu13 wheels ship it, the lock's 2.15 does not) and
@@ -21,14 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_ep import env
+from moe_ep import cache_trust, env
 from moe_ep.backends.support.hardware import DropRef
 from moe_ep.errors import MoeEpUnavailableError
 
@@ -281,9 +281,9 @@ class BuiltModules:
 
 
 def default_cache_dir() -> Path:
-    """`$MOE_EP_PUSH_CACHE` or `~/.cache/moe-ep/sm90_push`."""
-    cache = env.push_cache_dir()
-    return Path(cache) if cache else Path.home() / ".cache" / "moe-ep" / "sm90_push"
+    """`$MOE_EP_PUSH_CACHE` or `~/.cache/moe-ep/sm90_push`, private and checked
+    (`moe_ep.cache_trust.cache_dir`)."""
+    return cache_trust.cache_dir("MOE_EP_PUSH_CACHE", env.push_cache_dir(), "sm90_push")
 
 
 DRIVER_LIB_DIRS = [
@@ -360,44 +360,60 @@ def gemm_commands(
     return cmds
 
 
+def _built(s: PushSources, entry: Path) -> BuiltModules:
+    return BuiltModules(
+        entry / "sm90_push_a2a.so",
+        entry / "sm90_push_fp8_moe_gemm.so",
+        tuple(s.jit_include_dirs(entry / "generated")),
+    )
+
+
+def _build_entry(s: PushSources, nvcc: str, out: Path) -> None:
+    """Both modules and the generated headers into the (private, staging) entry `out`."""
+    built = _built(s, out)
+    gen = out / "generated"
+    gen.mkdir()
+    # The run-time FC1 compile includes the GEMM headers from the generated dir.
+    for name in _GEMM_SOURCES[1:]:
+        shutil.copyfile(s.drop_src / "fp8_gemm" / name, gen / name)
+    run(a2a_library_command(s, built.a2a, nvcc=nvcc))
+    objects = out / "objects"
+    objects.mkdir()
+    for cmd in gemm_commands(s, gen, objects, built.gemm, nvcc=nvcc):
+        run(cmd)
+    shutil.rmtree(objects)
+
+
 def build_modules(
     s: PushSources, cache_dir: Path | None = None, *, nvcc: str | None = None
 ) -> BuiltModules:
-    """Compile and link both modules into `cache_dir/<digest>/` (reused when present).
+    """Compile and link both modules into the cache entry `<cache_dir>/<digest>/`, or
+    reuse that entry when it passes the checks of `moe_ep.cache_trust` (private, every file
+    matching its recorded sha256); `cache_dir` defaults to `default_cache_dir()` and is
+    checked the same way. Ranks of one host may build at once: each builds privately and
+    the entry appears whole, in one rename.
 
     The GEMM module needs `curand_kernel.h` (for `memoryUtils.cu`; torch 2.11's cu13 wheels
     or the toolkit) and `libcuda` to link; it built on CPU against torch 2.11 with a
     stand-in `libcuda.so.1`, never on a GPU machine. The a2a module's build runs on CPU in a
     `slow` test.
+
+    Raises:
+        MoeEpUsageError: `cache_dir` (or MOE_EP_PUSH_CACHE) is relative.
+        MoeEpUnavailableError: the cache directory is not private (or HOME is unusable).
+        RuntimeError: a compile failed (its command and output).
     """
     nvcc = nvcc or shutil.which("nvcc") or "nvcc"
-    digest = source_digest(s, module_flags())
-    root = (cache_dir or default_cache_dir()) / digest[:20]
-    gen = root / "generated"
-    built = BuiltModules(
-        root / "sm90_push_a2a.so",
-        root / "sm90_push_fp8_moe_gemm.so",
-        tuple(s.jit_include_dirs(gen)),
-    )
-    if built.a2a.is_file() and built.gemm.is_file():
-        return built
-    root.mkdir(parents=True, exist_ok=True)
-    gen.mkdir(parents=True, exist_ok=True)
-    # The run-time FC1 compile includes the GEMM headers from the generated dir.
-    for name in _GEMM_SOURCES[1:]:
-        shutil.copyfile(s.drop_src / "fp8_gemm" / name, gen / name)
-    # Ranks of one host may build at once: private objects and temporaries, atomic renames.
-    private = root / f"build.{os.getpid()}"
-    private.mkdir(exist_ok=True)
-    tmp = private / built.a2a.name
-    run(a2a_library_command(s, tmp, nvcc=nvcc))
-    tmp.replace(built.a2a)
-    tmp = private / built.gemm.name
-    for cmd in gemm_commands(s, gen, private, tmp, nvcc=nvcc):
-        run(cmd)
-    tmp.replace(built.gemm)
-    shutil.rmtree(private, ignore_errors=True)
-    return built
+    if cache_dir is None:
+        root = default_cache_dir()
+    else:
+        root = cache_trust.private_dir(cache_dir, origin=f"cache_dir={str(cache_dir)!r}")
+    name = source_digest(s, module_flags())[:20]
+    entry = cache_trust.find_entry(root, name)
+    if entry is None:
+        staged = cache_trust.stage(root, name, lambda out: _build_entry(s, nvcc, out))
+        entry = cache_trust.publish(staged, root / name)
+    return _built(s, entry)
 
 
 def load_modules(built: BuiltModules) -> tuple[object, object]:

@@ -31,6 +31,7 @@ __all__ = [
     "cuda_visible_devices",
     "cute_dsl_arch",
     "debug",
+    "home_dir",
     "local_rank",
     "master_addr_port",
     "nvshmem_symmetric_size",
@@ -111,9 +112,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "MOE_EP_PUSH_CACHE",
-        "directory (default ~/.cache/moe-ep/sm90_push)",
+        "absolute directory (default $HOME/.cache/moe-ep/sm90_push)",
         "Where the sm90 push kernel's nvcc-built modules are cached, one subdirectory per "
-        "source digest.",
+        "source digest. A relative path is refused. Created 0700; refused when another "
+        "user could write it or a directory above it; an entry is loaded only if it is "
+        "yours, not group/other-writable and matches the sha256 manifest recorded when it "
+        "was built (else rebuilt).",
     ),
     EnvVar(
         "MOE_EP_PUSH_BUILD",
@@ -132,9 +136,18 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "MOE_EP_CPU_FUSED_CACHE",
-        "directory (default ~/.cache/moe-ep/cpu_fused)",
-        "Where the fused CPU epilogue library is built, one file per digest of source, "
-        "compiler, flags and CPU features.",
+        "absolute directory (default $HOME/.cache/moe-ep/cpu_fused)",
+        "Where the fused CPU epilogue library is built, one subdirectory per digest of "
+        "source, compiler, flags and CPU features. A relative path is refused; the same "
+        "trust rules as MOE_EP_PUSH_CACHE (a refused cache leaves the eager code, with a "
+        "warning, unless MOE_EP_CPU_FUSED=1).",
+    ),
+    EnvVar(
+        "HOME",
+        "absolute path of an existing directory",
+        "Base of the two caches' defaults ($HOME/.cache/moe-ep/...), read only when "
+        "MOE_EP_CPU_FUSED_CACHE / MOE_EP_PUSH_CACHE is unset; unset, empty, relative or "
+        "missing makes that cache unavailable, naming HOME.",
     ),
     EnvVar(
         "NVSHMEM_SYMMETRIC_SIZE",
@@ -295,9 +308,19 @@ def cuda_visible_devices(env: Mapping[str, str] | None = None) -> str:
     return "(unset)" if value is None else repr(value)
 
 
+def _absolute_dir(env: Mapping[str, str] | None, name: str) -> str | None:
+    value = read_env(env).get(name) or None
+    if value is not None and not os.path.isabs(value):
+        raise MoeEpUsageError(
+            f"environment variable {name} must be an absolute directory path, got {value!r} "
+            f"(example: {name}=/var/tmp/moe-ep-cache)"
+        )
+    return value
+
+
 def push_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
-    """MOE_EP_PUSH_CACHE as written, None when unset or empty."""
-    return read_env(env).get("MOE_EP_PUSH_CACHE") or None
+    """MOE_EP_PUSH_CACHE as written (it must be absolute), None when unset or empty."""
+    return _absolute_dir(env, "MOE_EP_PUSH_CACHE")
 
 
 def push_build_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -318,8 +341,14 @@ def cpu_fused_mode(env: Mapping[str, str] | None = None) -> str:
 
 
 def cpu_fused_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
-    """MOE_EP_CPU_FUSED_CACHE as written, None when unset or empty."""
-    return read_env(env).get("MOE_EP_CPU_FUSED_CACHE") or None
+    """MOE_EP_CPU_FUSED_CACHE as written (it must be absolute), None when unset or empty."""
+    return _absolute_dir(env, "MOE_EP_CPU_FUSED_CACHE")
+
+
+def home_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """HOME as written, None when unset or empty; `moe_ep.cache_trust` checks it where the
+    caches' defaults need it (nowhere else, so check_all accepts any value)."""
+    return read_env(env).get("HOME") or None
 
 
 def cute_dsl_arch(env: Mapping[str, str] | None = None) -> str | None:
@@ -374,6 +403,7 @@ _CHECKS: dict[str, Callable[[Mapping[str, str] | None], object]] = {
     "MOE_EP_PUSH_BUILD": push_build_enabled,
     "MOE_EP_CPU_FUSED": cpu_fused_mode,
     "MOE_EP_CPU_FUSED_CACHE": cpu_fused_cache_dir,
+    "HOME": home_dir,
     "NVSHMEM_SYMMETRIC_SIZE": nvshmem_symmetric_size,
     "CUTE_DSL_ARCH": cute_dsl_arch,
     "CC": c_compiler,

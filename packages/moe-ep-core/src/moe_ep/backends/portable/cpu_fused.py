@@ -6,7 +6,9 @@ CPU these two stages cost as much as a third of the expert GEMMs, so a small C l
 (`cpu_fused.c`, moe-ep's own) does each in one pass with the same fp32 operations in the
 same order. It is compiled on first use with the machine's C compiler (about a second),
 cached under `MOE_EP_CPU_FUSED_CACHE` (default `~/.cache/moe-ep/cpu_fused`) by a digest of
-source, compiler, flags and CPU features, and loaded with ctypes. Rows are split over
+source, compiler, flags and CPU features, and loaded with ctypes. The cache is private and
+every entry verified before it is loaded (`moe_ep.cache_trust`); a cached library lacking a
+function the code binds is rebuilt. Rows are split over
 `torch.get_num_threads()` OpenMP threads: built with `-fopenmp`, the library binds to the
 `libgomp.so.1` torch already loaded, so it shares torch's thread pool (a Python-thread split
 measured about 1.1x on 2 cores for a 1024-row block: the hand-off costs as much as the work).
@@ -25,11 +27,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from moe_ep import env
+from moe_ep import cache_trust, env
 from moe_ep.errors import MoeEpUnavailableError
 
 __all__ = [
@@ -98,8 +98,52 @@ def _cpu_features() -> str:
     return ""
 
 
-def _build(cc: str, out_dir: Path) -> Path:
-    """Compile the library into `out_dir` (atomically) and return its path.
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "moe_ep_swiglu_bf16": (
+        # gu, ld_gu, h, ld_h, rows, inter, has_alpha, alpha, has_clamp, clamp, threads
+        [_ptr, _i64, _ptr, _i64, _i64, _i64, _i32, _f32, _i32, _f32, _i32],
+        None,
+    ),
+    "moe_ep_combine_bf16": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32], None),
+    "moe_ep_omp_max_threads": ([], _i32),
+    "moe_ep_omp_set_threads": ([_i32], None),
+}
+"""Every function the code calls, with its ctypes signature; a library lacking one is
+rebuilt (a cached one) or refused (a fresh build)."""
+
+_LIBRARY = "cpu_fused.so"
+"""The library's file name inside its cache entry `cpu_fused-<digest>/`."""
+
+
+def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
+    """(the library at `path` with every `_SIGNATURES` function bound, "") or (None, why)."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, f"{path} does not load: {exc}"
+    missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+    if missing:
+        return None, f"{path} lacks {', '.join(missing)}"
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib, ""
+
+
+def _compile(cc: str, flags: list[str], out_dir: Path) -> None:
+    proc = subprocess.run(
+        [cc, *flags, str(SOURCE), "-o", str(out_dir / _LIBRARY)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-400:]}")
+
+
+def _cached_or_built(cc: str, root: Path) -> ctypes.CDLL:
+    """The library from its verified cache entry under `root`, else a fresh build (then
+    published there); `moe_ep.cache_trust` holds the rules.
 
     Tries the native arch with OpenMP first, then drops the arch flags, then OpenMP (a
     compiler without it gets the serial library)."""
@@ -110,25 +154,26 @@ def _build(cc: str, out_dir: Path) -> Path:
     for extra in ([*_arch_flags(), "-fopenmp"], ["-fopenmp"], []):
         flags = [*base, *extra]
         key = "\0".join([*same_for_all, *flags])
-        target = out_dir / f"cpu_fused-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-        if target.exists():
-            return target
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-        os.close(fd)
-        proc = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False
-        )
-        if proc.returncode == 0:
-            os.replace(tmp, target)  # atomic: concurrent ranks may build the same file
-            return target
-        os.unlink(tmp)
-        errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-400:]}")
+        name = f"cpu_fused-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        entry = cache_trust.find_entry(root, name)
+        if entry is not None:
+            lib, _ = _open(entry / _LIBRARY)
+            if lib is not None:
+                return lib
+        try:
+            staged = cache_trust.stage(root, name, functools.partial(_compile, cc, flags))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+            continue
+        # Loaded from the staging path: a new path and file, so never the copy a stale
+        # entry of the same name left loaded in this process.
+        lib, why = _open(staged / _LIBRARY)
+        if lib is None:
+            cache_trust.discard(staged)
+            raise RuntimeError(f"the fresh build is unusable: {why}")
+        cache_trust.publish(staged, root / name, replace=entry is not None)
+        return lib
     raise RuntimeError("; ".join(errors))
-
-
-def _default_cache() -> Path:
-    return Path(env.cpu_fused_cache_dir() or Path.home() / ".cache" / "moe-ep" / "cpu_fused")
 
 
 @functools.cache
@@ -140,19 +185,14 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     if cc is None:
         return None, _no_compiler_reason()
     try:
-        lib = ctypes.CDLL(str(_build(cc, _default_cache())))
+        root = cache_trust.cache_dir(
+            "MOE_EP_CPU_FUSED_CACHE", env.cpu_fused_cache_dir(), "cpu_fused"
+        )
+        return _cached_or_built(cc, root), "built and loaded"
+    except MoeEpUnavailableError as exc:
+        return None, str(exc)
     except (OSError, RuntimeError) as exc:
         return None, f"building {SOURCE.name} failed: {exc}"
-    flags: list[Any] = [_i32, _f32, _i32, _f32, _i32]  # has_alpha, alpha, has_clamp, clamp, threads
-    lib.moe_ep_swiglu_bf16.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, *flags]
-    lib.moe_ep_swiglu_bf16.restype = None
-    lib.moe_ep_combine_bf16.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32]
-    lib.moe_ep_combine_bf16.restype = None
-    lib.moe_ep_omp_max_threads.argtypes = []
-    lib.moe_ep_omp_max_threads.restype = _i32
-    lib.moe_ep_omp_set_threads.argtypes = [_i32]
-    lib.moe_ep_omp_set_threads.restype = None
-    return lib, "built and loaded"
 
 
 def status() -> tuple[bool, str]:
