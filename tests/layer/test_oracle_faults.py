@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -340,6 +341,8 @@ def _fc1_variation(compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """An honest variation: FC1 computed by `compute(a, w)`, rounded into the FC1 output;
     counts the FC1 outputs it changes (`variation.changed`) against the stock GEMM."""
 
+    lock = threading.Lock()  # the experts run on worker threads
+
     def variation(run: Run) -> torch.Tensor:
         mm = experts._mm
 
@@ -348,7 +351,9 @@ def _fc1_variation(compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             if name == "fc1_t":
                 stock = out.clone()
                 out.copy_(compute(a, w))
-                variation.changed += int((out != stock).sum())
+                changed = int((out != stock).sum())
+                with lock:
+                    variation.changed += changed
 
         run.mp.setattr(experts, "_mm", fc1)
         return run.forward()

@@ -75,18 +75,21 @@ class OracleResult:
 
 def _qdq_act(x: torch.Tensor, fmt: str, global_scale: float, fp8_block: int = 128) -> torch.Tensor:
     """Quantize-dequantize activations `[m, K]` per token (no global scale folded back);
-    fp8 in 1 x `fp8_block` blocks."""
+    fp8 in 1 x `fp8_block` blocks. NaN / inf are not refused: a block holding one
+    dequantizes to NaN (bf16: inf -> NaN), the kernels' rule (`moe_ep.quant.nonfinite`), so
+    such a token's predicted row is all NaN."""
     x = x.float()
     if fmt == "bf16":
-        return x.to(torch.bfloat16).double()
+        return quant.nonfinite_to_nan(x.to(torch.bfloat16)).double()
     if fmt in ("fp8", "fp8_fp4"):  # fp8: DeepSeek-V3 1x128 fp32; fp8_fp4: DeepGEMM 1x32 UE8M0
         sf, b = ("fp32", fp8_block) if fmt == "fp8" else ("ue8m0", 32)
-        d, s = quant.quantize_fp8_blockwise(x, block=(1, b), scale_format=sf)
+        d, s = quant.quantize_fp8_blockwise(x, block=(1, b), scale_format=sf, check_finite=False)
         return quant.dequantize_fp8_blockwise(d, s, block=(1, b)).double()
     if fmt == "mxfp8":
-        return quant.dequantize_mxfp8(*quant.quantize_mxfp8(x, rule="ceil")).double()
+        d, s = quant.quantize_mxfp8(x, rule="ceil", check_finite=False)
+        return quant.dequantize_mxfp8(d, s).double()
     if fmt == "nvfp4":
-        p, s = quant.quantize_nvfp4(x, norm_const=global_scale)
+        p, s = quant.quantize_nvfp4(x, norm_const=global_scale, check_finite=False)
         return quant.dequantize_nvfp4(p, s).double()
     raise MoeEpUsageError(f"format must be one of {FORMATS}, got {fmt!r}")
 
@@ -308,6 +311,10 @@ def compare_to_oracle(
     Cauchy-Schwarz `|slope - 1| <= rel_err` always; a correct kernel's errors are unbiased
     (round to nearest, flips either way), so their projection on exact shrinks like
     `1 / sqrt(n)`, of which only a factor 4 is taken.
+
+    NaN: a cell the oracle predicts NaN (a token with NaN / inf activations) agrees only
+    with NaN, and leaves the band and the global check; any other mismatch of NaN (or an
+    inf) counts as an infinite error and fails.
     """
     if tuple(output.shape) != tuple(reference.exact.shape):
         raise MoeEpUsageError(
@@ -315,23 +322,28 @@ def compare_to_oracle(
         )
     rel_bound = global_bound(reference.fmt)
     got = output.detach().cpu().double()
-    exact = reference.exact
     if got.numel() == 0:
         return ToleranceReport(0.0, (0, 0), 0, 0.0, 0.0, 0.0, 0.0, rel_bound, 1.0, rel_bound)
-    band = tolerance_band(reference, ulps=ulps, atol=atol)
-    err = (got - exact).abs()
-    err = torch.where(torch.isnan(err), torch.full_like(err, float("inf")), err)
+    predicted_nan = torch.isnan(reference.exact)
+    agree = predicted_nan & torch.isnan(got)
+    exact = reference.exact.masked_fill(predicted_nan, 0.0)
+    inf = torch.full_like(got, math.inf)
+    err = (got.masked_fill(agree, 0.0) - exact).abs()
+    err = torch.where(torch.isnan(err) | (predicted_nan & ~agree), inf, err)
+    band = tolerance_band(reference, ulps=ulps, atol=atol).masked_fill(predicted_nan, 1.0)
     ratio = err / band
     flat = int(torch.argmax(ratio))
     r, c = divmod(flat, int(ratio.shape[1]))
-    rel_err, slope = _global_stats(got, exact, float(torch.linalg.vector_norm(err)))
+    rel_err, slope = _global_stats(
+        got.masked_fill(predicted_nan, 0.0), exact, float(torch.linalg.vector_norm(err))
+    )
     nonzero = int(torch.count_nonzero(exact))
     return ToleranceReport(
         max_ratio=float(ratio.view(-1)[flat]),
         worst=(r, c),
         violations=int((ratio > 1).sum()),
         got=float(got[r, c]),
-        want=float(exact[r, c]),
+        want=float(reference.exact[r, c]),
         band=float(band[r, c]),
         rel_err=rel_err,
         rel_bound=rel_bound,

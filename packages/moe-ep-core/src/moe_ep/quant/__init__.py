@@ -2,7 +2,9 @@
 
 Blocks run along the last dim (K); every function accepts any leading shape and works on CPU
 and CUDA tensors alike. Dequantizers return float32. Non-finite input is rejected with
-`MoeEpUsageError` (see docs/quant.md for the exact rounding, exponent and NaN rules).
+`MoeEpUsageError`; with `check_finite=False` a block holding NaN / inf quantizes to a NaN
+scale and dequantizes to NaN (`moe_ep.quant.nonfinite`; see docs/quant.md for the exact
+rounding, exponent and NaN rules).
 
 Warning: so far only run on CPU; tests/quant/test_quant_cuda.py checks CUDA against CPU
 bit-exactly wherever a GPU is present, and has not run yet.
@@ -49,6 +51,7 @@ from moe_ep.quant.mx import (
     quantize_mxfp4,
     quantize_mxfp8,
 )
+from moe_ep.quant.nonfinite import nonfinite_to_nan
 from moe_ep.quant.nvfp4 import (
     NVFP4_BLOCK,
     dequantize_nvfp4,
@@ -80,6 +83,7 @@ __all__ = [
     "k_major_view",
     "make_k_major",
     "mx_block_exponents",
+    "nonfinite_to_nan",
     "nvfp4_alpha",
     "nvfp4_global_scale",
     "pack_e2m1",

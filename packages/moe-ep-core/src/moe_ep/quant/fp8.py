@@ -9,6 +9,9 @@ the cast's), then cast with round-to-nearest-even.
 Blockwise with `scale_format="ue8m0"`: the scale is the power of two 2**ceil(log2(amax/fmax))
 (computed exactly from the fp32 amax), returned as float32; all-zero blocks get 2**-127
 (E8M0 byte 0). Use `float32_pow2_to_e8m0` for the bytes.
+
+With `check_finite=False`, a tensor, row or block holding NaN / inf gets a NaN scale and NaN
+elements (`moe_ep.quant.nonfinite`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.quant._codes import (
+    E8M0_NAN,
     abs_max,
     block_amax,
     e8m0_to_float32,
@@ -31,6 +35,7 @@ from moe_ep.quant._validate import (
     check_high_precision,
     check_shape,
 )
+from moe_ep.quant.nonfinite import nan_scale_unless_finite
 
 __all__ = [
     "FP8_FC2_ACT_BLOCKS",
@@ -55,13 +60,14 @@ _SCALE_FORMATS = ("fp32", "ue8m0")
 
 def _fp32_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     scale = (amax / fmax).clamp_min(_MIN_FP32_SCALE)
-    return torch.where(amax > 0, scale, torch.ones_like(scale))
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
+    return nan_scale_unless_finite(scale, torch.isfinite(amax))
 
 
 def _ue8m0_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     exp = exact_ceil_log2_ratio(amax, fmax).clamp(-127, 127)
     exp = torch.where(amax > 0, exp, torch.full_like(exp, -127))
-    return pow2_from_exponent(exp)
+    return nan_scale_unless_finite(pow2_from_exponent(exp), torch.isfinite(amax))
 
 
 def _cast(scaled: torch.Tensor, fmax: float, dtype: torch.dtype) -> torch.Tensor:
@@ -235,18 +241,22 @@ def dequantize_fp8_blockwise(
 
 
 def float32_pow2_to_e8m0(scales: torch.Tensor) -> torch.Tensor:
-    """Exact E8M0 bytes (uint8) of float32 powers of two in [2**-127, 2**127].
+    """Exact E8M0 bytes (uint8) of float32 powers of two in [2**-127, 2**127]; NaN (the
+    scale of a non-finite block) becomes byte 255, E8M0's NaN.
 
-    Raises `MoeEpUsageError` if any value is not such a power of two (a host sync on CUDA).
+    Raises `MoeEpUsageError` if any other value is not such a power of two (a host sync on
+    CUDA).
     """
     check_dtype(scales, (torch.float32,), arg="scales")
     bits = scales.contiguous().view(torch.int32)
     normal = (bits & 0x007FFFFF) == 0
     byte = (bits >> 23) & 0xFF
-    ok = (bits >= 0) & ((normal & (byte >= 1) & (byte <= 254)) | (bits == 0x00400000))
+    nan = torch.isnan(scales)
+    ok = (bits >= 0) & ((normal & (byte >= 1) & (byte <= 254)) | (bits == 0x00400000)) | nan
     if scales.numel() and not bool(ok.all()):
         raise MoeEpUsageError(
-            "scales must hold float32 powers of two in [2**-127, 2**127] to become E8M0 "
-            "bytes (e.g. the output of scale_format='ue8m0')"
+            "scales must hold float32 powers of two in [2**-127, 2**127] (or NaN) to become "
+            "E8M0 bytes (e.g. the output of scale_format='ue8m0')"
         )
-    return torch.where(bits == 0x00400000, torch.zeros_like(byte), byte).to(torch.uint8)
+    byte = torch.where(bits == 0x00400000, torch.zeros_like(byte), byte)
+    return torch.where(nan, torch.full_like(byte, E8M0_NAN), byte).to(torch.uint8)

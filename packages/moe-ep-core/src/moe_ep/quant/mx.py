@@ -11,7 +11,8 @@ x ~= element * X. Two exponent rules, chosen with `rule=`:
 
 Both: an all-zero block gets byte 0; e is clamped to [-127, 127]. Elements are x * 2**-e
 (exact in fp32), clamped to +-fmax, then rounded to nearest even (fp8: torch cast; e2m1:
-`round_to_e2m1_codes`).
+`round_to_e2m1_codes`). With `check_finite=False`, a block holding NaN / inf gets byte 255
+(NaN) and NaN elements (fp8; e2m1 has no NaN code), `moe_ep.quant.nonfinite`.
 
 mxfp4 defaults to the ceil rule: with e2m1, fmax = 6 = 1.5 * 2**2, so the OCP rule clips
 every element above 6 * X (up to a quarter of the block max is lost on the largest element),
@@ -27,6 +28,7 @@ from moe_ep.quant._codes import (
     E2M1_EMAX,
     E2M1_MAX,
     E2M1_TO_E4M3_SHIFT,
+    E8M0_NAN,
     as_scale_dtype,
     block_amax,
     e2m1_codes_from_shifted,
@@ -49,6 +51,7 @@ from moe_ep.quant._validate import (
     check_high_precision,
     check_shape,
 )
+from moe_ep.quant.nonfinite import nan_scale_unless_finite
 
 __all__ = [
     "MX_BLOCK",
@@ -69,7 +72,8 @@ def mx_block_exponents(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared exponents of blocks with the given amax -> (int32 e in [-127, 127], E8M0 bytes).
 
-    All-zero blocks get e = 0 (elements are zero anyway) and byte 0.
+    All-zero blocks get e = 0 (elements are zero anyway) and byte 0; non-finite blocks (NaN
+    or inf amax) get e = 0 and byte 255 (NaN).
     """
     if rule == "ceil":
         exp = exact_ceil_log2_ratio(amax, fmax)
@@ -78,8 +82,17 @@ def mx_block_exponents(
     else:
         raise MoeEpUsageError(f"rule must be one of {MX_RULES}, got {rule!r}")
     zero = amax == 0
-    exp = torch.where(zero, torch.zeros_like(exp), exp.clamp(-127, 127))
-    return exp, e8m0_exponent_to_bytes(exp, zero)
+    finite = torch.isfinite(amax)
+    exp = torch.where(zero | ~finite, torch.zeros_like(exp), exp.clamp(-127, 127))
+    byte = e8m0_exponent_to_bytes(exp, zero)
+    return exp, torch.where(finite, byte, torch.full_like(byte, E8M0_NAN))
+
+
+def _element_multiplier(exp: torch.Tensor, amax: torch.Tensor, shift: float = 1.0) -> torch.Tensor:
+    """2**-e (times `shift`, a power of two) per block; NaN for non-finite blocks, so their
+    elements become NaN (`moe_ep.quant.nonfinite`)."""
+    mult = pow2_from_exponent(-exp)
+    return nan_scale_unless_finite(mult if shift == 1.0 else mult * shift, torch.isfinite(amax))
 
 
 def _blocks(x: torch.Tensor, fmt: str, check_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +128,7 @@ def quantize_mxfp8(
     fmax, emax = fp8_dtype_info(dtype)
     xv, amax = _blocks(x, "mxfp8", check_finite)
     exp, byte = mx_block_exponents(amax, fmax=fmax, emax=emax, rule=rule)
-    data = xv.mul_(pow2_from_exponent(-exp)).clamp_(-fmax, fmax).to(dtype)
+    data = xv.mul_(_element_multiplier(exp, amax)).clamp_(-fmax, fmax).to(dtype)
     return data.view(x.shape), as_scale_dtype(
         byte.view(*x.shape[:-1], x.shape[-1] // MX_BLOCK), scale_dtype
     )
@@ -156,7 +169,7 @@ def quantize_mxfp4(
     xv, amax = _blocks(x, "mxfp4", check_finite)
     exp, byte = mx_block_exponents(amax, fmax=E2M1_MAX, emax=E2M1_EMAX, rule=rule)
     # 2**-e * 2**-6 >= 2**-133 is still exact in fp32 (subnormal); see e2m1_codes_from_shifted.
-    codes = e2m1_codes_from_shifted(xv.mul_(pow2_from_exponent(-exp) * E2M1_TO_E4M3_SHIFT))
+    codes = e2m1_codes_from_shifted(xv.mul_(_element_multiplier(exp, amax, E2M1_TO_E4M3_SHIFT)))
     packed = pack_e2m1(codes.view(x.shape))
     return packed, as_scale_dtype(byte.view(*x.shape[:-1], x.shape[-1] // MX_BLOCK), scale_dtype)
 

@@ -8,7 +8,9 @@ compute them (fp32 ops, each rounded once; docs/quant.md cites the lines):
     acc     = min(norm_const * (1 / float(scale)), FLT_MAX), 0 where scale == 0
     payload = RNE_e2m1(v * acc)                                      (saturating at +-6)
 
-so a block whose scale rounds to 0 stores (signed) zero payloads. Dequantization is
+so a block whose scale rounds to 0 stores (signed) zero payloads. With `check_finite=False`
+a block holding NaN / inf gets the e4m3 NaN scale (0x7F; the payload codes are then
+meaningless, e2m1 has no NaN) and dequantizes to NaN (`moe_ep.quant.nonfinite`). Dequantization is
 `e2m1 * float(scale) / norm_const`. In a GEMM the global scales are not folded into the
 blocks: both operands are dequantized without them and the product is multiplied by the
 per-expert alpha `nvfp4_alpha(norm_const_a, norm_const_b) = 1 / (norm_const_a * norm_const_b)`.
@@ -37,6 +39,7 @@ from moe_ep.quant._validate import (
     check_high_precision,
     check_shape,
 )
+from moe_ep.quant.nonfinite import nan_scale_unless_finite
 
 __all__ = [
     "NVFP4_BLOCK",
@@ -147,8 +150,10 @@ def quantize_nvfp4(
     if check_finite:
         check_finite_amax(amax)
     no_nc = isinstance(nc, float)  # 1.0: multiplying by it changes nothing
+    finite = torch.isfinite(amax)  # before amax is overwritten: the non-finite rule
     block_scale = amax.mul_(_E2M1_RCP_LIMIT) if no_nc else amax.mul_(_E2M1_RCP_LIMIT).mul_(nc)
-    scale = block_scale.clamp_(max=_E4M3_MAX).to(torch.float8_e4m3fn)
+    block_scale = nan_scale_unless_finite(block_scale.clamp_(max=_E4M3_MAX), finite)
+    scale = block_scale.to(torch.float8_e4m3fn)
     sf = scale.float()
     # acc = nc * (1/sf), capped like the kernels' fmin; a zero scale (inf reciprocal) gives
     # acc 0, so its payloads are signed zeros.

@@ -5,6 +5,10 @@ dispatched), dequantizes received payloads once, requantizes the FC2 input (the 
 output) in the same activation format, and prepares the weights once at construction
 (quantize with the recipe, keep the dequantized values; never re-dequantized per forward).
 
+Non-finite activations: a token row holding NaN / inf is dispatched as NaN (the quantizers'
+NaN block scale, `moe_ep.quant.nonfinite`; bf16: inf -> NaN), so that token's output row is
+all NaN and no other row changes (docs/layer.md). Nothing is checked, so nothing syncs.
+
 Formats (each matches the GPU kernel of the same taxonomy name; see docs/layer.md):
     bf16    activations and weights bf16; FC1 / FC2 in bf16 with fp32 accumulation.
     fp8     DeepSeek-V3 blockwise e4m3: activations 1x128, weights 128x128, fp32 scales;
@@ -153,7 +157,9 @@ class Bf16Recipe(Recipe):
         return 2 * hidden
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        return _bytes(x)
+        # +-inf -> NaN: the row then comes out all NaN, as in the quantized formats (a NaN
+        # block scale); an inf alone can come out finite (a SwiGLU clamp) or inf.
+        return _bytes(quant.nonfinite_to_nan(x))
 
     def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
         return payload.contiguous().view(torch.bfloat16)
