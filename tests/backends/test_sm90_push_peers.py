@@ -188,6 +188,8 @@ def _late_worker(rank: int, world_size: int) -> dict[str, Any]:
 def test_a_peer_that_never_arrives_is_a_bounded_timeout() -> None:
     res = spawn_local(_late_worker, 2, timeout_s=60, env={"CUDA_VISIBLE_DEVICES": ""})
     assert res[0]["raised"] == "MoeEpTimeoutError", res[0]
-    assert "peer check: not every rank arrived within 2 s (world size 2" in res[0]["message"]
+    assert "peer check: rank(s) [1] failed" in res[0]["message"], res[0]
+    assert "world size 2, timeout 2 s" in res[0]["message"], res[0]
     assert res[0]["elapsed"] < 2 + 3, res[0]
-    assert res[1]["raised"] == "MoeEpTimeoutError", res[1]  # the late rank does not go on
+    # the late rank does not go on: it reads the verdict, or finds rank 0 (the store) gone
+    assert res[1]["raised"] in ("MoeEpTimeoutError", "MoeEpPeerError"), res[1]

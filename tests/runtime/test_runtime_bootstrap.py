@@ -61,8 +61,9 @@ def _cycle_worker(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def _late_barrier_worker(rank: int, world_size: int) -> dict[str, Any]:
-    """Rank 1 reaches a barrier after the timeout: both ranks get the same error."""
+def _late_barrier_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    """Rank 1 reaches a barrier after the timeout: both ranks get the same error, and the
+    runtime is broken on both (later calls raise at once, release is local)."""
     import torch.distributed as dist
 
     from moe_ep import runtime
@@ -76,15 +77,32 @@ def _late_barrier_worker(rank: int, world_size: int) -> dict[str, Any]:
             rt.barrier()
         except MoeEpTimeoutError as exc:
             out["error"] = str(exc)
+            out["failed_ranks"] = exc.failed_ranks
         out["elapsed"] = time.monotonic() - start
         try:
             runtime.acquire(BootstrapConfig(world_size + 1, 0))
         except MoeEpUsageError as exc:
             out["conflict"] = str(exc)
-        rt.barrier()  # the runtime is still usable after a timed-out barrier
+        start = time.monotonic()
+        try:
+            rt.barrier()
+        except MoeEpPeerError as exc:
+            out["later"] = (type(exc).__name__, str(exc), exc.failed_ranks)
+        out["later_s"] = time.monotonic() - start
         out["refs"] = runtime.active_refcount()
+        # the store's host (rank 0) stays until the late rank has read the verdict
+        Path(tmp, f"read{rank}").touch()
+        _wait_for_file(Path(tmp, f"read{1 - rank}"), 20)
+        start = time.monotonic()
+    out["release_s"] = time.monotonic() - start
     out["after"] = dist.is_initialized()
     return out
+
+
+def _wait_for_file(path: Path, limit_s: float) -> None:
+    end = time.monotonic() + limit_s
+    while not path.exists() and time.monotonic() < end:
+        time.sleep(0.02)
 
 
 def _raises(fn: Any, exc: type[BaseException]) -> bool:
@@ -224,14 +242,22 @@ def test_bootstrap_cycles(world_size: int) -> None:
 
 
 @pytest.mark.multirank
-def test_barrier_is_bounded_and_names_the_late_rank() -> None:
-    results = spawn_local(_late_barrier_worker, 2, timeout_s=SPAWN_TIMEOUT)
+def test_barrier_is_bounded_and_names_the_late_rank(tmp_path: Path) -> None:
+    results = spawn_local(_late_barrier_worker, 2, str(tmp_path), timeout_s=SPAWN_TIMEOUT)
     for out in results:
-        assert "rank(s) [1] did not arrive (1/2 did)" in out["error"]
+        assert "rank(s) [1] failed (rank 1: did not arrive within 2 s)" in out["error"]
+        assert out["failed_ranks"] == (1,)
         assert "world size 2" in out["error"] and "timeout 2 s" in out["error"]
         assert "already active" in out["conflict"] and "world_size=3" in out["conflict"]
+        # the group counts as gone: a later barrier raises at once, naming the same rank
+        kind, message, failed = out["later"]
+        assert kind == "MoeEpPeerError" and failed == (1,), out["later"]
+        assert "is broken since an earlier failure" in message and "release" in message
+        assert out["later_s"] < 0.5
         assert out["refs"] == 1 and out["after"] is False
-    assert 2 <= results[0]["elapsed"] < 2 + 6
+        assert out["release_s"] < 2.0  # local teardown, no barrier
+    assert "this rank arrived after the timeout" in results[1]["error"]
+    assert 2 <= results[0]["elapsed"] < 2 + 2 * 0.75 + 1.0  # timeout + 2 x grace + scheduling
 
 
 @pytest.mark.multirank

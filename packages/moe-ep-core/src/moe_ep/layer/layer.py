@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from moe_ep.backends.base import KernelConfig, MegaKernel, caller_validated_weights
 from moe_ep.config import BootstrapConfig
 from moe_ep.device import resolve_local_device
-from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
+from moe_ep.errors import MoeEpPeerError, MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.layer.agreement import agree_on_setup, setup_fingerprint
 from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
 from moe_ep.layer.validation import validate_forward
@@ -50,6 +51,15 @@ class StagedForward:
         self.used = False
 
 
+@contextlib.contextmanager
+def _reported(runtime: Any, what: str) -> Iterator[None]:
+    try:
+        yield
+    except BaseException as exc:
+        runtime.report_failure(exc, what=what)  # no-op when a verdict broke it already
+        raise
+
+
 def _check_stream(bootstrap: BootstrapConfig) -> None:
     """A non-zero `BootstrapConfig.stream` needs a CUDA rank (checked before any collective)."""
     if bootstrap.stream and resolve_local_device(bootstrap) is None:
@@ -78,10 +88,13 @@ class MoEEpLayer:
         backend: a kernel name such as `"any_bf16_bf16_bf16_torch"` (default config) or a
             kernel config object (e.g. `Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(dedup=False)`).
 
-    Bad input on one rank raises `MoeEpUsageError` on that rank before any collective; the
-    other ranks then fail in their next collective with `MoeEpPeerError` /
-    `MoeEpTimeoutError` within the bootstrap timeout (`BootstrapConfig.timeout_s`) instead
-    of hanging.
+    Bad input on one rank raises `MoeEpUsageError` on that rank before any collective; at
+    world size > 1 that rank also writes its reason into the store, so the peers waiting
+    for it in a collective fail at once with `MoeEpPeerError` naming it (`failed_ranks`,
+    `reasons`). Any failure of a forward or of the construction after joining the group
+    breaks the runtime on every rank (a collective was abandoned): later calls raise at
+    once, `destroy()` is local. Every wait is bounded by `BootstrapConfig.timeout_s`
+    (docs/runtime.md).
 
     A non-zero `BootstrapConfig.stream` (a `cudaStream_t` as an int) is where the layer
     works: the kernel's construction (weight preparation), `stage_inputs` (the input checks
@@ -143,9 +156,30 @@ class MoEEpLayer:
                     config=config, fleet=fleet_params, runtime=self._runtime, weights=weights
                 )
             self._runtime.barrier()
-        except BaseException:
-            self._runtime.release()
+        except BaseException as exc:
+            self._abandon_construction(exc)
             raise
+
+    def _abandon_construction(self, exc: BaseException) -> None:
+        """A construction failed after joining the group: tell the peers (they fail at once
+        naming this rank, instead of timing out in the next step), then release locally.
+        The construction's own error is what the caller sees; a teardown error becomes a
+        note on it."""
+        self._runtime.report_failure(exc, what="moe-ep layer construction")
+        try:
+            self._runtime.release()
+        except BaseException as teardown:
+            exc.add_note(
+                f"then releasing the runtime failed too: {type(teardown).__name__}: {teardown}"
+            )
+
+    def _collective(self, what: str) -> contextlib.AbstractContextManager[Any]:
+        """Around a call whose peers may wait for this rank in a collective: a broken
+        runtime raises at once; an exception raised here is reported to the peers (they
+        fail at once naming this rank and it) and breaks the runtime."""
+        rt = self._live()
+        rt.check_usable(what)
+        return _reported(rt, what)
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -183,7 +217,10 @@ class MoEEpLayer:
         valid once `compute_staged` returns.
         """
         rt = self._live()
-        with self._on_stream():  # the checks read the inputs too: on the layer's stream
+        with (
+            self._collective("moe-ep forward (stage_inputs)"),
+            self._on_stream(),  # the checks read the inputs too: on the layer's stream
+        ):
             out = validate_forward(tensors, self.fleet, rt.device)
             if tensors.topk_weights.dtype != torch.float32:  # bf16 / fp16: exact
                 tensors = dataclasses.replace(tensors, topk_weights=tensors.topk_weights.float())
@@ -198,14 +235,14 @@ class MoEEpLayer:
 
     def compute_staged(self, staged: StagedForward) -> torch.Tensor:
         """Collective: dispatch, run the experts, combine; returns `[n, H]` bf16."""
-        self._live()
-        if not isinstance(staged, StagedForward) or staged.layer is not self:
-            raise MoeEpUsageError("staged must come from this layer's stage_inputs()")
-        if staged.used:
-            raise MoeEpUsageError("this staged forward was already computed; stage again")
-        staged.used = True
-        with self._on_stream():
-            return self._kernel.compute_staged(staged=staged.handle)
+        with self._collective("moe-ep forward (compute_staged)"):
+            if not isinstance(staged, StagedForward) or staged.layer is not self:
+                raise MoeEpUsageError("staged must come from this layer's stage_inputs()")
+            if staged.used:
+                raise MoeEpUsageError("this staged forward was already computed; stage again")
+            staged.used = True
+            with self._on_stream():
+                return self._kernel.compute_staged(staged=staged.handle)
 
     def forward(self, tensors: MoEEpTensors) -> torch.Tensor:
         """Collective: `[n, H]` bf16 = sum over k of `topk_weights[:, k] * expert(x)`."""
@@ -216,8 +253,7 @@ class MoEEpLayer:
     # -- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:
         """Collective: let the kernel compile / allocate what a first forward would."""
-        self._live()
-        with self._on_stream():
+        with self._collective("moe-ep warmup"), self._on_stream():
             self._kernel.warmup()
 
     def destroy(self) -> None:
@@ -225,13 +261,21 @@ class MoEEpLayer:
 
         Not done in `__del__`: teardown is collective, and garbage collection runs at
         different times on different ranks, which would hang or break the peers.
+
+        On a broken runtime (`Runtime.failure`) it is local and immediate: the kernel's
+        collective frees are skipped (they raise at once; what they would free is not
+        reclaimed) and the runtime is released without a barrier.
         """
         if self._destroyed:
             return
         self._destroyed = True
         try:
             with self._on_stream():
-                self._kernel.destroy()
+                if self._runtime.failure is None:
+                    self._kernel.destroy()
+                else:
+                    with contextlib.suppress(MoeEpPeerError):
+                        self._kernel.destroy()
         finally:
             self._runtime.release()
 

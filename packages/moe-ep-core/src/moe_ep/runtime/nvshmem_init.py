@@ -6,10 +6,11 @@ against nvshmem4py 0.4 (`nvshmem.core.get_unique_id`, `init(initializer_method="
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from moe_ep.device import DeviceResolution
 
@@ -30,9 +31,16 @@ def nvshmem_unavailable_reason(device: DeviceResolution) -> str | None:
     return None
 
 
-def init_nvshmem(*, group: Any, rank: int, world_size: int, device: torch.device) -> None:
-    """Collective over `group`: a unique id made on group rank 0 is broadcast
-    (`broadcast_object_list`, bounded by the group's timeout), then every rank calls
+def init_nvshmem(
+    *,
+    group: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    broadcast: Callable[[bytes], bytes],
+) -> None:
+    """Collective over `group`: a unique id made on group rank 0 is sent to every rank by
+    `broadcast` (the runtime's bounded broadcast of bytes), then every rank calls
     `nvshmem.core.init` with it on `device` (the ordinal from `resolve_local_device`).
 
     Warning: never run on a GPU in this project's CI. NVSHMEM's own bootstrap inside
@@ -47,9 +55,10 @@ def init_nvshmem(*, group: Any, rank: int, world_size: int, device: torch.device
 
     dev = Device(device.index)
     dev.set_current()
-    box = [nvshmem.get_unique_id(empty=rank != 0)]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    nvshmem.init(device=dev, uid=box[0], rank=rank, nranks=world_size, initializer_method="uid")
+    # the id travels pickled, as broadcast_object_list would send it, only from rank 0
+    mine = pickle.dumps(nvshmem.get_unique_id(empty=False)) if rank == 0 else b""
+    uid = pickle.loads(broadcast(mine))  # bytes from group rank 0 only
+    nvshmem.init(device=dev, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
 
 
 def finalize_nvshmem() -> None:

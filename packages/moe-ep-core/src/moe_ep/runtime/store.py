@@ -1,8 +1,11 @@
 """The rendezvous store moe-ep hosts, and barriers over a store that are bounded in time.
 
 One process (world size 1) with no rendezvous configured gets a local in-process store.
+The store rank 0 hosts listens only on the address the ranks use (a socket moe-ep binds
+itself, handed to torch's TCPStore as `master_listen_fd`), so `MASTER_ADDR=127.0.0.1`
+stays on loopback.
 
-Barriers run over a TCPStore rather than the process group: a dead peer then shows up as a
+Barriers run over the store rather than the process group: a dead peer then shows up as a
 missing key, which names the rank, instead of a hung or aborted collective.
 """
 
@@ -13,6 +16,7 @@ import datetime
 import hashlib
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -21,6 +25,9 @@ import torch.distributed as dist
 from moe_ep import env as _env
 from moe_ep.config import BootstrapConfig
 from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError, MoeEpUsageError
+from moe_ep.runtime.bounded import BoundedStore, StoreLost, call_with_deadline, grace_s
+from moe_ep.runtime.faults import FaultBoard, Verdict
+from moe_ep.runtime.keys import Keys
 
 __all__ = [
     "LIFETIME_KEY",
@@ -31,6 +38,7 @@ __all__ = [
     "port_open",
     "rendezvous_url",
     "store_barrier",
+    "world_size_claims",
 ]
 
 STORE_HOST = 0  # group rank hosting the TCPStore moe-ep creates
@@ -40,112 +48,127 @@ LOCAL_STORE_DESC = "this process's local store (world size 1, no rendezvous)"
 # ---------------------------------------------------------------- bounded store barrier
 
 
-def _missing(store: Any, prefix: str, world_size: int) -> list[int]:
-    return [r for r in range(world_size) if not store.check([f"{prefix}/arrived/{r}"])]
-
-
 def store_barrier(
-    store: Any,
-    prefix: str,
+    store: BoundedStore,
+    name: str,
     *,
+    keys: Keys,
+    board: FaultBoard,
     rank: int,
     world_size: int,
     timeout_s: float,
     what: str,
-    host_desc: str,
     host_waits_for_exit: bool = False,
+    on_poll: Callable[[float], None] | None = None,
 ) -> None:
-    """All `world_size` ranks meet under `prefix` in `store`, or raise within `timeout_s`.
+    """All `world_size` ranks meet at barrier `name`, or every survivor raises the same
+    error within `timeout_s + 2 * grace_s(timeout_s)`.
 
-    The arrival counter is the arbiter. Group rank 0 decides a timeout by poisoning the
-    counter (adding `world_size + 1`), so a rank can never count itself in after the
-    decision; it then writes which ranks are missing under `abort` and waits briefly for the
-    ranks that did arrive to read it. Every survivor, and a rank that arrives late, reports
-    the same missing ranks. Others give up on their own only a grace period later (rank 0
-    itself is then the one missing).
+    A rank is through once every rank's arrival key exists (with sealed `keys` no other
+    process can create one). The arrival counter arbitrates a timeout: group rank 0
+    decides it by poisoning the counter (adding `world_size + 1`, so no rank can count
+    itself in afterwards) and proposes the missing ranks as the verdict on `board`; the
+    ranks that did arrive, and a rank that arrives late, raise that verdict. A failure
+    reported on `board` (a peer's bad input, a broken collective) ends the wait at once.
+    `on_poll(deadline)` runs at each poll (the bootstrap checks world-size claims there).
 
     Raises:
         MoeEpTimeoutError: names the ranks that did not arrive, world size and timeout.
-        MoeEpPeerError: the store (hosted by a peer) went away; names that peer.
+        MoeEpPeerError: a failure reported on the board, or the store (hosted by a peer)
+            went away; names the rank(s).
     """
     start = time.monotonic()
-    grace = min(2.0, 0.25 * timeout_s + 0.1)
+    grace = grace_s(timeout_s)
+    end = start + timeout_s + 2 * grace  # no store call may outlive the barrier's bound
     poison = world_size + 1
-    decider = rank == 0
-    count, abort = f"{prefix}/count", f"{prefix}/abort"
+    count = keys.key(f"{name}/count")
+    arrived = [keys.key(f"{name}/arrived/{r}") for r in range(world_size)]
 
-    def fail(detail: str) -> MoeEpTimeoutError:
-        return MoeEpTimeoutError(
-            f"{what}: {detail}; world size {world_size}, timeout {timeout_s:g} s, "
-            f"seen from rank {rank}"
+    def fail(verdict: Verdict, late: bool = False) -> MoeEpPeerError:
+        return verdict.error(
+            what + ("; this rank arrived after the timeout" if late else ""),
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
         )
 
     try:
-        ticket = store.add(count, 1)
-        if ticket > world_size:  # rank 0 gave up on this barrier before we arrived
-            try:
-                store.wait([abort], datetime.timedelta(seconds=grace))
-                detail = store.get(abort).decode()
-            except Exception:
-                detail = "rank 0 abandoned this barrier before this rank arrived"
-            raise fail(f"{detail}; this rank arrived after the timeout")
-        store.set(f"{prefix}/arrived/{rank}", b"1")
-        if ticket == world_size:
-            store.set(f"{prefix}/done", b"1")
+        ticket = store.add(count, 1, end)
+        if ticket > world_size:  # rank 0 closed this barrier before we arrived
+            raise fail(board.await_verdict(), late=True)
+        store.set(arrived[rank], keys.pack(arrived[rank], b"1"), end)
         pause = 0.0005
         poisoned = False
-        while not store.check([f"{prefix}/done"]):
-            if store.check([abort]):
-                detail = store.get(abort).decode()
-                store.add(f"{prefix}/abort_ack", 1)
-                raise fail(detail)
+        while not store.check(arrived, end):
+            if on_poll is not None:
+                on_poll(end)
+            if board.is_open(end):
+                raise fail(board.agree("board"))
             waited = time.monotonic() - start
-            if decider and not poisoned and waited > timeout_s:
+            if rank == 0 and not poisoned and waited > timeout_s:
                 poisoned = True
-                arrived = store.add(count, poison) - poison
-                if arrived < world_size:
+                counted = store.add(count, poison, end) - poison
+                if counted < world_size:
                     # ranks that counted themselves in set their key right after
                     until = time.monotonic() + grace
-                    missing = _missing(store, prefix, world_size)
-                    while world_size - len(missing) < arrived and time.monotonic() < until:
+                    missing = [r for r, k in enumerate(arrived) if not store.check([k], end)]
+                    while world_size - len(missing) < counted and time.monotonic() < until:
                         time.sleep(0.005)
-                        missing = _missing(store, prefix, world_size)
-                    detail = (
-                        f"rank(s) {missing} did not arrive ({world_size - len(missing)}/"
-                        f"{world_size} did)"
-                    )
-                    store.set(abort, detail.encode())
-                    until = time.monotonic() + grace
-                    while store.add(f"{prefix}/abort_ack", 0) < arrived - 1:
-                        if time.monotonic() >= until:
-                            break
-                        time.sleep(0.01)
-                    raise fail(detail)
-                # everyone had arrived: the last one is setting `done`
-            if waited > timeout_s + grace:
-                missing = _missing(store, prefix, world_size)
-                raise fail(f"rank(s) {missing} did not arrive (rank 0 did not decide in time)")
+                        missing = [r for r in missing if not store.check([arrived[r]], end)]
+                    reasons = {r: f"did not arrive within {timeout_s:g} s" for r in missing}
+                    raise fail(board.decide(Verdict(tuple(missing), reasons, timed_out=True)))
+                # every rank had counted itself in: the last keys are being set
+            if waited > timeout_s + grace:  # rank 0 did not decide: it is the one missing
+                raise fail(board.agree("timeout"))
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
-    except MoeEpTimeoutError:
-        raise
-    except Exception as exc:
-        raise MoeEpPeerError(
-            f"{what}: rank {rank} lost the rendezvous store hosted by {host_desc} "
-            f"(world size {world_size}); that rank probably died: {exc}"
-        ) from exc
+        if on_poll is not None:
+            on_poll(end)
+    except StoreLost as lost:
+        raise fail(board.lost_verdict(lost)) from lost
     if not host_waits_for_exit:
         return
     if rank != STORE_HOST:
         # The host may be gone already; nothing is left to coordinate then.
-        with contextlib.suppress(Exception):
-            if store.add(f"{prefix}/left", 1) == world_size - 1:
-                store.set(f"{prefix}/all_left", b"1")
+        with contextlib.suppress(StoreLost):
+            if store.add(keys.key(f"{name}/left"), 1, end) == world_size - 1:
+                store.set(keys.key(f"{name}/all_left"), b"1", end)
     elif world_size > 1:
-        remaining = max(0.001, start + timeout_s - time.monotonic())
         # Everyone arrived; a rank that vanished since cannot be waited for.
-        with contextlib.suppress(Exception):
-            store.wait([f"{prefix}/all_left"], datetime.timedelta(seconds=remaining))
+        all_left = keys.key(f"{name}/all_left")
+        with contextlib.suppress(StoreLost):
+            while not store.check([all_left], end) and time.monotonic() < start + timeout_s:
+                time.sleep(0.005)
+
+
+def world_size_claims(
+    store: BoundedStore, keys: Keys, config: BootstrapConfig, deadline: float
+) -> Callable[[float], None]:
+    """Write this rank's world size under `claim/<rank>`; returns the bootstrap barrier's
+    `on_poll` check, which compares it with rank 0's (rank 0: with every rank's).
+
+    Raises (from the check): MoeEpUsageError naming who claimed which world size.
+    """
+    mine, rank = config.world_size, config.rank
+    store.set(keys.key(f"claim/{rank}"), str(mine).encode(), deadline)
+    unchecked = set(range(1, mine)) if rank == 0 else {0}
+
+    def check(deadline: float) -> None:
+        for other in sorted(unchecked):
+            key = keys.key(f"claim/{other}")
+            if not store.check([key], deadline):
+                continue
+            unchecked.discard(other)
+            theirs = store.get(key, deadline).decode(errors="replace")
+            if theirs != str(mine):
+                raise MoeEpUsageError(
+                    f"the ranks disagree on the world size: rank {other} claims "
+                    f"world_size={theirs}, rank {rank} claims world_size={mine} "
+                    "(BootstrapConfig.world_size, and WORLD_SIZE under torchrun, must be "
+                    "equal on every rank)"
+                )
+
+    return check
 
 
 # ---------------------------------------------------------------- rendezvous
@@ -188,8 +211,8 @@ def rendezvous_url(config: BootstrapConfig) -> tuple[str, int] | None:
 
 
 def port_open(host: str, port: int, deadline: float) -> bool:
-    """Poll until something listens on host:port (torch's own connect loop can take about
-    twice its timeout, so the bounded wait is done here)."""
+    """Poll until something listens on host:port (`host` resolved already: a name would
+    be looked up again on every try)."""
     while True:
         try:
             with socket.create_connection((host, port), timeout=0.5):
@@ -200,78 +223,155 @@ def port_open(host: str, port: int, deadline: float) -> bool:
             time.sleep(0.05)
 
 
+def _resolve(host: str, port: int, source: str, deadline: float) -> tuple[int, str]:
+    """(address family, numeric address) of `host`, looked up once within the deadline."""
+    try:
+        infos = call_with_deadline(
+            lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM),
+            max(0.0, deadline - time.monotonic()),
+            f"resolving {host!r}",
+        )
+    except TimeoutError as exc:
+        raise MoeEpTimeoutError(
+            f"bootstrap: the rendezvous host {source}={host!r} did not resolve in time: {exc}"
+        ) from exc
+    except OSError as exc:
+        raise MoeEpUsageError(
+            f"bootstrap: the rendezvous host {source}={host!r} does not resolve ({exc}); "
+            "it must be a host name or address every rank can reach"
+        ) from exc
+    family, _, _, _, sockaddr = infos[0]
+    return int(family), str(sockaddr[0])
+
+
+def _listen(family: int, address: str, port: int) -> int:
+    """A listening socket on exactly (address, port); returns its fd (torch's TCPStore
+    takes ownership)."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
+
+
 LIFETIME_KEY = "moe_ep/lifetime"  # which runtime lifetime the store's keys belong to
 
 
-def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> tuple[Any, str]:
+def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> BoundedStore:
     """Host (rank 0) or join the rendezvous TCPStore, within `timeout_s`; at world size 1
     with no rendezvous configured, an in-process `HashStore` (no port, no network).
 
-    Returns the store with every key under `moe_ep/life-<lifetime>/`, and a description of
-    who hosts it. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True at MASTER_ADDR:PORT)
-    the elastic agent already serves a store there, so every rank is a client of it, as
-    torch's own env:// rendezvous does.
+    Returns the store with every key under `moe_ep/life-<lifetime>/`. Rank 0 listens only
+    on the rendezvous address. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True at
+    MASTER_ADDR:PORT) the elastic agent already serves a store there, so every rank is a
+    client of it, as torch's own env:// rendezvous does.
 
     Rank 0 writes `LIFETIME_KEY` = `lifetime` into the store; other ranks accept a store only
     once it shows their lifetime. So a rank that bootstraps again right after a teardown,
     and reaches the previous store on the same port before rank 0 has closed it, waits
     (reconnecting when that store goes away) instead of joining a stale store.
+
+    Raises:
+        MoeEpUsageError: the rendezvous host does not resolve.
+        MoeEpTimeoutError: the store did not answer (or show this lifetime) in time.
+        MoeEpPeerError: rank 0 could not host the store.
     """
     url = rendezvous_url(config)
+    prefix = f"moe_ep/life-{lifetime}"
     if url is None:  # world size 1, nothing configured: nobody to meet
-        return dist.PrefixStore(f"moe_ep/life-{lifetime}", dist.HashStore()), LOCAL_STORE_DESC
+        local = dist.PrefixStore(prefix, dist.HashStore())
+        return BoundedStore(local, host_desc=LOCAL_STORE_DESC, host_rank=config.rank)
     host, port = url
+    source = "BootstrapConfig.init_method" if config.init_method is not None else "MASTER_ADDR"
     agent = _env.torchelastic_agent_store() and _env.master_addr_port() == (host, port)
     is_rank0 = config.rank == STORE_HOST
     serve = is_rank0 and not agent
     desc = f"the torchelastic agent at {host}:{port}" if agent else f"rank 0 at {host}:{port}"
+    host_rank = None if agent else STORE_HOST
     deadline = time.monotonic() + timeout_s
+    family, address = _resolve(host, port, source, deadline)
+    store_timeout = datetime.timedelta(seconds=timeout_s)
     want = str(lifetime).encode()
-    store: Any = None
+
+    def connect() -> Any:
+        if serve:
+            fd = _listen(family, address, port)
+            store: Any = dist.TCPStore(
+                address, port, config.world_size, True, store_timeout,
+                wait_for_workers=False, master_listen_fd=fd,
+            )  # fmt: skip
+            store.set(LIFETIME_KEY, want)
+            return store
+        store = dist.TCPStore(
+            address, port, config.world_size, False, store_timeout, wait_for_workers=False
+        )  # fmt: skip
+        if is_rank0:  # rank 0 of a torchelastic job: the agent serves, rank 0 marks it
+            store.set(LIFETIME_KEY, want)
+            return store
+        # a store of an earlier lifetime (or of another job) is not ours: try again
+        ok = store.check([LIFETIME_KEY]) and store.get(LIFETIME_KEY) == want
+        return store if ok else None
+
     last_error: BaseException | None = None
+    frozen = False
     while True:
         try:
-            if store is None:
-                if not serve and not port_open(host, port, deadline):
-                    break
-                timeout = datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
-                store = dist.TCPStore(
-                    host, port, config.world_size, serve, timeout, wait_for_workers=False
+            if serve or port_open(address, port, deadline):
+                store = call_with_deadline(
+                    connect, max(0.0, deadline - time.monotonic()), "joining the store"
                 )
-                if is_rank0:
-                    store.set(LIFETIME_KEY, want)
-            if is_rank0 or (store.check([LIFETIME_KEY]) and store.get(LIFETIME_KEY) == want):
-                return dist.PrefixStore(f"moe_ep/life-{lifetime}", store), desc
+                if store is not None:
+                    prefixed = dist.PrefixStore(prefix, store)
+                    return BoundedStore(prefixed, host_desc=desc, host_rank=host_rank)
+        except TimeoutError as exc:
+            # torch's connect also retries a refused connection until its own timeout:
+            # whether anything still accepts tells a frozen host from a gone one
+            last_error = exc
+            frozen = port_open(address, port, time.monotonic())
+            break
         except Exception as exc:
             if serve:
                 raise MoeEpPeerError(
-                    f"bootstrap: rank 0 could not host the rendezvous store on {host}:{port}: {exc}"
+                    f"bootstrap: rank 0 could not host the rendezvous store on "
+                    f"{address}:{port}: {exc}"
                 ) from exc
-            last_error, store = exc, None
+            last_error = exc
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)
-    raise MoeEpTimeoutError(
-        f"bootstrap: rank(s) [0] did not arrive: rank {config.rank} could not reach the "
+    # A host that accepts but never answers is frozen (`MoeEpTimeoutError`, as when a
+    # store already reached stops answering); one that refuses, or never listened, is gone
+    # or never came (`MoeEpPeerError`, as when a reached store goes away).
+    cls = MoeEpTimeoutError if frozen else MoeEpPeerError
+    raise cls(
+        f"moe-ep bootstrap: rank(s) [0] failed: rank {config.rank} could not reach the "
         f"rendezvous store hosted by {desc} (or it never showed lifetime {lifetime}) within "
         f"{timeout_s:g} s (world size {config.world_size})"
-        + (f": {last_error}" if last_error else "")
+        + (f": {last_error}" if last_error else ""),
+        failed_ranks=() if host_rank is None else (host_rank,),
     ) from last_error
 
 
 _host_lifetimes: dict[str, int] = {}  # group tag -> runtimes bootstrapped on it so far
 
 
-def host_store(group: Any) -> tuple[Any, str]:
+def host_store(group: Any) -> BoundedStore | None:
     """The host's default store, namespaced for this group and this runtime lifetime (the
     host's store outlives us, so barrier keys of an earlier lifetime must not be reused);
-    None if torch hides it."""
+    None if torch hides it. Its host is the default group's rank 0 (global rank 0)."""
     try:
         store = dist.distributed_c10d._get_default_store()
     except Exception:
-        return None, ""
+        return None
     ranks = dist.get_process_group_ranks(group)
     tag = hashlib.sha1(repr(ranks).encode()).hexdigest()[:12]
     life = _host_lifetimes[tag] = _host_lifetimes.get(tag, 0) + 1
     prefix = f"moe_ep/group-{tag}/life-{life}"
-    return dist.PrefixStore(prefix, store), "the host's default store"
+    agent = _env.torchelastic_agent_store()
+    host_rank = None if agent or 0 not in ranks else ranks.index(0)
+    desc = "the torchelastic agent" if agent else "the host's default store (global rank 0)"
+    return BoundedStore(dist.PrefixStore(prefix, store), host_desc=desc, host_rank=host_rank)

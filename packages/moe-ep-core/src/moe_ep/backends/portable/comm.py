@@ -9,12 +9,13 @@ The combine returns one row per (token, slot) and sums on the home rank in slot 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moe_ep.backends.portable import cpu_fused
-from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError
+from moe_ep.runtime import bounded_wait, report_local_failure
 
 __all__ = [
     "COMBINE_BYTES",
@@ -149,19 +150,21 @@ def _a2a(
     what: str,
     rank: int,
 ) -> None:
+    """One uneven `all_to_all_single`, waited for within the runtime's timeout.
+
+    A failure while posting is this rank's own (it is re-raised as it is, after telling
+    the peers waiting for this rank through the fault board); a failure of the collective
+    itself, or a peer's report, raises the verdict every survivor raises (`MoeEpPeerError`
+    / `MoeEpTimeoutError` naming the failed ranks).
+    """
+    label = f"moe-ep forward ({what})"
     try:
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)  # type: ignore[arg-type]
-    except Exception as exc:  # a dead or misbehaving peer surfaces here; name ourselves
-        text = str(exc)
-        cls = (
-            MoeEpTimeoutError
-            if "timeout" in text.lower() or "timed out" in text.lower()
-            else MoeEpPeerError
-        )
-        raise cls(
-            f"rank {rank}: {what} failed: a peer rank failed, raised before joining, or did "
-            f"not join within the group timeout ({type(exc).__name__}: {text})"
-        ) from exc
+        pg: Any = group
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=True)
+    except Exception as exc:
+        report_local_failure(group, exc, what=f"{label} on rank {rank}")
+        raise
+    bounded_wait(group, work, what=label)
 
 
 def exchange(
