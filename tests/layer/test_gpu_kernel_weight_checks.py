@@ -32,8 +32,12 @@ class _Runtime:
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     group: Any = None
+    failure: Any = None  # a healthy runtime (moe_ep.runtime.Runtime.failure)
 
     def barrier(self) -> None:
+        pass
+
+    def report_failure(self, reason: str) -> None:
         pass
 
     def release(self) -> None:
