@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 
 def require_drop(drop: Any, *, cutlass: bool = True) -> None:

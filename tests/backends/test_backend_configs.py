@@ -14,7 +14,7 @@ from backend_hw import cuda_capability
 
 import moe_ep_sm90
 import moe_ep_sm100
-from moe_ep.backends.base import KernelConfig
+from moe_ep.contract import KernelConfig
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import available_kernels, get_kernel, parse_kernel_name, resolve_kernel_name
 

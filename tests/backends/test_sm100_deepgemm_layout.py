@@ -97,7 +97,7 @@ def test_fc1_payload_rows_are_gate_up_interleaved_by_8():
 
 def test_weights_equal_the_portable_fp8_fp4_recipe_exactly():
     from moe_ep.backends.portable.recipes import Fp8Fp4Recipe
-    from moe_ep.layer.params import MoEWeightPack
+    from moe_ep.types import MoEWeightPack
 
     w13, w2 = _weights(1)
     got13, got2 = dequantize_deepgemm_weights(prepare_deepgemm_weights(w13, w2))

@@ -180,8 +180,8 @@ def test_staging_fills_the_buffer_views_and_launch_gets_the_prepared_layouts(log
 
 
 def test_prepared_weights_are_the_layout_modules_and_prequantized_packs_work(log):
-    from moe_ep.layer.params import FleetParams, MoEWeightPack
     from moe_ep.quant import quantize_mxfp4
+    from moe_ep.types import FleetParams, MoEWeightPack
     from moe_ep_sm100.deepgemm_layout import prepare_deepgemm_weights
 
     g = torch.Generator().manual_seed(0)
@@ -215,7 +215,7 @@ def test_non_contiguous_output_is_written_through_a_temporary(log):
 
 
 def test_zero_tokens_still_launch(log):
-    from moe_ep.layer.params import MoEEpTensors
+    from moe_ep.types import MoEEpTensors
 
     k = _kernel(Config(top_k=2))
     t = MoEEpTensors(
@@ -254,7 +254,7 @@ def test_buffer_views_other_than_documented_are_refused_and_freed(monkeypatch):
 
 
 def test_shape_rules_before_any_allocation(log):
-    from moe_ep.layer.params import FleetParams, MoEWeightPack
+    from moe_ep.types import FleetParams, MoEWeightPack
 
     with pytest.raises(MoeEpUsageError, match="hidden_size must be a multiple of 512"):
         _kernel(Config(top_k=2), hidden=256)
@@ -264,7 +264,7 @@ def test_shape_rules_before_any_allocation(log):
         dg.Sm100Fp8Fp4Bf16DeepgemmKernel.validate_weights(
             MoEWeightPack(w13=w13, w2=w2), fleet, 1, Config()
         )
-    with pytest.raises(MoeEpUsageError, match="E_local=2"):
+    with pytest.raises(MoeEpUsageError, match="= 4 / 2 = 2 experts"):
         dg.Sm100Fp8Fp4Bf16DeepgemmKernel.validate_weights(
             MoEWeightPack(w13=w13, w2=w2), fleet, 2, Config()
         )

@@ -18,7 +18,7 @@ from cute_fakes import assert_heap_bound
 from sm100_fakes import FakeCuteTensor, FakePtr, FakeStream, drop_signature, install_fake_gpu
 
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEWeightPack
+from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm100 import (
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,

@@ -15,7 +15,7 @@ from backend_testing import FakeRuntime, fake_gpu_pieces, make_kernel, routed_te
 
 import moe_ep_sm100.cutedsl_launch as launch
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEWeightPack
+from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm100 import (
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
@@ -171,7 +171,8 @@ def test_top_k_from_config_or_first_inputs(kind):
 
 def test_bad_pack_and_unavailable(kind, monkeypatch):
     _, cls, cfg, _, _, _ = kind
-    with pytest.raises(MoeEpUsageError, match="w2 must be"):
+    # I is read from w2, so the mismatch is named on w13
+    with pytest.raises(MoeEpUsageError, match=r"w13 must be \[E_local, 2I, H\] .*I = 192 from w2"):
         cls(
             config=cfg(top_k=2),
             fleet=FleetParams(num_experts=E, max_tokens_per_rank=T, hidden_size=H),

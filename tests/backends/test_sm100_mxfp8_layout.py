@@ -65,7 +65,7 @@ def test_weights_layout_and_scale_bytes():
 
 def test_weights_equal_the_portable_mxfp8_recipe_exactly():
     from moe_ep.backends.portable.recipes import Mxfp8Recipe
-    from moe_ep.layer.params import MoEWeightPack
+    from moe_ep.types import MoEWeightPack
 
     w13, w2 = _weights(1)
     got13, got2 = dequantize_mxfp8_weights(prepare_mxfp8_weights(w13, w2))

@@ -35,7 +35,7 @@ def _weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_weights_and_alphas_equal_the_portable_recipe():
     from moe_ep.backends.portable.recipes import Nvfp4Recipe
-    from moe_ep.layer.params import MoEWeightPack
+    from moe_ep.types import MoEWeightPack
 
     w13, w2 = _weights()
     p = prepare_nvfp4_weights(w13, w2, input_norm_const=3.0, hidden_norm_const=5.0)

@@ -115,7 +115,7 @@ def test_pull_fc1_grouping_differs_from_the_canonical_recipe():
 def test_pull_weights_dequantize_exactly_to_the_portable_backend_with_interleave_8():
     from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
     from moe_ep.backends.portable.kernel import Fp8TorchKernel
-    from moe_ep.layer.params import MoEWeightPack
+    from moe_ep.types import MoEWeightPack
 
     w13, w2 = _weights(2)
     got13, got2 = dequantize_pull_weights(prepare_pull_weights(w13, w2))
@@ -127,7 +127,7 @@ def test_pull_weights_dequantize_exactly_to_the_portable_backend_with_interleave
 
 def test_push_weights_dequantize_exactly_to_the_portable_backend():
     from moe_ep.backends.portable.recipes import Fp8BlockRecipe
-    from moe_ep.layer.params import MoEWeightPack
+    from moe_ep.types import MoEWeightPack
 
     w13, w2 = _weights(3)
     p = prepare_push_weights(w13, w2)
@@ -141,23 +141,49 @@ def test_push_weights_dequantize_exactly_to_the_portable_backend():
     assert torch.equal(got2.transpose(1, 2), portable.w2t)
 
 
+def _sm90_kernels() -> list[tuple[type, object]]:
+    from moe_ep_sm90 import (
+        Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
+        Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
+        Sm90Fp8Fp8Bf16PullCutedslKernel,
+        Sm90Fp8Fp8Bf16PushCudaKernel,
+    )
+
+    return [
+        (Sm90Fp8Fp8Bf16PullCutedslKernel, Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig()),
+        (Sm90Fp8Fp8Bf16PushCudaKernel, Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig()),
+    ]
+
+
 @pytest.mark.parametrize(
     ("w13_shape", "w2_shape", "match"),
     [
-        ((E, 2 * I, H), (E, H, I + 128), "w2 must be"),
-        ((E, 2 * I, 100), (E, 100, I), "multiple of 128"),
-        ((E, 2 * 64, H), (E, H, 64), "multiple of 128"),
+        ((E, 2 * I, H), (E, H, I + 128), "w13 must be"),
+        ((E, 2 * I, 100), (E, 100, I), "H must be a multiple of 128"),
+        ((E, 2 * 64, H), (E, H, 64), "I must be a multiple of 128"),
     ],
 )
 def test_weight_shapes_are_validated(w13_shape, w2_shape, match):
-    with pytest.raises(MoeEpUsageError, match=match):
-        prepare_pull_weights(torch.zeros(w13_shape), torch.zeros(w2_shape))
+    """The pack's shapes are checked once, by the kernels' `validate_weights`."""
+    from moe_ep.types import FleetParams, MoEWeightPack
+
+    hidden = w13_shape[2]
+    fleet = FleetParams(num_experts=E, max_tokens_per_rank=64, hidden_size=hidden)
+    pack = MoEWeightPack(w13=torch.zeros(w13_shape), w2=torch.zeros(w2_shape))
+    for kernel, cfg in _sm90_kernels():
+        with pytest.raises(MoeEpUsageError, match=match):
+            kernel.validate_weights(pack, fleet, 1, cfg)
 
 
-def test_quantized_weights_are_rejected():
+def test_quantized_weights_need_their_scales():
+    """An fp8 payload without scale planes is refused (bf16 / fp32 unquantized only)."""
+    from moe_ep.types import FleetParams, MoEWeightPack
+
     w = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn)
-    with pytest.raises(MoeEpUsageError, match="bf16 or fp32"):
-        prepare_push_weights(w, torch.zeros(E, H, I))
+    fleet = FleetParams(num_experts=E, max_tokens_per_rank=64, hidden_size=H)
+    for kernel, cfg in _sm90_kernels():
+        with pytest.raises(MoeEpUsageError, match=r"one of \(bfloat16, float32\)"):
+            kernel.validate_weights(MoEWeightPack(w13=w, w2=torch.zeros(E, H, I)), fleet, 1, cfg)
 
 
 def _inputs(n: int, k: int = 4, seed: int = 0):
@@ -228,22 +254,13 @@ def test_staging_rejects_too_many_tokens_and_bad_shapes(stage):
 
 
 def test_kernels_validate_packs_before_any_collective():
-    from moe_ep.layer.params import FleetParams, MoEWeightPack
-    from moe_ep_sm90 import (
-        Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
-        Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
-        Sm90Fp8Fp8Bf16PullCutedslKernel,
-        Sm90Fp8Fp8Bf16PushCudaKernel,
-    )
+    from moe_ep.types import FleetParams, MoEWeightPack
 
     w13, w2 = _weights()
     fleet = FleetParams(num_experts=2 * E, max_tokens_per_rank=64, hidden_size=H)
-    for kernel, cfg in (
-        (Sm90Fp8Fp8Bf16PullCutedslKernel, Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig()),
-        (Sm90Fp8Fp8Bf16PushCudaKernel, Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig()),
-    ):
+    for kernel, cfg in _sm90_kernels():
         kernel.validate_weights(MoEWeightPack(w13=w13, w2=w2), fleet, 2, cfg)
-        with pytest.raises(MoeEpUsageError, match="E_local=1"):
+        with pytest.raises(MoeEpUsageError, match="= 4 / 4 = 1 experts"):
             kernel.validate_weights(MoEWeightPack(w13=w13, w2=w2), fleet, 4, cfg)
         q13, s13 = torch.zeros_like(w13, dtype=torch.float8_e4m3fn), torch.ones(E, 4, 3)
         q2, s2 = torch.zeros_like(w2, dtype=torch.float8_e4m3fn), torch.ones(E, 3, 2)

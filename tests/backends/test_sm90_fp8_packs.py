@@ -15,7 +15,7 @@ from backend_testing import FakeRuntime
 
 from moe_ep import quant
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEWeightPack
+from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm90 import (
     Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
     Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
@@ -146,8 +146,8 @@ def _broken(kind: str) -> MoEWeightPack:
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("e5m2", r"pre-quantized w13 must be float8_e4m3fn .* got torch.float8_e5m2"),
-        ("bf16_w2", r"pre-quantized w2 must be float8_e4m3fn .* got torch.bfloat16"),
+        ("e5m2", r"w13 dtype must be one of \(float8_e4m3fn\) .* got torch.float8_e5m2"),
+        ("bf16_w2", r"w2 dtype must be one of \(float8_e4m3fn\) .* got torch.bfloat16"),
         ("e8m0_scales", r"w2_scale must hold fp32 block scales .* got torch.uint8"),
         ("1x128_blocks", r"w13_scale must be float32 \[2, 2, 2\].* \(1x128 blocks\)"),
         ("nan_scale", r"w2_scale has non-finite values"),

@@ -22,7 +22,7 @@ from cute_fakes import (
 
 import moe_ep_sm90.pull_cutedsl as pull
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEWeightPack
+from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig as Config
 from moe_ep_sm90.pull_args import PullKernelApi
 

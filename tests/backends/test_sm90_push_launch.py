@@ -17,7 +17,7 @@ from backend_testing import fake_gpu_pieces, make_kernel
 
 import moe_ep_sm90.push_cuda as push
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import MoEEpTensors
+from moe_ep.types import MoEEpTensors
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig as Config
 from moe_ep_sm90.push_launch import GemmBuffers, PushPipe, PushScratch, PushWeights
 from moe_ep_sm90.push_layout import push_layout

@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str,
     import moe_ep_sm90.push_build as push_build
     import moe_ep_sm90.push_peers as push_peers
     from moe_ep import BootstrapConfig, runtime
-    from moe_ep.layer.params import FleetParams, MoEWeightPack
+    from moe_ep.types import FleetParams, MoEWeightPack
     from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig as Config
     from moe_ep_sm90.push_cuda import Sm90Fp8Fp8Bf16PushCudaKernel as Push
     from moe_ep_sm90.push_launch import PushPipe

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_ep.backends.base import KernelConfig
 from moe_ep.config import BootstrapConfig
-from moe_ep.layer.params import FleetParams
+from moe_ep.contract import KernelConfig
+from moe_ep.types import FleetParams
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {

@@ -14,8 +14,8 @@ from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfi
 from moe_ep.backends.portable.recipes import Fp8BlockRecipe
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.launch import spawn_local
-from moe_ep.layer.params import MoEWeightPack
 from moe_ep.oracle import compare_to_oracle, oracle_forward
+from moe_ep.types import MoEWeightPack
 
 FMAX = 448.0
 PLAIN = Case("fp8_plain", seed=7)

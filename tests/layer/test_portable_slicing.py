@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from moe_ep.backends.portable import comm, experts
 from moe_ep.backends.portable.recipes import Bf16Recipe
-from moe_ep.layer.params import MoEWeightPack
+from moe_ep.types import MoEWeightPack
 
 
 def _has_cpu_grouped_mm() -> bool:

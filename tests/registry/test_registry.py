@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from moe_ep.backends.base import KernelConfig
+from moe_ep.contract import KernelConfig
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.registry import Registry
 

@@ -1,19 +1,30 @@
-"""Import boundaries, read from import statements (ast), plus one live check.
+"""Import boundaries of core, read from import statements (ast), plus one live check.
 
-- `moe_ep.runtime` and the modules it is built from (config, device, env, launch, errors)
-  import no backend (`moe_ep.backends.*` other than the contract `moe_ep.backends.base`,
+- Imports in core flow one way, bottom to top, with no exception: no module imports a
+  module of a higher layer (`import_graph.LAYERS`), and no modules import each other in a
+  circle, counting the imports made for type checkers too.
+- No module under packages/moe-ep-core names `moe_ep_sm90`, `moe_ep_sm100` or a drop
+  package: backends are reached through entry points only.
+- `moe_ep.runtime` and the modules it is built from import no backend (`moe_ep.backends.*`,
   `moe_ep_sm90`, `moe_ep_sm100`) and no drop, directly or through other moe_ep modules.
-- No module under packages/moe-ep-core imports `moe_ep_sm90`, `moe_ep_sm100` or a drop
-  package by name: backends are reached through entry points only.
 """
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
 
+import import_graph
 import pytest
+from import_graph import (
+    BACKEND_PACKAGES,
+    backend_names,
+    circles,
+    core_graph,
+    imported_names,
+    layer_of,
+    reverse_edges,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "packages/moe-ep-core/src"
@@ -24,11 +35,9 @@ RUNTIME_MODULES = [
     "moe_ep.env",
     "moe_ep.launch",
 ]
-BACKEND_PACKAGES = ("moe_ep_sm90", "moe_ep_sm100")
 # Drop packages (`moe_ep_drop_*`) and the generic top-level names the CuTe DSL drops import
 # from their src/ (see shared notes on the drops): none may be imported by core by name.
 DROP_TOP_LEVEL = ("src", "common", "moe_nvfp4_swapab", "moe_hopper_fp8", "moe_mxfp8_glu")
-CONTRACT = "moe_ep.backends.base"
 
 
 def _module_path(name: str) -> Path | None:
@@ -39,45 +48,11 @@ def _module_path(name: str) -> Path | None:
     return None
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    """Absolute names of every module `path` imports (any nesting, TYPE_CHECKING excluded),
-    plus string literals given to importlib.import_module / __import__."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    type_checking: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            type_checking.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in type_checking:
-            continue
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1])
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
-            found.add(target)
-            found.update(f"{target}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Call) and node.args:
-            func = ast.unparse(node.func)
-            arg = node.args[0]
-            if func.endswith(("import_module", "__import__")) and isinstance(arg, ast.Constant):
-                found.add(str(arg.value))
-    return found
-
-
 def _is_backend_or_drop(name: str) -> bool:
     top = name.split(".")[0]
     if top in BACKEND_PACKAGES or top.startswith("moe_ep_drop") or top in DROP_TOP_LEVEL:
         return True
-    if name.startswith("moe_ep.backends."):
-        return not (name == CONTRACT or name.startswith(CONTRACT + "."))
-    return False
+    return name.startswith("moe_ep.backends.") or name == "moe_ep.backends"
 
 
 def _closure(start: str) -> dict[str, set[str]]:
@@ -97,9 +72,17 @@ def _closure(start: str) -> dict[str, set[str]]:
             path = _module_path(mod)
             if path is None:
                 continue  # `from pkg import name` where name is an attribute
-            seen[mod] = _imports(path, mod)
+            seen[mod] = imported_names(path, mod)
             todo.extend(seen[mod])
     return seen
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / import_graph.CORE_SRC / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
 
 
 def test_parser_sees_relative_and_dynamic_imports(tmp_path: Path) -> None:
@@ -113,12 +96,60 @@ def test_parser_sees_relative_and_dynamic_imports(tmp_path: Path) -> None:
         "def f():\n    importlib.import_module('moe_ep_sm90')\n"
         "if TYPE_CHECKING:\n    import moe_ep_sm100\n"
     )
-    names = _imports(f, "moe_ep.x.mod")
+    names = imported_names(f, "moe_ep.x.mod")
     assert "moe_ep.backends.portable" in names and "moe_ep_sm90" in names
     assert "moe_ep_sm100" not in names
+    assert "moe_ep_sm100" in imported_names(f, "moe_ep.x.mod", type_only=True)
     assert _is_backend_or_drop("moe_ep.backends.portable")
     assert _is_backend_or_drop("moe_ep_drop_sm90_pull.shim")
-    assert not _is_backend_or_drop(CONTRACT) and not _is_backend_or_drop("moe_ep.errors")
+    assert not _is_backend_or_drop("moe_ep.contract") and not _is_backend_or_drop("moe_ep.errors")
+
+
+def test_checks_catch_planted_reverse_edges_circles_and_backend_names(tmp_path: Path) -> None:
+    """The rules below fail on a tree that breaks them (so an empty result means something)."""
+    root = _write(
+        tmp_path,
+        {
+            "moe_ep/__init__.py": "",
+            "moe_ep/errors.py": "",
+            # contract (bottom) reaching up into the runtime, for type checkers only
+            "moe_ep/contract.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    from moe_ep.runtime import Runtime\n"
+            ),
+            "moe_ep/runtime/__init__.py": "from moe_ep.contract import X\n",
+            # two registry modules importing each other, lazily
+            "moe_ep/registry/__init__.py": "",
+            "moe_ep/registry/a.py": "def f():\n    from moe_ep.registry import b\n",
+            "moe_ep/registry/b.py": "from . import a\n",
+            "moe_ep/cli/__init__.py": "import moe_ep_sm100.x\n",
+        },
+    )
+    graph = core_graph(root, type_only=True)
+    assert reverse_edges(graph) == ["moe_ep.contract -> moe_ep.runtime"]
+    assert [c for c in circles(graph) if "moe_ep.registry.a" in c] == [
+        ["moe_ep.registry.a", "moe_ep.registry.b"]
+    ]
+    assert ["moe_ep.contract", "moe_ep.runtime"] in circles(graph)
+    assert reverse_edges(core_graph(root)) == []  # without the type-only import
+    assert backend_names(root) == ["moe_ep.cli: moe_ep_sm100.x"]
+
+
+def test_every_core_module_has_a_layer() -> None:
+    unplaced = [m for m in core_graph(ROOT) if layer_of(m) == len(import_graph.LAYERS)]
+    assert not unplaced, f"add these to import_graph.LAYERS: {unplaced}"
+
+
+@pytest.mark.parametrize("type_only", [False, True], ids=["executed", "with-type-only"])
+def test_core_imports_flow_one_way(type_only: bool) -> None:
+    graph = core_graph(ROOT, type_only=type_only)
+    assert len(graph) > 20
+    assert reverse_edges(graph) == []
+    assert circles(graph) == []
+
+
+def test_core_never_imports_backend_packages_or_drops_by_name() -> None:
+    assert backend_names(ROOT) == []
 
 
 @pytest.mark.parametrize("module", RUNTIME_MODULES)
@@ -132,22 +163,7 @@ def test_runtime_imports_no_backend_or_drop(module: str) -> None:
         if _is_backend_or_drop(name)
     }
     assert not bad, sorted(bad)
-    # only the backend contract may be reached under moe_ep.backends
-    assert {m for m in reached if m.startswith("moe_ep.backends.")} <= {CONTRACT}
-
-
-def test_core_never_imports_backend_packages_or_drops_by_name() -> None:
-    files = sorted((CORE / "moe_ep").rglob("*.py"))
-    assert len(files) > 5
-    offenders = []
-    for path in files:
-        rel = path.relative_to(CORE).with_suffix("")
-        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        for name in _imports(path, module):
-            top = name.split(".")[0]
-            if top in BACKEND_PACKAGES or top.startswith("moe_ep_drop"):
-                offenders.append(f"{path.relative_to(ROOT)}: {name}")
-    assert not offenders, offenders
+    assert not [m for m in reached if m.startswith("moe_ep.backends")]
 
 
 def _loaded_modules(rank: int, world_size: int) -> list[str]:

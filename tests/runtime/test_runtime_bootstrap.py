@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from moe_ep import BootstrapConfig
-from moe_ep.backends.base import RuntimeRequirements
+from moe_ep.contract import RuntimeRequirements
 from moe_ep.errors import (
     MoeEpPeerError,
     MoeEpTimeoutError,

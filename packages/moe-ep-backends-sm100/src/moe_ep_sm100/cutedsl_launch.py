@@ -27,9 +27,10 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
-from moe_ep.backends.base import RuntimeRequirements
+import torch
+
 from moe_ep.backends.support.args import check_pack_geometry
 from moe_ep.backends.support.cute_launch import (
     check_symmetric_heap,
@@ -43,14 +44,12 @@ from moe_ep.backends.support.cute_launch import combine_region as _combine_regio
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.backends.support.pooled import PooledKernel, StagedCall, compile_collective
+from moe_ep.checks import PackShape, check_weight_pack
+from moe_ep.contract import RuntimeRequirements
 from moe_ep.errors import MoeEpUsageError
+from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 from moe_ep_sm100.drops import CUTEDSL_DROP
 from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
-
-if TYPE_CHECKING:
-    import torch
-
-    from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = [
     "COMBINE_REGION",
@@ -216,33 +215,26 @@ POOL: WorkspacePool[CompiledEntry] = WorkspacePool(free=_free)
 
 
 def check_sm100_pack(
-    kernel: str, weights: Any, fleet: Any, world_size: int, config: Any, *, packed_fp4: bool
-) -> int:
-    """Shape checks of a `MoEWeightPack` before any collective; returns I.
-
-    `w13 [E_local, 2I, H]` / `w2 [E_local, H, I]` with `E_local = E / world_size` (last dims
-    halved for packed nvfp4 payloads when `packed_fp4` and scales are given), and the
-    geometry must pass `config.check_problem` (top_k from the config, else 1).
-    """
-    w13, w2 = weights.w13, weights.w2
-    packed = packed_fp4 and getattr(weights, "w13_scale", None) is not None
-    div = 2 if packed else 1
-    e_expected = fleet.num_experts // world_size if world_size else 0
-    e, two_i, h_cols = w13.shape
-    h = h_cols * div
-    if e != e_expected or h != fleet.hidden_size or two_i % 2:
-        raise MoeEpUsageError(
-            f"{kernel}: weights.w13 must be [E_local={e_expected}, 2I, "
-            f"{'H/2' if packed else 'H'}] with H={fleet.hidden_size}, got {tuple(w13.shape)}"
-        )
-    i = two_i // 2
-    if tuple(w2.shape) != (e, h, i // div):
-        raise MoeEpUsageError(
-            f"{kernel}: weights.w2 must be [{e}, {h}, {i // div}] to match w13 "
-            f"{tuple(w13.shape)}, got {tuple(w2.shape)}"
-        )
-    check_pack_geometry(config, fleet, world_size, hidden_size=h, intermediate_size=i)
-    return i
+    weights: MoEWeightPack,
+    fleet: FleetParams,
+    world_size: int,
+    config: Any,
+    *,
+    payload_dtype: torch.dtype,
+) -> PackShape:
+    """Local checks of a `MoEWeightPack` before any collective: the generic pack checks
+    (`check_weight_pack`; a pre-quantized payload must be `payload_dtype`, uint8 being
+    packed fp4) and the geometry against `config.check_problem` (top_k from the config,
+    else 1)."""
+    shape = check_weight_pack(weights, fleet, world_size, quantized_dtypes=(payload_dtype,))
+    check_pack_geometry(
+        config,
+        fleet,
+        world_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+    )
+    return shape
 
 
 class CutedslMegaKernel(PooledKernel):
@@ -254,7 +246,8 @@ class CutedslMegaKernel(PooledKernel):
 
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
     pool: ClassVar[WorkspacePool[CompiledEntry]] = POOL
-    packed_fp4: ClassVar[bool] = False
+    payload_dtype: ClassVar[torch.dtype]
+    """The payload dtype of a pre-quantized pack (uint8: packed fp4)."""
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -268,11 +261,9 @@ class CutedslMegaKernel(PooledKernel):
     @classmethod
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
-    ) -> None:
+    ) -> PackShape:
         """Local checks before any collective: pack shapes and geometry."""
-        check_sm100_pack(
-            cls.kernel_name, weights, fleet, world_size, config, packed_fp4=cls.packed_fp4
-        )
+        return check_sm100_pack(weights, fleet, world_size, config, payload_dtype=cls.payload_dtype)
 
     # -- subclass hooks -----------------------------------------------------------------
     @abstractmethod

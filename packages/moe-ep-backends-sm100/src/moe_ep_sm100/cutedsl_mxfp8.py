@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm100 import mxfp8_args
@@ -23,9 +25,7 @@ from moe_ep_sm100.mxfp8_layout import Mxfp8Weights, prepare_mxfp8_weights, stage
 from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
 
 if TYPE_CHECKING:
-    import torch
-
-    from moe_ep.layer.params import MoEEpTensors, MoEWeightPack
+    from moe_ep.types import MoEEpTensors, MoEWeightPack
 
 __all__ = ["MAX_TENSOR_EXTENT", "Sm100Mxfp8Mxfp8Bf16CutedslKernel"]
 
@@ -41,6 +41,7 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
     interleaved by 32, K-major, 128x4-swizzled scales); activations per call.
     """
 
+    payload_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
     config_cls: ClassVar[type[Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig]] = (
         Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
     )

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm100 import nvfp4_args
 from moe_ep_sm100.configs import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
@@ -27,9 +29,7 @@ from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
 from moe_ep_sm100.nvfp4_layout import Nvfp4Weights, prepare_nvfp4_weights, stage_nvfp4_inputs
 
 if TYPE_CHECKING:
-    import torch
-
-    from moe_ep.layer.params import MoEEpTensors, MoEWeightPack
+    from moe_ep.types import MoEEpTensors, MoEWeightPack
 
 __all__ = ["CUTEDSL_PACKAGES", "Sm100Nvfp4Nvfp4Bf16CutedslKernel"]
 
@@ -46,7 +46,7 @@ class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
     config_cls: ClassVar[type[Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig]] = (
         Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
     )
-    packed_fp4: ClassVar[bool] = True
+    payload_dtype: ClassVar[torch.dtype] = torch.uint8
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Nvfp4Weights:
         w = weights.to(device)

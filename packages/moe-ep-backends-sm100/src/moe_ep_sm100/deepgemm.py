@@ -29,9 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.base import RuntimeRequirements
+import torch
+
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.backends.support.pooled import PooledKernel, StagedCall
+from moe_ep.checks import PackShape
+from moe_ep.contract import RuntimeRequirements
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm100.configs import Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig
@@ -47,7 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from moe_ep.backends.support.args import LaunchGeometry
-    from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+    from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = [
     "DEEPGEMM_RECIPE",
@@ -113,12 +116,13 @@ def _check_dims(kernel: str, hidden: int, intermediate: int) -> None:
 
 
 def _checked_intermediate(
-    kernel: str, weights: Any, fleet: Any, world_size: int, config: Any
-) -> int:
-    """I of a pack (bf16/fp32, or packed mxfp4 uint8 with scales) after the local checks."""
-    i = check_sm100_pack(kernel, weights, fleet, world_size, config, packed_fp4=True)
-    _check_dims(kernel, fleet.hidden_size, i)
-    return i
+    kernel: str, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
+) -> PackShape:
+    """The shape of a pack (bf16/fp32, or packed mxfp4 uint8 with scales) after the local
+    checks."""
+    shape = check_sm100_pack(weights, fleet, world_size, config, payload_dtype=torch.uint8)
+    _check_dims(kernel, shape.hidden_size, shape.intermediate_size)
+    return shape
 
 
 @register_mega_kernel("sm100_fp8_fp4_bf16_deepgemm", deprecated_aliases=("deep_gemm_mega",))
@@ -145,9 +149,9 @@ class Sm100Fp8Fp4Bf16DeepgemmKernel(PooledKernel):
     @classmethod
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
-    ) -> None:
+    ) -> PackShape:
         """Local checks before any collective: pack shapes, geometry, the 512 rule."""
-        _checked_intermediate(cls.kernel_name, weights, fleet, world_size, config)
+        return _checked_intermediate(cls.kernel_name, weights, fleet, world_size, config)
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> DeepgemmWeights:
         w = weights.to(device)

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 
 from moe_ep.backends.support.args import ceil_to, check_pack_geometry
+from moe_ep.checks import PackShape, check_weight_pack
 from moe_ep.errors import MoeEpUsageError
+from moe_ep.types import FleetParams, MoEWeightPack
 
 __all__ = [
     "PULL_GATE_UP_BLOCK",
@@ -64,62 +66,36 @@ class Fp8BlockWeights:
     w2_scales: torch.Tensor
 
 
-def _check_weights(
-    w13: torch.Tensor, w2: torch.Tensor, *, prequantized: bool = False
-) -> tuple[int, int, int]:
-    """Shapes `[E_local, 2I, H]` / `[E_local, H, I]`, H and I multiples of 128; dtypes
-    bf16/fp32 unless `prequantized` (then `fp8_packs.check_prequantized_pack` checks them)."""
-    for name, w in (("w13", w13), ("w2", w2)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 3:
-            raise MoeEpUsageError(f"{name} must be a 3-D tensor, got {type(w).__name__}")
-        if not prequantized and w.dtype not in (torch.bfloat16, torch.float32):
-            raise MoeEpUsageError(
-                f"{name} must be bf16 or fp32 (the kernel quantizes it with its own recipe), "
-                f"got {w.dtype}"
-            )
-    e, two_i, h = w13.shape
-    if two_i % 2:
-        raise MoeEpUsageError(f"w13 must be [E_local, 2I, H], got shape {tuple(w13.shape)}")
-    i = two_i // 2
-    if tuple(w2.shape) != (e, h, i):
-        raise MoeEpUsageError(
-            f"w2 must be [E_local, H, I] = [{e}, {h}, {i}] to match w13 {tuple(w13.shape)}, "
-            f"got {tuple(w2.shape)}"
-        )
-    for name, v in (("H", h), ("I", i)):
-        if v % _BLOCK:
-            raise MoeEpUsageError(f"{name} must be a multiple of {_BLOCK}, got {v}")
-    return e, i, h
-
-
 def check_pack(
     kernel: str,
-    weights: Any,
-    fleet: Any,
+    weights: MoEWeightPack,
+    fleet: FleetParams,
     world_size: int,
     config: Any,
     *,
     kernel_fc1_interleave: int | None = None,
-) -> None:
+) -> PackShape:
     """Checks of a `MoEWeightPack` against one of the sm90 fp8 kernels, before any collective.
 
-    The pack holds bf16/fp32 weights (the kernel quantizes them with its own recipe) or a
-    pre-quantized fp8 pack that fits the kernel's recipe (`fp8_packs`: e4m3, fp32 128x128
-    scales, FC1 scale grouping `kernel_fc1_interleave`, the pack's own grouping from the
-    config's `prequantized_fc1_gate_up_interleave`, None without that field);
-    `[E_local, 2I, H]` / `[E_local, H, I]` with `E_local = E / world_size`; the geometry
-    must pass `config.check_problem` (top_k from the config, else 1).
+    The generic pack checks (`check_weight_pack`: bf16/fp32 weights, which the kernel
+    quantizes with its own recipe, or an e4m3 pre-quantized pack), then this format's rules:
+    H and I multiples of 128; a pre-quantized pack must fit the kernel's recipe (`fp8_packs`:
+    fp32 128x128 scales, FC1 scale grouping `kernel_fc1_interleave`, the pack's own grouping
+    from the config's `prequantized_fc1_gate_up_interleave`, None without that field); the
+    geometry must pass `config.check_problem` (top_k from the config, else 1).
     """
-    prequantized = getattr(weights, "w13_scale", None) is not None
-    e, i, h = _check_weights(weights.w13, weights.w2, prequantized=prequantized)
+    shape = check_weight_pack(weights, fleet, world_size, quantized_dtypes=(torch.float8_e4m3fn,))
+    for name, v in (("H", shape.hidden_size), ("I", shape.intermediate_size)):
+        if v % _BLOCK:
+            raise MoeEpUsageError(f"{kernel}: {name} must be a multiple of {_BLOCK}, got {v}")
     pack_interleave = getattr(config, "prequantized_fc1_gate_up_interleave", None)
-    if not prequantized and pack_interleave is not None:
+    if not shape.prequantized and pack_interleave is not None:
         raise MoeEpUsageError(
             f"{kernel}: prequantized_fc1_gate_up_interleave={pack_interleave} describes a "
             f"pre-quantized pack, but the weights are {weights.w13.dtype} without scales "
             "(the kernel quantizes them with its own grouping): leave it None"
         )
-    if prequantized:
+    if shape.prequantized:
         from moe_ep_sm90.fp8_packs import check_prequantized_pack
 
         check_prequantized_pack(
@@ -128,13 +104,14 @@ def check_pack(
             pack_fc1_interleave=pack_interleave,
             kernel_fc1_interleave=kernel_fc1_interleave,
         )
-    e_expected = fleet.num_experts // world_size if world_size else 0
-    if e != e_expected or h != fleet.hidden_size:
-        raise MoeEpUsageError(
-            f"{kernel}: weights.w13 must be [E_local={e_expected}, 2I, H={fleet.hidden_size}], "
-            f"got {tuple(weights.w13.shape)}"
-        )
-    check_pack_geometry(config, fleet, world_size, hidden_size=h, intermediate_size=i)
+    check_pack_geometry(
+        config,
+        fleet,
+        world_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+    )
+    return shape
 
 
 def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +134,6 @@ def prepare_pull_weights(w13: torch.Tensor, w2: torch.Tensor) -> Fp8BlockWeights
     """
     from moe_ep.quant.layout import interleave_gate_up
 
-    _check_weights(w13, w2)
     q13, s13 = _quantize(interleave_gate_up(w13, PULL_GATE_UP_BLOCK))
     q2, s2 = _quantize(w2)
     return Fp8BlockWeights(
@@ -180,7 +156,6 @@ def dequantize_pull_weights(weights: Fp8BlockWeights) -> tuple[torch.Tensor, tor
 
 def prepare_push_weights(w13: torch.Tensor, w2: torch.Tensor) -> Fp8BlockWeights:
     """Weights in the form the push kernel reads: contiguous `[E_local, N, K]` e4m3 (gate, up)."""
-    _check_weights(w13, w2)
     q13, s13 = _quantize(w13)
     q2, s2 = _quantize(w2)
     return Fp8BlockWeights(w13=q13, w13_scales=s13, w2=q2, w2_scales=s2)

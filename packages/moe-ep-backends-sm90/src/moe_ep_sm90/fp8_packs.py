@@ -66,16 +66,10 @@ def check_prequantized_pack(
         kernel_fc1_interleave: the grouping the kernel computes with (pull: 8, push: None).
 
     Raises:
-        MoeEpUsageError: naming the mismatch: payload dtype (e4m3 only), scale format (fp32
-            only), block size (128x128), non-finite scales, or FC1 scale grouping.
+        MoeEpUsageError: naming the mismatch (the payload dtype and shapes were checked by
+            `check_weight_pack`): scale format (fp32 only), block size (128x128),
+            non-finite scales, or FC1 scale grouping.
     """
-    for name in ("w13", "w2"):
-        w = getattr(weights, name)
-        if w.dtype != torch.float8_e4m3fn:
-            raise MoeEpUsageError(
-                f"{kernel}: pre-quantized {name} must be float8_e4m3fn (the kernel's fp8 "
-                f"blockwise recipe), got {w.dtype}"
-            )
     e, two_i, h = (int(d) for d in weights.w13.shape)
     i = two_i // 2
     expected = {
@@ -142,8 +136,8 @@ def quantize_pull_pack(w13: torch.Tensor, w2: torch.Tensor) -> Any:
         e4m3 `w13` (gate-then-up rows) with fp32 `w13_scale [E_local, 2I/128, H/128]` taken
         over rows interleaved by 8; e4m3 `w2` with canonical 128x128 fp32 `w2_scale`.
     """
-    from moe_ep.layer.params import MoEWeightPack
     from moe_ep.quant import deinterleave_gate_up, interleave_gate_up, quantize_fp8_blockwise
+    from moe_ep.types import MoEWeightPack
 
     block = (_BLOCK, _BLOCK)
     q13, s13 = quantize_fp8_blockwise(interleave_gate_up(w13, PULL_GATE_UP_BLOCK), block=block)

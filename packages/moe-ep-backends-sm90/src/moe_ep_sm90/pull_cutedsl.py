@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.cute_launch import (
     check_symmetric_heap,
     clear_padded_cells,
@@ -26,6 +25,8 @@ from moe_ep.backends.support.cute_launch import combine_region as _combine_regio
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.backends.support.pooled import PooledKernel, StagedCall, compile_collective
+from moe_ep.checks import PackShape
+from moe_ep.contract import RuntimeRequirements
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 from moe_ep_sm90.drops import PULL_DROP, load_pull_api
@@ -47,7 +48,7 @@ from moe_ep_sm90.pull_args import (
 if TYPE_CHECKING:
     import torch
 
-    from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+    from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = ["Sm90Fp8Fp8Bf16PullCutedslKernel"]
 
@@ -123,10 +124,10 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(PooledKernel):
     @classmethod
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
-    ) -> None:
+    ) -> PackShape:
         """Local checks before any collective: pack shapes, dtypes, a pre-quantized pack's
         fit to the kernel's recipe (`fp8_packs`), geometry."""
-        check_pack(
+        return check_pack(
             cls.kernel_name,
             weights,
             fleet,

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.backends.support.hardware import check_availability, nvcc_reason
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.backends.support.pooled import PooledKernel, StagedCall
+from moe_ep.checks import PackShape
+from moe_ep.contract import RuntimeRequirements
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig
@@ -38,7 +39,7 @@ from moe_ep_sm90.push_launch import PushPipe, PushWeights
 if TYPE_CHECKING:
     import torch
 
-    from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+    from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = ["Sm90Fp8Fp8Bf16PushCudaKernel"]
 
@@ -101,11 +102,12 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
     @classmethod
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
-    ) -> None:
+    ) -> PackShape:
         """Local checks before any collective: pack shapes, dtypes, a pre-quantized pack's
         fit to the kernel's recipe (`fp8_packs`: canonical grouping), geometry, knobs."""
-        check_pack(cls.kernel_name, weights, fleet, world_size, config)
+        shape = check_pack(cls.kernel_name, weights, fleet, world_size, config)
         check_launchable(config)
+        return shape
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> PushWeights:
         if weights.prequantized:

@@ -2,6 +2,6 @@
 `MoEEpTensors`)."""
 
 from moe_ep.layer.layer import MoEEpLayer
-from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = ["FleetParams", "MoEEpLayer", "MoEEpTensors", "MoEWeightPack"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEWeightPack
+from moe_ep.types import FleetParams, MoEWeightPack
 
 __all__ = ["agree_on_setup", "setup_fingerprint"]
 

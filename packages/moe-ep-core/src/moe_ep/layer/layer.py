@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from moe_ep.backends.base import KernelConfig, MegaKernel, caller_validated_weights
+from moe_ep.checks import validate_forward
 from moe_ep.config import BootstrapConfig
+from moe_ep.contract import KernelConfig, MegaKernel, caller_validated_weights
 from moe_ep.device import resolve_local_device
 from moe_ep.errors import MoeEpPeerError, MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.layer.agreement import agree_on_setup, setup_fingerprint
-from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
-from moe_ep.layer.validation import validate_forward
+from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = ["MoEEpLayer", "StagedForward", "resolve_backend"]
 
@@ -130,7 +130,7 @@ class MoEEpLayer:
         if not ok:
             raise MoeEpUnavailableError(f"kernel {kernel_cls.kernel_name!r}: {reason}")
         world_size = bootstrap.world_size
-        kernel_cls.validate_weights(weights, fleet_params, world_size, config)
+        shape = kernel_cls.validate_weights(weights, fleet_params, world_size, config)
         self.fleet = fleet_params
         self.kernel_name = kernel_cls.kernel_name
         self.config = config
@@ -150,7 +150,7 @@ class MoEEpLayer:
             )
             with (
                 self._on_stream(),
-                caller_validated_weights(weights, fleet_params, world_size, config),
+                caller_validated_weights(weights, fleet_params, world_size, config, shape),
             ):
                 self._kernel: MegaKernel = kernel_cls(
                     config=config, fleet=fleet_params, runtime=self._runtime, weights=weights

@@ -1,25 +1,13 @@
-"""Checks of user inputs, run locally before any collective.
-
-Every failure raises `MoeEpUsageError` naming the argument, the rule and the value received.
-"""
+"""Transitional: removed in the portable-seam step (the checks live in `moe_ep.checks`)."""
 
 from __future__ import annotations
 
 import torch
 
-from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
+from moe_ep.checks import TOPK_WEIGHT_DTYPES, check_weight_pack, validate_forward
+from moe_ep.types import FleetParams, MoEWeightPack
 
 __all__ = ["TOPK_WEIGHT_DTYPES", "validate_forward", "validate_weight_pack"]
-
-_FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
-TOPK_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""`topk_weights` dtypes a forward takes: fp32, or bf16 / fp16 (what Hugging Face routers
-return), which the layer upcasts to fp32 (exact: every bf16 / fp16 value is an fp32 value)."""
-
-
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(s) for s in t.shape)
 
 
 def validate_weight_pack(
@@ -29,128 +17,7 @@ def validate_weight_pack(
     *,
     quantized_dtypes: tuple[torch.dtype, ...] = (),
 ) -> tuple[int, int]:
-    """Check a weight pack against the fleet; returns (E_local, I).
-
-    `quantized_dtypes` are the payload dtypes a pre-quantized pack may use for this kernel
-    (empty: the kernel takes only bf16 / fp32 weights). A uint8 payload is packed fp4.
-    """
-    if not isinstance(weights, MoEWeightPack):
-        raise MoeEpUsageError(f"weights must be a MoEWeightPack, got {type(weights).__name__}")
-    e_local = fleet.experts_per_rank(world_size)
-    h = fleet.hidden_size
-    w13, w2 = weights.w13, weights.w2
-    if weights.prequantized:
-        if not quantized_dtypes:
-            raise MoeEpUsageError(
-                "this kernel takes bf16 / fp32 weights only, but w13_scale / w2_scale were "
-                "given (pass unquantized w13 / w2 and no scales)"
-            )
-        allowed = quantized_dtypes
-    else:
-        allowed = _FLOAT_WEIGHT_DTYPES
-    names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-    for name, t in (("w13", w13), ("w2", w2)):
-        if t.dtype not in allowed:
-            raise MoeEpUsageError(
-                f"{name} dtype must be one of ({names}) for this kernel"
-                f"{' with scales' if weights.prequantized else ''}, got {t.dtype}"
-            )
-    if w13.dtype != w2.dtype:
-        raise MoeEpUsageError(f"w13 and w2 must share a dtype, got {w13.dtype} and {w2.dtype}")
-    if w13.device != w2.device:
-        raise MoeEpUsageError(f"w13 and w2 must be on one device, got {w13.device}, {w2.device}")
-    packed = w13.dtype == torch.uint8
-    div = 2 if packed else 1
-    if int(w13.shape[0]) != e_local or int(w2.shape[0]) != e_local:
-        raise MoeEpUsageError(
-            f"w13 / w2 must hold E_local = num_experts / world_size = {fleet.num_experts} / "
-            f"{world_size} = {e_local} experts, got w13 {_shape(w13)}, w2 {_shape(w2)}"
-        )
-    i = int(w2.shape[2]) * div
-    if int(w2.shape[1]) != h:
-        raise MoeEpUsageError(
-            f"w2 must be [E_local, H, I{'/2' if packed else ''}] with H = hidden_size = {h}, "
-            f"got {_shape(w2)}"
-        )
-    expected13 = (e_local, 2 * i, h // div)
-    if packed and h % 2:
-        raise MoeEpUsageError(f"packed fp4 weights need an even hidden_size, got {h}")
-    if _shape(w13) != expected13:
-        raise MoeEpUsageError(
-            f"w13 must be [E_local, 2I, H{'/2' if packed else ''}] = {expected13} "
-            f"(I = {i} from w2 {_shape(w2)}; gate rows first), got {_shape(w13)}"
-        )
-    for name in ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale"):
-        t = getattr(weights, name)
-        if t is not None and t.device != w13.device:
-            raise MoeEpUsageError(f"{name} must be on {w13.device} like w13, got {t.device}")
-    return e_local, i
-
-
-def validate_forward(
-    tensors: MoEEpTensors, fleet: FleetParams, device: torch.device
-) -> torch.Tensor | None:
-    """Check one forward's inputs; returns the caller's output buffer (or None)."""
-    if not isinstance(tensors, MoEEpTensors):
-        raise MoeEpUsageError(f"tensors must be a MoEEpTensors, got {type(tensors).__name__}")
-    x, ids, w = tensors.hidden_states, tensors.topk_ids, tensors.topk_weights
-    for name, t in (("hidden_states", x), ("topk_ids", ids), ("topk_weights", w)):
-        if not isinstance(t, torch.Tensor):
-            raise MoeEpUsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != device:
-            raise MoeEpUsageError(f"{name} must be on the layer's device {device}, got {t.device}")
-    h = fleet.hidden_size
-    if x.dim() != 2 or int(x.shape[1]) != h:
-        raise MoeEpUsageError(
-            f"hidden_states must be [n, H] with H = {h}, got shape {_shape(x)} "
-            f"(e.g. [{min(8, fleet.max_tokens_per_rank)}, {h}])"
-        )
-    if x.dtype != torch.bfloat16:
-        raise MoeEpUsageError(f"hidden_states must be bfloat16, got {x.dtype}")
-    n = int(x.shape[0])
-    if n > fleet.max_tokens_per_rank:
-        raise MoeEpUsageError(
-            f"hidden_states has n = {n} rows, more than max_tokens_per_rank = "
-            f"{fleet.max_tokens_per_rank}"
-        )
-    if ids.dim() != 2 or int(ids.shape[0]) != n or int(ids.shape[1]) < 1:
-        raise MoeEpUsageError(f"topk_ids must be [n, k] with n = {n}, k >= 1, got {_shape(ids)}")
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise MoeEpUsageError(f"topk_ids must be int32 or int64, got {ids.dtype}")
-    if _shape(w) != _shape(ids):
-        raise MoeEpUsageError(
-            f"topk_weights must have topk_ids' shape {_shape(ids)}, got {_shape(w)}"
-        )
-    if w.dtype not in TOPK_WEIGHT_DTYPES:
-        raise MoeEpUsageError(
-            "topk_weights must be float32, or bfloat16 / float16 (upcast exactly to float32), "
-            f"got {w.dtype}"
-        )
-    e = fleet.num_experts
-    if ids.numel():
-        bad = (ids < -1) | (ids >= e)
-        if bool(bad.any()):
-            lo, hi = int(ids.min()), int(ids.max())
-            which, worst = ("max", hi) if hi >= e else ("min", lo)
-            row = int((ids == worst).any(dim=1).nonzero()[0, 0])
-            raise MoeEpUsageError(
-                f"topk_ids has values outside [-1, {e}): {which}={worst} at row {row}"
-            )
-        finite = torch.isfinite(w)
-        if not bool(finite.all()):
-            row = int((~finite).any(dim=1).nonzero()[0, 0])
-            raise MoeEpUsageError(
-                f"topk_weights must be finite: got {w[row].tolist()} at row {row}"
-            )
-    out = tensors.output
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise MoeEpUsageError(f"output must be a torch.Tensor or None, got {type(out)}")
-        if _shape(out) != (n, h) or out.dtype != torch.bfloat16 or out.device != device:
-            raise MoeEpUsageError(
-                f"output must be [n, H] = [{n}, {h}] bfloat16 on {device}, got "
-                f"{_shape(out)} {out.dtype} on {out.device}"
-            )
-        if not out.is_contiguous():
-            raise MoeEpUsageError("output must be contiguous")
-    return out
+    """(E_local, I) of `check_weight_pack`, for the portable kernel until it takes the
+    record."""
+    shape = check_weight_pack(weights, fleet, world_size, quantized_dtypes=quantized_dtypes)
+    return shape.num_local_experts, shape.intermediate_size

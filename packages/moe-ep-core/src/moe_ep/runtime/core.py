@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import env as _env
-from moe_ep.backends.base import RuntimeRequirements
 from moe_ep.config import BootstrapConfig
+from moe_ep.contract import RuntimeRequirements
 from moe_ep.device import DeviceResolution, resolve_device_detailed, warn_if_host_bound_elsewhere
 from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError, MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.runtime.bounded import BoundedStore, StoreLost, call_with_deadline, grace_s

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from moe_ep.backends.base import KernelConfig
+from moe_ep.contract import KernelConfig
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.quant import FP8_FC2_ACT_BLOCKS, GATE_UP_BLOCKS
 

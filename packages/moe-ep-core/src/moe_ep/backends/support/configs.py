@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from moe_ep.backends.base import KernelConfig
+from moe_ep.contract import KernelConfig
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = [

@@ -12,16 +12,17 @@ from abc import abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.base import MegaKernel, weights_validated_by_caller
 from moe_ep.backends.support.args import LaunchGeometry, check_config_geometry
 from moe_ep.backends.support.pool import WorkspacePool
+from moe_ep.contract import MegaKernel, validated_shape
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 
 if TYPE_CHECKING:
     import torch
 
-    from moe_ep.layer.params import FleetParams, MoEWeightPack
+    from moe_ep.checks import PackShape
     from moe_ep.runtime import Runtime
+    from moe_ep.types import FleetParams, MoEWeightPack
 
 
 __all__ = ["PooledKernel", "StagedCall", "compile_collective", "require_config"]
@@ -71,7 +72,7 @@ class PooledKernel(MegaKernel):
 
     Construction: the config's type is checked, then the class's `validate_weights` (pack,
     geometry and refused knobs; skipped when the caller ran it for this construction, see
-    `moe_ep.backends.base.caller_validated_weights`), then `_prepare_weights` (kernel-ready
+    `moe_ep.contract.caller_validated_weights`), then `_prepare_weights` (kernel-ready
     weights on the runtime's device, in `self.prepared`). Subclasses set `pool` and
     implement `validate_weights`, `_prepare_weights` and `_compile`. `build_verb` names
     what the first use does ("compile", "build") in the error raised while `top_k` is
@@ -91,11 +92,11 @@ class PooledKernel(MegaKernel):
         weights: MoEWeightPack,
     ) -> None:
         require_config(config, self.config_cls)
-        if not weights_validated_by_caller(weights, fleet, runtime.world_size, config):
-            self.validate_weights(weights, fleet, runtime.world_size, config)
+        shape = validated_shape(weights, fleet, runtime.world_size, config)
+        if shape is None:
+            shape = self.validate_weights(weights, fleet, runtime.world_size, config)
         super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
         self.cfg = config
-        intermediate_size = int(weights.w13.shape[1]) // 2  # w13 is [E_local, 2I, H(/2)]
         self.prepared = self._prepare_weights(weights, runtime.device)
         # top_k is part of the compiled kernel; from the config, else from the first inputs.
         self.geometry = LaunchGeometry(
@@ -105,7 +106,7 @@ class PooledKernel(MegaKernel):
             top_k=getattr(config, "top_k", None) or 0,
             num_experts=fleet.num_experts,
             hidden_size=fleet.hidden_size,
-            intermediate_size=intermediate_size,
+            intermediate_size=shape.intermediate_size,
         )
         self._pool_key: tuple[Any, ...] | None = None
         self._pooled: Any = None
@@ -117,7 +118,7 @@ class PooledKernel(MegaKernel):
     @abstractmethod
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: Any
-    ) -> None:
+    ) -> PackShape:
         """Local checks before any collective: the pack's shapes and dtypes against this
         kernel's recipe, the geometry against the config, knobs the kernel cannot honour."""
 
