@@ -1,0 +1,197 @@
+"""The kernel contract: `MegaKernel`, `KernelConfig`, `RuntimeRequirements`.
+
+A kernel class is registered under a taxonomy name (`moe_ep.registry.register_mega_kernel`)
+and exposed through the `moe_ep.backends` entry-point group, whose entry name is the kernel
+name. `MoEEpLayer` composes it: it validates the user's inputs, allocates the output and
+calls the kernel with keyword arguments only.
+
+Lifecycle: the classmethod `validate_weights()` checks a weight pack locally and returns
+its `PackShape` (the layer calls it before its first collective); `__init__` checks the
+config and the weights (unless the caller already ran `validate_weights` on them: then it
+takes their record, see `validated_shape`) and prepares the weights once (no
+collectives); `warmup()` and `destroy()` are collective; `stage_inputs()` copies /
+quantizes the caller's tensors into the kernel's buffers and `compute_staged()` runs
+dispatch -> experts -> combine into the output it was given.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from moe_ep.checks import PackShape
+    from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
+
+__all__ = [
+    "KernelConfig",
+    "KernelRuntime",
+    "MegaKernel",
+    "RuntimeRequirements",
+    "caller_validated_weights",
+    "validated_shape",
+    "weights_validated_by_caller",
+]
+
+# (weights, fleet, world_size, config, shape) a caller validated for the construction
+# under way.
+_VALIDATED: ContextVar[tuple[Any, Any, int, Any, PackShape | None] | None] = ContextVar(
+    "moe_ep_validated_weights", default=None
+)
+
+
+@contextmanager
+def caller_validated_weights(
+    weights: MoEWeightPack,
+    fleet: FleetParams,
+    world_size: int,
+    config: KernelConfig,
+    shape: PackShape | None,
+) -> Iterator[None]:
+    """Within the block, kernels built from exactly these objects take `shape` instead of
+    running their own weight checks: the caller ran the kernel class's `validate_weights`
+    on them for this one construction (`MoEEpLayer` does, before its first collective),
+    so the full pass over the weights (shapes, finiteness) runs once. (`shape` is None
+    only for a kernel whose `validate_weights` returns no record yet: transitional, until
+    the portable-seam step.)"""
+    token = _VALIDATED.set((weights, fleet, world_size, config, shape))
+    try:
+        yield
+    finally:
+        _VALIDATED.reset(token)
+
+
+def _validated(
+    weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
+) -> tuple[Any, Any, int, Any, PackShape | None] | None:
+    done = _VALIDATED.get()
+    if (
+        done is not None
+        and done[0] is weights
+        and done[1] is fleet
+        and done[2] == world_size
+        and done[3] is config
+    ):
+        return done
+    return None
+
+
+def validated_shape(
+    weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
+) -> PackShape | None:
+    """The caller's record inside `caller_validated_weights` for these very objects
+    (identity, not equality: another pack with equal shapes was not checked), else None."""
+    done = _validated(weights, fleet, world_size, config)
+    return None if done is None else done[4]
+
+
+def weights_validated_by_caller(
+    weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
+) -> bool:
+    """True inside `caller_validated_weights` for these very objects.
+
+    Transitional: removed in the portable-seam step (the portable kernel takes the record).
+    """
+    return _validated(weights, fleet, world_size, config) is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeRequirements:
+    """What a kernel needs from the bootstrap beyond torch.distributed."""
+
+    cuda: bool = False
+    """Needs a CUDA device (an NCCL group)."""
+    nvshmem: bool = False
+    """Needs NVSHMEM initialised over the EP group."""
+
+
+class KernelRuntime(Protocol):
+    """What a kernel uses of its runtime handle (`moe_ep.runtime.Runtime` is one), so the
+    contract names no module above it."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def group(self) -> Any: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def barrier(self) -> None: ...
+
+    def gather_json(self, payload: Any, *, what: str) -> list[Any]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """Base of kernel config dataclasses; subclasses set `kernel_name` to their taxonomy name."""
+
+    kernel_name: ClassVar[str] = ""
+
+
+class MegaKernel(ABC):
+    """One kernel implementation behind the taxonomy name it is registered under.
+
+    Subclasses set `config_cls` (a `KernelConfig` subclass; `config_cls()` must be a valid
+    default) and `requirements`; `register_mega_kernel` sets `kernel_name` and
+    `deprecated_aliases`.
+    """
+
+    kernel_name: ClassVar[str] = ""
+    deprecated_aliases: ClassVar[tuple[str, ...]] = ()
+    config_cls: ClassVar[type[KernelConfig]] = KernelConfig
+    requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements()
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """(True, "") if this kernel can run on this machine, else (False, reason)."""
+        return True, ""
+
+    @classmethod
+    def validate_weights(
+        cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
+    ) -> PackShape | None:
+        """Local checks of a weight pack for this kernel and config (no collective);
+        `MoeEpUsageError` naming the tensor and the rule; returns the pack's record.
+        Default: the generic pack checks (`moe_ep.checks.check_weight_pack`: bf16 / fp32,
+        shapes); a kernel adds its format's rules to those. (None: transitional, the
+        portable kernel until the portable-seam step.)"""
+        from moe_ep.checks import check_weight_pack  # torch: not on `import moe_ep.contract`
+
+        return check_weight_pack(weights, fleet, world_size)
+
+    def __init__(
+        self,
+        *,
+        config: KernelConfig,
+        fleet: FleetParams,
+        runtime: KernelRuntime,
+        weights: MoEWeightPack,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.runtime = runtime
+
+    @abstractmethod
+    def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
+        """Stage this rank's inputs; returns an opaque handle for `compute_staged`."""
+
+    @abstractmethod
+    def compute_staged(self, *, staged: Any) -> torch.Tensor:
+        """Dispatch, run the experts and combine into the staged output; returns it."""
+
+    def warmup(self) -> None:  # noqa: B027 - optional hook, collective when overridden
+        """Collective: compile / allocate / touch everything a first forward would."""
+
+    def destroy(self) -> None:  # noqa: B027 - optional hook, collective when overridden
+        """Collective: release workspaces. Must be idempotent."""

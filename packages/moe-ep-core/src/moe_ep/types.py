@@ -1,0 +1,154 @@
+"""The package's plain data: fleet shape, weight pack and per-forward tensors.
+
+Glossary: `n` tokens on this rank, `H` hidden, `I` intermediate (after SwiGLU), `E` experts
+in the fleet, `E_local = E / world_size` experts on this rank, `k` top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_ep.errors import MoeEpUsageError
+
+__all__ = ["FleetParams", "MoEEpTensors", "MoEWeightPack"]
+
+
+def _positive_int(name: str, value: object, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MoeEpUsageError(f"{name} must be an int >= 1, got {value!r} (e.g. {example})")
+
+
+@dataclass(frozen=True)
+class FleetParams:
+    """Shape of the whole MoE fleet, identical on every rank.
+
+    Experts are sharded contiguously: rank r owns experts `[r*E_local, (r+1)*E_local)`.
+    """
+
+    num_experts: int
+    """E, the number of experts over all ranks; must be divisible by the world size."""
+    max_tokens_per_rank: int
+    """Upper bound on `n` for one forward on any rank (buffers may be sized from it)."""
+    hidden_size: int
+    """H."""
+
+    def __post_init__(self) -> None:
+        _positive_int("num_experts", self.num_experts, "256")
+        _positive_int("max_tokens_per_rank", self.max_tokens_per_rank, "4096")
+        _positive_int("hidden_size", self.hidden_size, "7168")
+
+    def experts_per_rank(self, world_size: int) -> int:
+        """E_local for `world_size`; `MoeEpUsageError` unless E % world_size == 0."""
+        _positive_int("world_size", world_size, "8")
+        if self.num_experts % world_size:
+            raise MoeEpUsageError(
+                f"num_experts must be divisible by world_size: got num_experts="
+                f"{self.num_experts}, world_size={world_size} (e.g. num_experts="
+                f"{world_size * max(1, self.num_experts // world_size)})"
+            )
+        return self.num_experts // world_size
+
+
+@dataclass(frozen=True)
+class MoEWeightPack:
+    """This rank's experts' weights.
+
+    Unquantized (the kernel quantizes once at construction when its format needs it):
+        w13: `[E_local, 2I, H]` bf16 or fp32; rows `[0, I)` are the gate, `[I, 2I)` the up
+            projection.
+        w2: `[E_local, H, I]` bf16 or fp32.
+    Pre-quantized (both canonical, i.e. unswizzled, scale planes given; one alone is an
+    error): w13 / w2 hold the payload (fp8, or uint8 with two e2m1 values per byte, even
+    element in the low nibble, so the last dim is halved) and w13_scale / w2_scale the
+    scales in the kernel's recipe (see the kernel's docs). nvfp4 also takes
+    w13_global_scale / w2_global_scale `[E_local]` fp32 (the per-expert norm_const).
+
+    Warning: a kernel may use these tensors in place (e.g. contiguous bf16 weights already
+    on the layer's device are not copied): do not modify them while the layer lives.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    w13_global_scale: torch.Tensor | None = None
+    w2_global_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("w13", "w2"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor):
+                raise MoeEpUsageError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+            if value.dim() != 3:
+                raise MoeEpUsageError(
+                    f"{name} must be 3-D [E_local, rows, cols], got shape {tuple(value.shape)}"
+                )
+        for name in ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise MoeEpUsageError(
+                    f"{name} must be a torch.Tensor or None, got {type(value).__name__}"
+                )
+        if (self.w13_scale is None) != (self.w2_scale is None):
+            given = "w13_scale" if self.w13_scale is not None else "w2_scale"
+            raise MoeEpUsageError(
+                f"pre-quantized weights need both scale planes: only {given} was given "
+                "(pass both w13_scale and w2_scale, or neither)"
+            )
+        if (self.w13_global_scale is None) != (self.w2_global_scale is None):
+            raise MoeEpUsageError(
+                "w13_global_scale and w2_global_scale must be given together (or neither)"
+            )
+        if self.w13_global_scale is not None and self.w13_scale is None:
+            raise MoeEpUsageError("global scales given without w13_scale / w2_scale")
+
+    def to(self, device: torch.device | str) -> MoEWeightPack:
+        """The same pack with every tensor on `device` (tensors already there are kept)."""
+        return MoEWeightPack(
+            *(
+                None if t is None else t.to(device)
+                for t in (
+                    self.w13,
+                    self.w2,
+                    self.w13_scale,
+                    self.w2_scale,
+                    self.w13_global_scale,
+                    self.w2_global_scale,
+                )
+            )  # type: ignore[arg-type]
+        )
+
+    @property
+    def prequantized(self) -> bool:
+        """True when the scale planes are given (w13 / w2 hold quantized payloads)."""
+        return self.w13_scale is not None
+
+    @property
+    def num_local_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+
+@dataclass(frozen=True)
+class MoEEpTensors:
+    """One forward's inputs on this rank.
+
+    hidden_states: `[n, H]` bf16, contiguous rows; `n == 0` is legal.
+    topk_ids: `[n, k]` int32 or int64 global expert ids in `[0, E)`; `-1` marks a padded
+        slot that contributes exactly zero. A row may repeat an expert: each slot then
+        contributes its own weighted term (the duplicates are summed).
+    topk_weights: `[n, k]` fp32, finite; bf16 / fp16 (what Hugging Face routers return)
+        are accepted and upcast exactly to fp32 by the layer; other dtypes are refused.
+    output: optional `[n, H]` bf16 buffer on the same device to write into; allocated
+        by the layer when None.
+    """
+
+    hidden_states: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    output: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.hidden_states.shape[0])
