@@ -2,6 +2,7 @@
 
     uv run python benchmarks/layer_speed.py [--reps 5] [--threads 1 2]
         [--prefill T,H,I,E,k] [--decode T,H,I,E,k] [--stages]
+        [--sections layer peers crossover] [--peer-shapes NAME ...]
         [--out benchmarks/out/layer_speed.png | --no-plot]
 
 Measures one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) against
@@ -26,6 +27,20 @@ forward's time goes (expert GEMMs, SwiGLU, gathers, combine, the rest), at 1 thr
 thread CPU time (less moved by other jobs on a shared box than wall time), minimum over
 --reps forwards. Tables carry a status column (ok / over target / under target / n/a);
 the plot shows every ratio against its target line.
+
+--sections peers (issue 16; at the last --threads count, medians of --reps round-robin runs
+with their min-max) measures in one run the machine's read bandwidth (a 1 GiB streaming
+read), each shape's bandwidth limit (the active experts' bf16 weight bytes / bandwidth),
+dense GEMMs of equal FLOPs, the naive loop and Hugging Face transformers' Qwen3-MoE experts
+block on the same weights and routing, each `experts_implementation` that runs on CPU
+(eager, batched_mm, grouped_mm; needs the optional `bench` group: `uv sync --group bench`,
+else skipped with the reason), on --peer-shapes (default: all of prefill, T=512, decode
+T=64 / 16 / 4 / 1, DeepSeek-like I/8), and the quantized formats' layers at decode T=64
+against their own stored weight bytes. Targets: decode T=64 layer <= 1.5x its limit and
+>= 2x faster than the peer's fastest, every shape no slower than it, T=512 <= 1.2x dense,
+prefill <= 1.1x dense, quantized decode <= 2x their limit. --sections crossover times
+`run_experts` with every expert on the CPU expert GEMM of few rows and on the `mm` blocks,
+by rows per expert (bf16, mxfp8). Their plot goes to the --out name with `_peers` added.
 """
 
 from __future__ import annotations
@@ -40,7 +55,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from benchlib import OUT_DIR, plots
+from benchlib import OUT_DIR, moe_peers, plots
 from benchlib.machine import this_machine
 from benchlib.options import add_plot_options, benchmark_parser, moe_shape, positive_int, shape_text
 from benchlib.progress import Steps
@@ -119,10 +134,12 @@ def naive_bf16_forward(p: dict[str, torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def make_layer(p: dict[str, torch.Tensor], shape: dict[str, int]) -> MoEEpLayer:
+def make_layer(
+    p: dict[str, torch.Tensor], shape: dict[str, int], kernel_name: str = "any_bf16_bf16_bf16_torch"
+) -> MoEEpLayer:
     boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
     fleet = FleetParams(shape["E"], shape["T"], shape["H"])
-    return MoEEpLayer(boot, fleet, MoEWeightPack(p["w13"], p["w2"]), "any_bf16_bf16_bf16_torch")
+    return MoEEpLayer(boot, fleet, MoEWeightPack(p["w13"], p["w2"]), kernel_name)
 
 
 def rss_bytes() -> int:
@@ -347,13 +364,75 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also measure where the prefill forward's time goes (1 thread, thread CPU time)",
     )
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=("layer", "peers", "crossover"),
+        default=["layer"],
+        help="layer: the tables above; peers: issue 16's comparison (read bandwidth, "
+        "bandwidth limit, dense, naive, transformers' experts, quantized formats at decode) "
+        "on --peer-shapes; crossover: run_experts' expert GEMM vs mm blocks by rows per "
+        "expert. peers / crossover plot to the --out name with _peers before the suffix",
+    )
+    parser.add_argument(
+        "--peer-shapes",
+        nargs="+",
+        choices=tuple(moe_peers.PEER_SHAPES),
+        default=list(moe_peers.PEER_SHAPES),
+        metavar="NAME",
+        help=f"shapes of the peers section, of: {', '.join(moe_peers.PEER_SHAPES)}",
+    )
     add_plot_options(parser, OUT_DIR / "layer_speed.png")
     return parser
+
+
+def run_peers(args: argparse.Namespace) -> None:
+    """The peers / crossover sections at the last --threads count."""
+    threads = args.threads[-1]
+    torch.set_num_threads(threads)
+    shapes = args.peer_shapes if "peers" in args.sections else []
+    results, quant, points = [], [], []
+    with Steps(2 + len(shapes) + ("crossover" in args.sections)) as steps:
+        steps.step(f"read bandwidth, {threads} thread(s)")
+        bw = moe_peers.bandwidth(max(args.reps, 5))
+        for name in shapes:
+            shape = moe_peers.PEER_SHAPES[name]
+            steps.step(
+                f"{name} {shape_text(shape)}: layer, dense, naive, transformers x{args.reps}"
+            )
+            results.append(
+                moe_peers.time_peer_shape(
+                    name, shape, args.reps, bw, problem, make_layer, naive_forward
+                )
+            )
+        steps.step("quantized formats at decode")
+        if "peers" in args.sections:
+            decode = moe_peers.PEER_SHAPES[moe_peers.DECODE_TARGETED]
+            quant = moe_peers.time_quantized(decode, args.reps, bw, problem, make_layer)
+        if "crossover" in args.sections:
+            steps.step("crossover: expert GEMM vs mm blocks by rows per expert")
+            points = moe_peers.crossover(args.reps)
+        bw_after = moe_peers.bandwidth(max(args.reps, 5))
+    machine = this_machine([threads]).describe()
+    out = console()
+    out.print(f"read bandwidth: {bw / 1e9:.1f} GB/s before, {bw_after / 1e9:.1f} GB/s after")
+    if results:
+        moe_peers.print_peers(out, results, quant, bw, machine, args.reps)
+    if points:
+        moe_peers.print_crossover(out, points, machine)
+    if not args.no_plot:
+        path = args.out.with_name(args.out.stem + "_peers" + args.out.suffix)
+        line = f"median of {args.reps} runs, read bandwidth {bw / 1e9:.1f} GB/s"
+        out.print(f"wrote {moe_peers.plot_peers(results, quant, points, line, machine, path)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if "peers" in args.sections or "crossover" in args.sections:
+        run_peers(args)
+    if "layer" not in args.sections:
+        return 0
     shapes = (("prefill", args.prefill), ("decode", args.decode))
     rows = []
     with Steps(1 + len(args.threads) * len(shapes) + args.stages) as steps:

@@ -5,7 +5,10 @@
   under target / n/a);
 - `progress`: numbered progress, a bar on a terminal and plain lines otherwise;
 - `plots`: figure styling, ratio bars with labelled target lines, legends off the data;
-- `options`: argparse value types with messages naming the option and the rule.
+- `options`: argparse value types with messages naming the option and the rule;
+- `bandwidth`: the machine's streaming read bandwidth;
+- `hf_moe`: transformers' MoE experts block as a peer (optional `bench` group);
+- `moe_peers`: `layer_speed.py --sections peers crossover` (issue 16).
 
 The scripts run as `python benchmarks/<name>.py`, which puts this folder's parent on
 `sys.path`; nothing here is installed.

@@ -17,7 +17,8 @@ from conftest import BENCHMARKS
 # What docs/runbook.md documents for each script: its options and the targets it states.
 SCRIPTS: dict[str, tuple[set[str], tuple[str, ...]]] = {
     "layer_speed": (
-        {"--reps", "--threads", "--prefill", "--decode", "--stages", "--out", "--no-plot"},
+        {"--reps", "--threads", "--prefill", "--decode", "--stages", "--out", "--no-plot"}
+        | {"--sections", "--peer-shapes"},
         ("layer / dense <= 1.3x", "naive / layer > 1x", "target < 2x"),
     ),
     "layer_comm": (

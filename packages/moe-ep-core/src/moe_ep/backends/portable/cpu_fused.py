@@ -34,8 +34,9 @@ import threading
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -44,7 +45,10 @@ from moe_ep.errors import MoeEpUnavailableError
 
 __all__ = [
     "SOURCE",
+    "ExpertGroups",
+    "StoredWeight",
     "combine",
+    "expert_gemm",
     "library",
     "parallel_workers",
     "run_single_threaded",
@@ -98,6 +102,12 @@ def _cpu_features() -> str:
     return ""
 
 
+# moe_ep_expert_gemm: x, ld_x, x_kind, x_rows, groups, q_start, g_expert, out_row0, alpha;
+# w, w_expert_bytes, w_row_bytes, w_kind, s, s_expert_bytes, s_row_bytes, s_kind, s_block;
+# out, ld_out, out_kind, n, k, xs, threads, vector
+_EG_ROWS_ARGS = [_ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]
+_EG_WEIGHT_ARGS = [_ptr, _i64, _i64, _i32, _ptr, _i64, _i64, _i32, _i64]
+_EG_OUT_ARGS = [_ptr, _i64, _i32, _i64, _i64, _ptr, _i32, _i32]
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "moe_ep_swiglu_bf16": (
         # gu, ld_gu, h, ld_h, rows, inter, has_alpha, alpha, has_clamp, clamp, threads
@@ -105,6 +115,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
         None,
     ),
     "moe_ep_combine_bf16": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32], None),
+    "moe_ep_expert_gemm": ([*_EG_ROWS_ARGS, *_EG_WEIGHT_ARGS, *_EG_OUT_ARGS], _i32),
+    "moe_ep_vector_bodies": ([], _i32),
     "moe_ep_omp_max_threads": ([], _i32),
     "moe_ep_omp_set_threads": ([_i32], None),
 }
@@ -327,4 +339,151 @@ def combine(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out: torch.Tens
         y.data_ptr(), y.stride(0), pos.data_ptr(), w.data_ptr(), out.data_ptr(), out.stride(0),
         n, k, int(y.shape[1]), _threads(n),
     )  # fmt: skip
+    return True
+
+
+Code = Literal["bf16", "e4m3", "e2m1"]
+Scale = Literal["fp32", "e8m0", "e4m3"]
+_CODE_KIND = {"bf16": 0, "e4m3": 1, "e2m1": 2}
+_SCALE_KIND = {None: 0, "fp32": 1, "e8m0": 2, "e4m3": 3}
+_CODE_DTYPE = {"bf16": torch.bfloat16, "e4m3": torch.uint8, "e2m1": torch.uint8}
+_SCALE_DTYPE = {"fp32": torch.float32, "e8m0": torch.uint8, "e4m3": torch.uint8}
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """One expert weight as `expert_gemm` reads it: `[E_local, N, K]` in its stored width.
+
+    codes: `[E_local, N, K]` bf16 or uint8 e4m3fn bytes, or `[E_local, N, K/2]` uint8 e2m1
+        codes two per byte (element 2i in the low nibble); each row contiguous.
+    scales: None, or `[E_local, N, K/block]` per-row block scales: fp32, or uint8 bytes of
+        E8M0 / e4m3fn; the dequantized weight is `code * scale`, one fp32 product (the
+        recipes' `moe_ep.quant` dequantize).
+    """
+
+    codes: torch.Tensor
+    code: Code
+    scales: torch.Tensor | None = None
+    scale: Scale | None = None
+    block: int = 0
+
+    def __post_init__(self) -> None:
+        c, s = self.codes, self.scales
+        if c.dim() != 3 or c.dtype != _CODE_DTYPE[self.code] or c.stride(2) != 1:
+            raise ValueError(f"StoredWeight codes must be [E, N, K] {self.code} rows, got {c}")
+        if (s is None) != (self.scale is None):
+            raise ValueError("StoredWeight needs scales and their kind together")
+        if s is not None and self.scale is not None:
+            nb = self.k // self.block if self.block % 16 == 0 and self.block else -1
+            if s.dtype != _SCALE_DTYPE[self.scale] or tuple(s.shape) != (*c.shape[:2], nb):
+                raise ValueError(
+                    f"StoredWeight scales must be {self.scale} [E, N, K/{self.block}] "
+                    f"(block a multiple of 16), got {s.dtype} {tuple(s.shape)}"
+                )
+            if s.stride(2) != 1:
+                raise ValueError("StoredWeight scale rows must be contiguous")
+
+    @property
+    def k(self) -> int:
+        """Elements per row (K)."""
+        return int(self.codes.shape[2]) * (2 if self.code == "e2m1" else 1)
+
+    @property
+    def n(self) -> int:
+        """Rows per expert (N: output columns of the GEMM)."""
+        return int(self.codes.shape[1])
+
+    def nbytes(self, experts: int = 1) -> int:
+        """Bytes `expert_gemm` reads for `experts` experts (codes and scales)."""
+        per = self.codes[0].numel() * self.codes.element_size()
+        if self.scales is not None:
+            per += self.scales[0].numel() * self.scales.element_size()
+        return experts * per
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The row groups of one `expert_gemm` call, as int64 tensors on the CPU.
+
+    q_start: `[G + 1]` group g owns the call's rows `[q_start[g], q_start[g + 1])`.
+    expert: `[G]` the local expert of each group.
+    out_row0: `[G]` the output row of each group's first row (its rows follow in order).
+    """
+
+    q_start: torch.Tensor
+    expert: torch.Tensor
+    out_row0: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.q_start[-1])
+
+
+def vector_bodies() -> int:
+    """Bit 0: the library has the AVX2 expert GEMM body; bit 1: the AVX-512 epilogues.
+    0 without the library."""
+    lib = library()
+    return 0 if lib is None else int(lib.moe_ep_vector_bodies())
+
+
+def expert_gemm_scratch(rows: int, k: int) -> tuple[int]:
+    """Shape of the fp32 scratch `expert_gemm` needs for `rows` rows of `k` elements."""
+    return (rows * (-(-k // 16) * 16),)
+
+
+def expert_gemm(
+    x: torch.Tensor,
+    x_rows: torch.Tensor | None,
+    groups: ExpertGroups,
+    w: StoredWeight,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+    *,
+    alpha: torch.Tensor | None = None,
+    vector: bool = True,
+) -> bool:
+    """`out[out_row0[g] + i] = x[row(q_start[g] + i)] @ w[expert[g]]^T` (times `alpha[g]`).
+
+    x: `[R, K]` bf16 or fp32 CPU rows (contiguous along K); `x_rows`: `[Q]` int64 rows of x
+    (None: row q is x's row q). out: `[*, N]` bf16 or fp32 rows. alpha: `[G]` fp32 or None.
+    scratch: fp32 with at least `expert_gemm_scratch(Q, K)` elements. The sum order is fixed
+    (cpu_fused.c): the result does not depend on the thread count, the vector body or the
+    grouping. `vector=False` runs the scalar twin (tests). Returns False (nothing written)
+    when the library is not available.
+    """
+    lib = library()
+    if lib is None:
+        return False
+    k, n = w.k, w.n
+    q = groups.rows
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or int(x.shape[1]) != k:
+        raise ValueError(f"expert_gemm x must be [R, {k}] bf16 / fp32, got {x.dtype} {x.shape}")
+    if out.dtype not in (torch.bfloat16, torch.float32) or int(out.shape[1]) != n:
+        raise ValueError(f"expert_gemm out must be [*, {n}] bf16 / fp32, got {out.shape}")
+    if x.stride(1) != 1 or out.stride(1) != 1 or not scratch.is_contiguous():
+        raise ValueError("expert_gemm needs rows contiguous along the last dim")
+    if scratch.dtype != torch.float32 or scratch.numel() < expert_gemm_scratch(q, k)[0]:
+        raise ValueError("expert_gemm scratch too small")
+    for t in (groups.q_start, groups.expert, groups.out_row0, x_rows):
+        if t is not None and (t.dtype != torch.int64 or not t.is_contiguous()):
+            raise ValueError("expert_gemm row and group indices must be contiguous int64")
+    if alpha is not None and (alpha.dtype != torch.float32 or not alpha.is_contiguous()):
+        raise ValueError("expert_gemm alpha must be contiguous fp32")
+    s = w.scales
+    rc = lib.moe_ep_expert_gemm(
+        x.data_ptr(), x.stride(0), 1 if x.dtype == torch.float32 else 0,
+        None if x_rows is None else x_rows.data_ptr(),
+        int(groups.expert.numel()), groups.q_start.data_ptr(), groups.expert.data_ptr(),
+        groups.out_row0.data_ptr(), None if alpha is None else alpha.data_ptr(),
+        w.codes.data_ptr(), w.codes.stride(0) * w.codes.element_size(),
+        w.codes.stride(1) * w.codes.element_size(), _CODE_KIND[w.code],
+        None if s is None else s.data_ptr(),
+        0 if s is None else s.stride(0) * s.element_size(),
+        0 if s is None else s.stride(1) * s.element_size(),
+        _SCALE_KIND[w.scale], max(w.block, 16),
+        out.data_ptr(), out.stride(0), 1 if out.dtype == torch.float32 else 0,
+        n, k, scratch.data_ptr(), max(1, torch.get_num_threads()), int(vector),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("expert_gemm: out of memory for its work list")
     return True

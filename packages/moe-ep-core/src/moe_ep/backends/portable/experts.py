@@ -25,6 +25,7 @@ otherwise it needs the same thread count (oneDNN may split K across threads for 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
@@ -35,7 +36,14 @@ from moe_ep.backends.portable import cpu_fused
 from moe_ep.backends.portable.comm import Workspace
 from moe_ep.backends.portable.recipes import PreparedWeights
 
-__all__ = ["ROW_BLOCK", "SMALL_M", "SWIGLU_ROWS", "grouped_mm_applies", "run_experts"]
+__all__ = [
+    "ROW_BLOCK",
+    "SMALL_M",
+    "SWIGLU_ROWS",
+    "expert_gemm_rows",
+    "grouped_mm_applies",
+    "run_experts",
+]
 
 ROW_BLOCK = 2048
 """Rows per GEMM call: bounds the workspace when routing is skewed."""
@@ -45,6 +53,18 @@ the GEMM's A operand, then a transposing copy): measured 1.3-1.5x faster than `x
 for M <= 256 (weight-bandwidth bound, e.g. decode) and slower from M = 512 on."""
 SWIGLU_ROWS = 128
 """Rows per SwiGLU slice: the fp32 temporary (128 x 2I x 4 bytes) stays in L2."""
+EXPERT_GEMM_ROWS_BF16 = ROW_BLOCK
+"""bf16 experts with at most this many rows run `cpu_fused.expert_gemm` where torch's bf16
+GEMM is its portable fallback (no oneDNN bf16 kernels: this CPU lacks AVX-512 BF16 / AMX);
+measured 2.9-6.0x faster than the `mm` blocks from 16 to 1024 rows per expert; at 1-8 rows
+faster or slower with the box's load (docs/layer.md, `layer_speed.py --sections crossover`)."""
+EXPERT_GEMM_ROWS_BF16_ONEDNN = 16
+"""The same where torch runs bf16 GEMMs on oneDNN: an estimate, not measured (no such CPU
+here; docs/layer.md)."""
+EXPERT_GEMM_ROWS_FP32 = 64
+"""Quantized formats (fp32 GEMMs on the dequantized weights otherwise): experts with at most
+this many rows run `cpu_fused.expert_gemm` on the codes and scales; measured (mxfp8, 2
+threads) 1.1-2.4x faster than the fp32 `mm` blocks from 8 to 64 rows, slower from 128."""
 
 
 def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name: str) -> None:
@@ -106,6 +126,88 @@ def _swiglu(
             # copy_ rounds to h's dtype (RNE) where needed; an fp32 mul with a bf16 `out`
             # measured 2x slower than this in-place mul plus a rounding copy (same bits).
             h[s:e].copy_(g if requantize is None else requantize(g))
+
+
+def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
+    """The crossover: experts with at most this many rows (0: none) in a forward run the CPU
+    expert GEMM (`cpu_fused.expert_gemm`, weights read once in their stored width), the rest
+    the `mm` blocks. Needs the CPU, the fused library and the stored weights. The choice
+    depends only on the expert's row count, which is the same at every world size."""
+    if device.type != "cpu" or weights.stored13 is None or weights.stored2 is None:
+        return 0
+    if cpu_fused.library() is None:
+        return 0
+    if weights.stored13.code != "bf16":
+        return EXPERT_GEMM_ROWS_FP32
+    return EXPERT_GEMM_ROWS_BF16_ONEDNN if _onednn_bf16() else EXPERT_GEMM_ROWS_BF16
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether torch runs CPU bf16 GEMMs on oneDNN's bf16 kernels (else its slow fallback)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _segments(
+    experts: list[int], starts: list[int], counts: list[int], most: int
+) -> Iterator[list[tuple[int, int, int]]]:
+    """The experts' (expert, first pair, rows) runs in batches of at most `most` rows (an
+    expert with more is split into consecutive runs: rows are independent)."""
+    batch: list[tuple[int, int, int]] = []
+    size = 0
+    for e in experts:
+        for s in range(starts[e], starts[e] + counts[e], most):
+            b = min(most, starts[e] + counts[e] - s)
+            if size + b > most:
+                yield batch
+                batch, size = [], 0
+            batch.append((e, s, b))
+            size += b
+    if batch:
+        yield batch
+
+
+def _run_expert_gemm(
+    rows: torch.Tensor,
+    src_row: torch.Tensor,
+    runs: list[tuple[int, int, int]],
+    weights: PreparedWeights,
+    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
+    swiglu_clamp: float | None,
+    y: torch.Tensor,
+    ws: Workspace,
+    pair_scale: torch.Tensor | None,
+) -> None:
+    """FC1, SwiGLU and FC2 of the (expert, first pair, rows) runs, all experts in one
+    `cpu_fused.expert_gemm` call per GEMM (the threads split experts and output tiles)."""
+    s13, s2 = weights.stored13, weights.stored2
+    assert s13 is not None and s2 is not None
+    cdt = weights.w2t.dtype
+    inter, k_most = s2.k, max(s13.k, s2.k)
+    lens = torch.tensor([b for _, _, b in runs], dtype=torch.int64)
+    q_start = torch.zeros(len(runs) + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=q_start[1:])
+    q = int(q_start[-1])
+    first = torch.tensor([s for _, s, _ in runs], dtype=torch.int64)
+    expert = torch.tensor([e for e, _, _ in runs], dtype=torch.int64)
+    pair = torch.arange(q, dtype=torch.int64) + torch.repeat_interleave(first - q_start[:-1], lens)
+    xs = ws.get("eg_scratch", cpu_fused.expert_gemm_scratch(q, k_most), torch.float32, rows.device)
+    gu = ws.get("eg_gu", (q, 2 * inter), cdt, rows.device)
+    h = ws.get("eg_h", (q, inter), cdt, rows.device)
+    a13 = None if weights.alpha13 is None else weights.alpha13[expert].contiguous()
+    a2 = None if weights.alpha2 is None else weights.alpha2[expert].contiguous()
+    x_rows = src_row[pair].contiguous()
+    cpu_fused.expert_gemm(
+        rows, x_rows, cpu_fused.ExpertGroups(q_start, expert, q_start[:-1]), s13, gu, xs, alpha=a13
+    )  # alpha13 here: the fp32 product _swiglu would take first
+    scale = None if pair_scale is None else pair_scale[pair]
+    _swiglu(gu, h, None, swiglu_clamp, requantize, ws, scale)
+    cpu_fused.expert_gemm(
+        h, None, cpu_fused.ExpertGroups(q_start, expert, first), s2, y, xs, alpha=a2
+    )
 
 
 def grouped_mm_applies(weights: PreparedWeights, device: torch.device) -> bool:
@@ -177,14 +279,17 @@ def run_experts(
                 rows, src_row, counts, weights, requantize, swiglu_clamp, y, ws, pair_scale
             )
         return
-    block = min(ROW_BLOCK, max(counts, default=0))
+    limit = expert_gemm_rows(weights, rows.device)
+    starts = list(itertools.accumulate(counts, initial=0))
+    few = [e for e, c in enumerate(counts) if 0 < c <= limit]
+    for runs in _segments(few, starts, counts, ROW_BLOCK):
+        _run_expert_gemm(rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale)
+    many = [(e, starts[e], c) for e, c in enumerate(counts) if c > limit]
+    block = min(ROW_BLOCK, max((c for *_, c in many), default=0))
     if block == 0:
         return
-    tasks = []  # (local expert, first pair, rows): the unit of work, fixed by the routing
-    start = 0
-    for e, count in enumerate(counts):
-        tasks += [(e, s, min(block, start + count - s)) for s in range(start, start + count, block)]
-        start += count
+    # (local expert, first pair, rows): the unit of work, fixed by the routing
+    tasks = [(e, s, min(block, st + c - s)) for e, st, c in many for s in range(st, st + c, block)]
     run = functools.partial(
         _run_blocks,
         rows=rows,

@@ -3,7 +3,8 @@
 A recipe quantizes a token's activations on its home rank into a byte payload (what is
 dispatched), dequantizes received payloads once, requantizes the FC2 input (the SwiGLU
 output) in the same activation format, and prepares the weights once at construction
-(quantize with the recipe, keep the dequantized values; never re-dequantized per forward).
+(quantize with the recipe, keep the dequantized values; never re-dequantized per forward;
+on CPU also the codes and scales, which the expert GEMM of few rows dequantizes in registers).
 
 Non-finite activations: a token row holding NaN / inf is dispatched as NaN (the quantizers'
 NaN block scale, `moe_ep.quant.nonfinite`; bf16: inf -> NaN), so that token's output row is
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep import quant
+from moe_ep.backends.portable.cpu_fused import Scale, StoredWeight
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.layer.params import MoEWeightPack
 
@@ -51,12 +53,17 @@ class PreparedWeights:
         `[E_local, 2I, H]` storage.
     w2t: `[E_local, I, H]` compute dtype, likewise.
     alpha13 / alpha2: `[E_local]` fp32 per-expert GEMM epilogue factors, or None.
+    stored13 / stored2: on CPU, the same weights in their stored width (bf16: w13t's own
+        storage; quantized formats: the codes and block scales the dequantized values came
+        from) for the expert GEMM of few rows (`cpu_fused.expert_gemm`); None elsewhere.
     """
 
     w13t: torch.Tensor
     w2t: torch.Tensor
     alpha13: torch.Tensor | None = None
     alpha2: torch.Tensor | None = None
+    stored13: StoredWeight | None = None
+    stored2: StoredWeight | None = None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -133,6 +140,30 @@ class Recipe(ABC):
         """Quantize (or take the pre-quantized payload), dequantize once, lay out."""
 
 
+def _stored(
+    codes: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    scale: Scale | None = None,
+    block: int = 0,
+) -> StoredWeight | None:
+    """`codes` (bf16, fp8 e4m3 or packed e2m1 uint8) and their per-row block scales as the CPU
+    expert GEMM reads them; None for weights off the CPU (no copy kept there)."""
+    if codes.device.type != "cpu":
+        return None
+    code = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3", torch.uint8: "e2m1"}
+    as_bytes = codes if codes.dtype == torch.bfloat16 else codes.contiguous().view(torch.uint8)
+    scale_bytes = None
+    if scales is not None:
+        scale_bytes = scales.contiguous()
+        scale_bytes = scale_bytes if scale == "fp32" else scale_bytes.view(torch.uint8)
+    return StoredWeight(as_bytes.contiguous(), code[codes.dtype], scale_bytes, scale, block)  # type: ignore[arg-type]
+
+
+def _fp8_row_scales(s: torch.Tensor, rows: int) -> torch.Tensor:
+    """128x128 block scales `[E, ceil(N/128), K/128]` -> one row per weight row `[E, N, K/128]`."""
+    return s.repeat_interleave(128, dim=-2)[..., :rows, :].contiguous()
+
+
 def _float_weights(weights: MoEWeightPack, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     if weights.prequantized:
         raise MoeEpUsageError(f"format {fmt} takes unquantized weights only")
@@ -170,7 +201,9 @@ class Bf16Recipe(Recipe):
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
         w13, w2 = _float_weights(weights, self.name)
         w13t, w2t = _layout(w13, w2, torch.bfloat16)
-        return PreparedWeights(w13t, w2t)
+        return PreparedWeights(
+            w13t, w2t, stored13=_stored(w13t.transpose(1, 2)), stored2=_stored(w2t.transpose(1, 2))
+        )
 
 
 def _check_scale_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], dtype: str) -> None:
@@ -240,24 +273,36 @@ class Fp8BlockRecipe(Recipe):
             )
         super().check_scales(weights)
 
-    def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    def _weight(
+        self, name: str, w: torch.Tensor, s: torch.Tensor | None
+    ) -> tuple[torch.Tensor, StoredWeight | None]:
+        """(dequantized fp32, the codes and per-row scales)."""
         if s is None:
             w, s = quant.quantize_fp8_blockwise(w, block=(128, 128))
-        return quant.dequantize_fp8_blockwise(w, s, block=(128, 128))
+        s32 = s if s.dtype == torch.float32 else quant.e8m0_to_float32(s)  # as dequantize does
+        stored = _stored(w, _fp8_row_scales(s32, int(w.shape[-2])), "fp32", 128)
+        return quant.dequantize_fp8_blockwise(w, s, block=(128, 128)), stored
 
-    def _fc1_weight(self, w13: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    def _fc1_weight(
+        self, w13: torch.Tensor, s: torch.Tensor | None
+    ) -> tuple[torch.Tensor, StoredWeight | None]:
         b = self.fc1_gate_up_interleave
         if b is None:
             return self._weight("w13", w13, s)
-        return quant.deinterleave_gate_up(
-            self._weight("w13", quant.interleave_gate_up(w13, b), s), b
-        )
+        w, stored = self._weight("w13", quant.interleave_gate_up(w13, b), s)
+        if stored is not None:  # codes and their per-row scales back to gate-then-up rows
+            assert stored.scales is not None
+            stored = StoredWeight(
+                quant.deinterleave_gate_up(stored.codes, b), stored.code,
+                quant.deinterleave_gate_up(stored.scales, b), stored.scale, stored.block,
+            )  # fmt: skip
+        return quant.deinterleave_gate_up(w, b), stored
 
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
-        w13 = self._fc1_weight(weights.w13, weights.w13_scale)
-        w2 = self._weight("w2", weights.w2, weights.w2_scale)
+        w13, stored13 = self._fc1_weight(weights.w13, weights.w13_scale)
+        w2, stored2 = self._weight("w2", weights.w2, weights.w2_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(w13t, w2t)
+        return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
 
 
 class Mxfp8Recipe(Recipe):
@@ -286,16 +331,18 @@ class Mxfp8Recipe(Recipe):
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
         return quant.dequantize_mxfp8(*quant.quantize_mxfp8(h, check_finite=False))
 
-    def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    def _weight(
+        self, name: str, w: torch.Tensor, s: torch.Tensor | None
+    ) -> tuple[torch.Tensor, StoredWeight | None]:
         if s is None:
             w, s = quant.quantize_mxfp8(w)
-        return quant.dequantize_mxfp8(w, s)
+        return quant.dequantize_mxfp8(w, s), _stored(w, s, "e8m0", 32)
 
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
-        w13 = self._weight("w13", weights.w13, weights.w13_scale)
-        w2 = self._weight("w2", weights.w2, weights.w2_scale)
+        w13, stored13 = self._weight("w13", weights.w13, weights.w13_scale)
+        w2, stored2 = self._weight("w2", weights.w2, weights.w2_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(w13t, w2t)
+        return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
 
 
 class Nvfp4Recipe(Recipe):
@@ -337,7 +384,7 @@ class Nvfp4Recipe(Recipe):
 
     def _weight(
         self, name: str, w: torch.Tensor, s: torch.Tensor | None, gs: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, StoredWeight | None]:
         e = int(w.shape[0])
         if s is None:
             gs_t = quant.nvfp4_global_scale(w, dim=(-2, -1))
@@ -345,15 +392,18 @@ class Nvfp4Recipe(Recipe):
             gs = gs_t.reshape(e)
         elif gs is None:
             gs = torch.ones(e, dtype=torch.float32, device=w.device)
-        return quant.dequantize_nvfp4(w, s), gs.float().reshape(e)
+        stored = _stored(w, s, "e4m3", 16)
+        return quant.dequantize_nvfp4(w, s), gs.float().reshape(e), stored
 
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
-        w13, gs13 = self._weight("w13", weights.w13, weights.w13_scale, weights.w13_global_scale)
-        w2, gs2 = self._weight("w2", weights.w2, weights.w2_scale, weights.w2_global_scale)
+        w13, gs13, stored13 = self._weight(
+            "w13", weights.w13, weights.w13_scale, weights.w13_global_scale
+        )
+        w2, gs2, stored2 = self._weight("w2", weights.w2, weights.w2_scale, weights.w2_global_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
         alpha13 = torch.as_tensor(quant.nvfp4_alpha(self.act_gs, gs13), dtype=torch.float32)
         alpha2 = torch.as_tensor(quant.nvfp4_alpha(self.hidden_gs, gs2), dtype=torch.float32)
-        return PreparedWeights(w13t, w2t, alpha13, alpha2)
+        return PreparedWeights(w13t, w2t, alpha13, alpha2, stored13, stored2)
 
 
 class Fp8Fp4Recipe(Fp8BlockRecipe):
@@ -371,7 +421,9 @@ class Fp8Fp4Recipe(Fp8BlockRecipe):
         e, rows, half = (int(d) for d in w.shape)
         return (e, rows, half * 2 // 32)
 
-    def _weight(self, name: str, w: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    def _weight(
+        self, name: str, w: torch.Tensor, s: torch.Tensor | None
+    ) -> tuple[torch.Tensor, StoredWeight | None]:
         if s is None:
             w, s = quant.quantize_mxfp4(w)
-        return quant.dequantize_mxfp4(w, s)
+        return quant.dequantize_mxfp4(w, s), _stored(w, s, "e8m0", 32)

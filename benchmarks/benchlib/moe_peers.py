@@ -1,0 +1,404 @@
+"""The issue-16 comparison for `layer_speed.py --sections peers crossover`: the portable layer
+against the machine's read bandwidth, dense GEMMs, the naive loop and transformers' experts
+on the same weights and routing, and the crossover of the CPU expert GEMM of few rows."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from benchlib import hf_moe, plots
+from benchlib.bandwidth import read_bandwidth
+from benchlib.options import shape_text
+from benchlib.tables import titled_table
+from benchlib.targets import Target, row_status, status
+from moe_ep import MoEEpTensors, MoEWeightPack
+from moe_ep.backends.portable import experts, recipes
+from moe_ep.backends.portable.comm import Workspace
+
+Shape = dict[str, int]
+PEER_SHAPES: dict[str, Shape] = {
+    "prefill": {"T": 4096, "H": 2048, "I": 1024, "E": 16, "k": 4},
+    "T=512": {"T": 512, "H": 2048, "I": 768, "E": 64, "k": 8},
+    "decode T=64": {"T": 64, "H": 2048, "I": 1024, "E": 64, "k": 8},
+    "decode T=16": {"T": 16, "H": 2048, "I": 1024, "E": 64, "k": 8},
+    "decode T=4": {"T": 4, "H": 2048, "I": 1024, "E": 64, "k": 8},
+    "decode T=1": {"T": 1, "H": 2048, "I": 1024, "E": 64, "k": 8},
+    # DeepSeek-V3's E=256 k=8 H=7168 with I=2048 / 8: 2.6 GiB of bf16 weights, not 21 GiB
+    "DeepSeek-like I/8": {"T": 64, "H": 7168, "I": 256, "E": 256, "k": 8},
+}
+DECODE_TARGETED = "decode T=64"
+QUANT_KERNELS = {
+    "fp8": "any_fp8_fp8_bf16_torch",
+    "mxfp8": "any_mxfp8_mxfp8_bf16_torch",
+    "nvfp4": "any_nvfp4_nvfp4_bf16_torch",
+    "fp8_fp4": "any_fp8_fp4_bf16_torch",
+}
+# The targets of issue 16 (docs/runbook.md, Benchmarks)
+VS_LIMIT = Target("<=", 1.5, applies_to=DECODE_TARGETED)
+PEER_OVER_LAYER_DECODE = Target(">=", 2.0, applies_to=DECODE_TARGETED)
+PEER_OVER_LAYER = Target(">=", 1.0)
+VS_DENSE = {"T=512": Target("<=", 1.2, applies_to="T=512"), "prefill": Target("<=", 1.1)}
+QUANT_VS_LIMIT = Target("<=", 2.0)
+CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass
+class Samples:
+    """Seconds of each timed run of one thing."""
+
+    runs: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    def spread(self) -> str:
+        """min-max over the runs, as a text."""
+        return f"{min(self.runs) * 1e3:.1f}-{max(self.runs) * 1e3:.1f}"
+
+
+def round_robin(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, Samples]:
+    """Every fn once to warm up, then `reps` rounds of each in turn (load drift hits all)."""
+    for fn in fns.values():
+        fn()
+    out = {name: Samples() for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            out[name].runs.append(time.perf_counter() - start)
+    return out
+
+
+def bandwidth(reps: int) -> float:
+    """Median read bandwidth (bytes / s) at the current thread count."""
+    return statistics.median(read_bandwidth(reps))
+
+
+def active_experts(ids: torch.Tensor) -> int:
+    return int(ids.unique().numel())
+
+
+def bf16_weight_bytes(shape: Shape) -> int:
+    """Bytes of one expert's bf16 weights (w13 and w2)."""
+    return 3 * shape["H"] * shape["I"] * 2
+
+
+@dataclass
+class ShapeResult:
+    name: str
+    shape: Shape
+    times: dict[str, Samples]
+    limit_s: float
+    skipped: dict[str, str]
+
+    def peer_best(self) -> tuple[str, float] | None:
+        peers = {k: v.median for k, v in self.times.items() if k.startswith("hf ")}
+        if not peers:
+            return None
+        best = min(peers, key=lambda k: peers[k])
+        return best, peers[best]
+
+
+def time_peer_shape(
+    name: str,
+    shape: Shape,
+    reps: int,
+    bw: float,
+    problem: Callable[[Shape], dict[str, torch.Tensor]],
+    make_layer: Callable[[dict[str, torch.Tensor], Shape], object],
+    naive: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+) -> ShapeResult:
+    """The layer, dense GEMMs of equal FLOPs, the naive loop and each transformers experts
+    implementation on one shape, same weights and routing."""
+    p = problem(shape)
+    layer = make_layer(p, shape)
+    tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
+    pairs, h, i = shape["T"] * shape["k"], shape["H"], shape["I"]
+    xd, hd = torch.randn(pairs, h).bfloat16(), torch.randn(pairs, i).bfloat16()
+    w13d, w2d = p["w13"][0].t(), p["w2"][0].t()
+    gu_d = torch.empty(pairs, 2 * i, dtype=torch.bfloat16)
+    y_d = torch.empty(pairs, h, dtype=torch.bfloat16)
+    fns: dict[str, Callable[[], object]] = {
+        "layer": lambda: layer(tensors),  # type: ignore[operator]
+        "dense": lambda: (torch.mm(xd, w13d, out=gu_d), torch.mm(hd, w2d, out=y_d)),
+        "naive": lambda: naive(p),
+    }
+    skipped: dict[str, str] = {}
+    why = hf_moe.unavailable()
+    for impl in hf_moe.IMPLEMENTATIONS:
+        if why is not None:
+            skipped[f"hf {impl}"] = why
+            continue
+        if impl == "batched_mm" and pairs * bf16_weight_bytes(shape) > hf_moe.BATCHED_MM_MAX_BYTES:
+            skipped[f"hf {impl}"] = "gathers a weight copy per pair: too large"
+            continue
+        fwd = hf_moe.experts_forward(p["w13"], p["w2"], shape["k"], impl)
+        fns[f"hf {impl}"] = lambda fwd=fwd: fwd(p["x"], p["ids"], p["w"])
+    times = round_robin(fns, reps)
+    limit = active_experts(p["ids"]) * bf16_weight_bytes(shape) / bw
+    layer.destroy()  # type: ignore[attr-defined]
+    return ShapeResult(name, shape, times, limit, skipped)
+
+
+@dataclass
+class QuantResult:
+    fmt: str
+    layer: Samples
+    limit_s: float
+    weight_bytes: int
+
+
+def time_quantized(
+    shape: Shape,
+    reps: int,
+    bw: float,
+    problem: Callable[[Shape], dict[str, torch.Tensor]],
+    make_layer: Callable[..., object],
+) -> list[QuantResult]:
+    """Each quantized portable format's layer at a decode shape, against the bytes its own
+    stored weights (codes and scales) of the active experts take to read."""
+    p = problem(shape)
+    tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
+    active = active_experts(p["ids"])
+    out = []
+    for fmt, kernel_name in QUANT_KERNELS.items():
+        layer = make_layer(p, shape, kernel_name)
+        prepared = layer._kernel.prepared  # type: ignore[attr-defined]
+        per_expert = prepared.stored13.nbytes() + prepared.stored2.nbytes()
+        samples = round_robin({fmt: lambda layer=layer: layer(tensors)}, reps)[fmt]  # type: ignore[operator]
+        out.append(QuantResult(fmt, samples, active * per_expert / bw, active * per_expert))
+        layer.destroy()  # type: ignore[attr-defined]
+    return out
+
+
+@dataclass
+class CrossoverPoint:
+    fmt: str
+    rows: int
+    gemm: Samples
+    mm: Samples
+
+
+def crossover(reps: int, experts_n: int = 4, h: int = 2048, i: int = 1024) -> list[CrossoverPoint]:
+    """`run_experts` with every expert on the expert GEMM of few rows, then on the `mm`
+    blocks, at each row count per expert: bf16 and (as the quantized formats' fp32 path)
+    mxfp8."""
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(experts_n, 2 * i, h, generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(experts_n, h, i, generator=g) / i**0.5).bfloat16()
+    pack = MoEWeightPack(w13, w2)
+    points = []
+    for fmt, recipe in (("bf16", recipes.Bf16Recipe()), ("mxfp8", recipes.Mxfp8Recipe())):
+        pw = recipe.prepare(pack)
+        for m in CROSSOVER_ROWS:
+            pairs = m * experts_n
+            rows = torch.randn(pairs, h).to(pw.w2t.dtype)
+            src = torch.arange(pairs)
+            y = torch.empty(pairs, h, dtype=torch.bfloat16)
+            ws = Workspace()
+            counts = [m] * experts_n
+
+            def run(limit: int, pw: recipes.PreparedWeights = pw, rows: torch.Tensor = rows,
+                    src: torch.Tensor = src, y: torch.Tensor = y, ws: Workspace = ws,
+                    counts: list[int] = counts) -> None:  # fmt: skip
+                saved = experts.expert_gemm_rows
+                experts.expert_gemm_rows = lambda weights, device: limit  # type: ignore[assignment]
+                try:
+                    experts.run_experts(rows, src, counts, pw, None, None, y, ws)
+                finally:
+                    experts.expert_gemm_rows = saved  # type: ignore[assignment]
+
+            t = round_robin(
+                {"gemm": lambda run=run: run(1 << 30), "mm": lambda run=run: run(0)}, reps
+            )
+            points.append(CrossoverPoint(fmt, m, t["gemm"], t["mm"]))
+    return points
+
+
+def peer_rows(results: list[ShapeResult]) -> list[dict[str, object]]:
+    """Per shape: the ratios the targets judge (None where a figure is missing)."""
+    rows = []
+    for r in results:
+        layer = r.times["layer"].median
+        best = r.peer_best()
+        rows.append(
+            {
+                "vs_limit": layer / r.limit_s,
+                "vs_dense": layer / r.times["dense"].median,
+                "peer_over_layer": None if best is None else best[1] / layer,
+                "naive_over_layer": r.times["naive"].median / layer,
+                "best_peer": None if best is None else best[0],
+            }
+        )
+    return rows
+
+
+def targets_of(name: str) -> dict[str, Target | None]:
+    decode = name == DECODE_TARGETED
+    return {
+        "vs_limit": VS_LIMIT if decode else None,
+        "vs_dense": VS_DENSE.get(name),
+        "peer_over_layer": PEER_OVER_LAYER_DECODE if decode else PEER_OVER_LAYER,
+    }
+
+
+def print_peers(
+    out: Console,
+    results: list[ShapeResult],
+    quant: list[QuantResult],
+    bw: float,
+    machine: str,
+    reps: int,
+) -> None:
+    """The issue's table with the new figures and a status column, then the quantized one."""
+    table = titled_table(
+        "portable bf16 layer (EP1) vs its limits and transformers' experts",
+        f"median of {reps} round-robin runs (min-max in ms); read bandwidth {bw / 1e9:.1f} GB/s",
+        machine,
+        (
+            "shape",
+            "bw limit",
+            "dense",
+            "layer",
+            "naive",
+            *(f"hf {i}" for i in hf_moe.IMPLEMENTATIONS),
+            "layer/limit",
+            "layer/dense",
+            "peer best/layer",
+            "status",
+        ),
+        caption="bw limit = active experts' bf16 weight bytes / read bandwidth; peer = "
+        "transformers Qwen3-MoE experts block on the same weights and routing; targets: "
+        f"decode T=64 layer/limit {VS_LIMIT.label()} and peer/layer "
+        f"{PEER_OVER_LAYER_DECODE.label()}; every shape peer/layer {PEER_OVER_LAYER.label()}; "
+        f"T=512 layer/dense {VS_DENSE['T=512'].label()}; prefill {VS_DENSE['prefill'].label()}",
+    )
+    for r, ratios in zip(results, peer_rows(results), strict=True):
+
+        def cell(key: str, r: ShapeResult = r) -> str:
+            if key in r.skipped:
+                return "skipped"
+            s = r.times[key]
+            return f"{s.median * 1e3:.1f} ({s.spread()})"
+
+        tg = targets_of(r.name)
+        table.add_row(
+            f"{r.name}\n{shape_text(r.shape)}",
+            f"{r.limit_s * 1e3:.1f}",
+            cell("dense"),
+            cell("layer"),
+            cell("naive"),
+            *(cell(f"hf {i}") for i in hf_moe.IMPLEMENTATIONS),
+            f"{ratios['vs_limit']:.2f}x",
+            f"{ratios['vs_dense']:.2f}x",
+            "n/a" if ratios["peer_over_layer"] is None else f"{ratios['peer_over_layer']:.2f}x",
+            row_status((k, ratios[k], tg[k]) for k in tg),  # type: ignore[misc]
+        )
+    out.print(table)
+    for r in results:
+        for k, why in r.skipped.items():
+            out.print(f"{r.name}: {k} skipped: {why}")
+    if quant:
+        qt = titled_table(
+            "quantized portable formats at decode vs their own weight bytes",
+            f"{DECODE_TARGETED} {shape_text(PEER_SHAPES[DECODE_TARGETED])}",
+            machine,
+            ("format", "active weight bytes", "limit", "layer", "layer/limit", "target", "status"),
+        )
+        for q in quant:
+            ratio = q.layer.median / q.limit_s
+            qt.add_row(
+                q.fmt,
+                f"{q.weight_bytes / 2**20:.0f} MiB",
+                f"{q.limit_s * 1e3:.1f} ms",
+                f"{q.layer.median * 1e3:.1f} ({q.layer.spread()})",
+                f"{ratio:.2f}x",
+                QUANT_VS_LIMIT.label(),
+                status(ratio, QUANT_VS_LIMIT),
+            )
+        out.print(qt)
+
+
+def print_crossover(out: Console, points: list[CrossoverPoint], machine: str) -> None:
+    table = titled_table(
+        "run_experts: expert GEMM of few rows vs the mm blocks",
+        "4 experts, H=2048 I=1024, every expert the same row count; medians (min-max) in ms",
+        machine,
+        ("format", "rows / expert", "expert GEMM", "mm blocks", "mm / expert GEMM"),
+    )
+    for pt in points:
+        table.add_row(
+            pt.fmt,
+            str(pt.rows),
+            f"{pt.gemm.median * 1e3:.2f} ({pt.gemm.spread()})",
+            f"{pt.mm.median * 1e3:.2f} ({pt.mm.spread()})",
+            f"{pt.mm.median / pt.gemm.median:.2f}x",
+        )
+    out.print(table)
+
+
+def plot_peers(
+    results: list[ShapeResult],
+    quant: list[QuantResult],
+    points: list[CrossoverPoint],
+    title_line: str,
+    machine: str,
+    path: Path,
+) -> Path:
+    """Ratios against their target lines: layer / bandwidth limit, peer / layer, layer /
+    dense, quantized / own limit, and the crossover sweep."""
+    fig, axes = plots.figure(2, 3, width=17, height=9)
+    plots.title(fig, "portable layer vs limits and transformers (issue 16)", title_line, machine)
+    names = [r.name for r in results]
+    ratios = peer_rows(results)
+    shown = plots.ratio_bars(
+        axes[0],
+        names,
+        [x["vs_limit"] for x in ratios],
+        [targets_of(n)["vs_limit"] for n in names],  # type: ignore[misc]
+    )
+    axes[0].set_title("layer / its bandwidth limit (lower is better)", fontsize=9)
+    have = [(n, x) for n, x in zip(names, ratios, strict=True) if x["peer_over_layer"] is not None]
+    if have:
+        shown += plots.ratio_bars(
+            axes[1],
+            [f"{n}\n({x['best_peer']})" for n, x in have],
+            [x["peer_over_layer"] for _, x in have],  # type: ignore[misc]
+            [targets_of(n)["peer_over_layer"] for n, _ in have],
+        )
+    axes[1].set_title("transformers' fastest / layer (higher is better)", fontsize=9)
+    shown += plots.ratio_bars(
+        axes[2],
+        names,
+        [x["vs_dense"] for x in ratios],
+        [targets_of(n)["vs_dense"] for n in names],  # type: ignore[misc]
+    )
+    axes[2].set_title("layer / dense GEMMs of equal FLOPs (lower is better)", fontsize=9)
+    if quant:
+        shown += plots.ratio_bars(
+            axes[3],
+            [q.fmt for q in quant],
+            [q.layer.median / q.limit_s for q in quant],
+            [QUANT_VS_LIMIT] * len(quant),
+        )
+    axes[3].set_title(f"quantized layer / own weight-bytes limit, {DECODE_TARGETED}", fontsize=9)
+    for fmt, ax in (("bf16", axes[4]), ("mxfp8", axes[5])):
+        pts = [pt for pt in points if pt.fmt == fmt]
+        if pts:
+            ax.plot([pt.rows for pt in pts], [pt.mm.median / pt.gemm.median for pt in pts], "o-")
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("rows per expert")
+        ax.set_title(f"{fmt}: mm blocks / expert GEMM time (> 1: GEMM faster)", fontsize=9)
+    for ax in axes:
+        ax.set_ylabel("ratio")
+    plots.status_legend(fig, shown)
+    return plots.save(fig, path)

@@ -1,0 +1,357 @@
+"""The CPU expert GEMM of few rows (`cpu_fused.expert_gemm`) and its crossover in `run_experts`.
+
+References we did not derive from the kernel: torch's own e4m3fn -> fp32 conversion and the
+OCP e2m1 / E8M0 value definitions for the in-register decode; a float64 emulation of the sum
+order cpu_fused.c documents (16 lanes, one fma each, the fixed pairwise lane reduction) for
+the arithmetic; the existing `mm` path of `run_experts` for the wiring (on data whose sums
+are exact in fp32, so any order gives the same bits and a bit-for-bit comparison is fair).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ep import quant
+from moe_ep.backends.portable import cpu_fused, experts
+from moe_ep.backends.portable.comm import Workspace
+from moe_ep.backends.portable.cpu_fused import ExpertGroups, StoredWeight
+from moe_ep.backends.portable.recipes import (
+    Bf16Recipe,
+    Fp8BlockRecipe,
+    Fp8Fp4Recipe,
+    Mxfp8Recipe,
+    Nvfp4Recipe,
+    PreparedWeights,
+    Recipe,
+)
+from moe_ep.layer.params import MoEWeightPack
+
+pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
+
+RAGGED = [0, 1, 2, 3, 5, 17, 48, 49, 50, 97, 0, 300, 1]  # rows per expert, empty ones too
+
+
+def _fma32(a: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add (one rounding), via float64: an fp32 x fp32 product is exact
+    in float64, so only the sum is rounded twice (a 1-ulp tie case that these seeds miss)."""
+    return (a.double() + x.double() * w.double()).float()
+
+
+def reference_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    q_start: list[int],
+    expert: list[int],
+    alpha: torch.Tensor | None,
+) -> torch.Tensor:
+    """fp32 `[Q, N]`: the order cpu_fused.c documents, from fp32 `x [Q, K]`, `w [E, N, K]`."""
+    q, k = x.shape
+    k16 = -(-k // 16) * 16
+    xp = torch.zeros(q, k16)
+    xp[:, :k] = x
+    out = torch.empty(q, int(w.shape[1]))
+    for g, e in enumerate(expert):
+        lo, hi = q_start[g], q_start[g + 1]
+        if lo == hi:
+            continue
+        wp = torch.zeros(int(w.shape[1]), k16)
+        wp[:, :k] = w[e]
+        xs = xp[lo:hi].view(hi - lo, 1, k16 // 16, 16)
+        ws = wp.view(1, -1, k16 // 16, 16)
+        acc = torch.zeros(hi - lo, int(w.shape[1]), 16)  # indexed by element of the chunk
+        for c in range(k16 // 16):
+            acc = _fma32(acc, xs[:, :, c], ws[:, :, c])
+        t = acc[..., 0::2] + acc[..., 1::2]  # lanes j and j + 8 hold elements 2j and 2j + 1
+        u = t[..., :4] + t[..., 4:]
+        v = u[..., :2] + u[..., 2:]
+        s = v[..., 0] + v[..., 1]
+        out[lo:hi] = s if alpha is None else s * alpha[g]
+    return out
+
+
+def _groups(counts: list[int], experts_of: list[int] | None = None) -> ExpertGroups:
+    q_start = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    expert = torch.tensor(experts_of or list(range(len(counts))), dtype=torch.int64)
+    return ExpertGroups(q_start, expert, q_start[:-1].clone())
+
+
+def _run(
+    x: torch.Tensor,
+    w: StoredWeight,
+    groups: ExpertGroups,
+    out_dtype: torch.dtype,
+    alpha: torch.Tensor | None = None,
+    vector: bool = True,
+    x_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    q = groups.rows
+    out = torch.full((q, w.n), float("nan"), dtype=out_dtype)
+    scratch = torch.empty(cpu_fused.expert_gemm_scratch(q, w.k))
+    assert cpu_fused.expert_gemm(x, x_rows, groups, w, out, scratch, alpha=alpha, vector=vector)
+    return out
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    ia = a.view(torch.int16 if a.element_size() == 2 else torch.int32)
+    ib = b.view(torch.int16 if b.element_size() == 2 else torch.int32)
+    bad = (ia != ib).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} elements differ, first at {bad[0].tolist()}"
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 40), (64, 19), (9, 300), (33, 529)])
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
+def test_bf16_matches_the_documented_order(n: int, k: int, vector: bool) -> None:
+    if vector and not cpu_fused.vector_bodies() & 1:
+        pytest.skip("this build has no AVX2 expert GEMM body")
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    counts = RAGGED
+    e = len(counts)
+    x = torch.randn(sum(counts), k, generator=g).bfloat16()
+    w = torch.randn(e, n, k, generator=g).bfloat16()
+    want = reference_gemm(
+        x.float(), w.float(), [0, *torch.tensor(counts).cumsum(0)], list(range(e)), None
+    )
+    groups = _groups(counts)
+    _bits_equal(_run(x, StoredWeight(w, "bf16"), groups, torch.float32, vector=vector), want)
+    _bits_equal(
+        _run(x, StoredWeight(w, "bf16"), groups, torch.bfloat16, vector=vector), want.bfloat16()
+    )
+
+
+def test_vector_body_equals_scalar_twin_on_gathered_rows_with_alpha() -> None:
+    if not cpu_fused.vector_bodies() & 1:
+        pytest.skip("this build has no AVX2 expert GEMM body")
+    g = torch.Generator().manual_seed(7)
+    counts, n, k = [3, 0, 61, 1, 250], 45, 2 * 256 + 48
+    x = torch.randn(400, k, generator=g).bfloat16()
+    x_rows = torch.randint(0, 400, (sum(counts),), generator=g)
+    w = StoredWeight(torch.randn(6, n, k, generator=g).bfloat16(), "bf16")
+    groups = _groups(counts, [5, 0, 2, 2, 3])  # an expert twice, expert 1 and 4 unused
+    alpha = torch.rand(len(counts), generator=g) + 0.5
+    got = _run(x, w, groups, torch.bfloat16, alpha, True, x_rows)
+    _bits_equal(got, _run(x, w, groups, torch.bfloat16, alpha, False, x_rows))
+    want = reference_gemm(
+        x[x_rows].float(), w.codes.float(), [0, 3, 3, 64, 65, 315], [5, 0, 2, 2, 3], alpha
+    )
+    _bits_equal(got, want.bfloat16())
+
+
+def test_thread_counts_give_the_same_bits() -> None:
+    g = torch.Generator().manual_seed(3)
+    counts, n, k = RAGGED, 200, 384
+    x = torch.randn(sum(counts), k, generator=g).bfloat16()
+    w = StoredWeight(torch.randn(len(counts), n, k, generator=g).bfloat16(), "bf16")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(x, w, _groups(counts), torch.bfloat16)
+        torch.set_num_threads(2)
+        two = _run(x, w, _groups(counts), torch.bfloat16)
+    finally:
+        torch.set_num_threads(before)
+    _bits_equal(one, two)
+
+
+# --- in-register decode of the stored formats ----------------------------------------------
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX spec, FP4 E2M1 magnitudes
+
+
+def _decoded_by_one_hot_rows(w: StoredWeight) -> torch.Tensor:
+    """`[N, K]` fp32: the kernel's dequantized weight row j, read back as identity @ w^T."""
+    eye = torch.eye(w.k)
+    return _run(eye, w, _groups([w.k]), torch.float32).t()
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
+def test_e4m3_codes_decode_as_torch_does(vector: bool) -> None:
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]  # 0x7f / 0xff are NaN: 0 * NaN poisons the rows
+    row = torch.cat([finite, finite[:2]]).view(1, 1, -1)  # 256 elements
+    w = StoredWeight(row.contiguous(), "e4m3")
+    got = _run(torch.eye(w.k), w, _groups([w.k]), torch.float32, vector=vector).t()[0]
+    want = row.view(torch.float8_e4m3fn).float().view(-1)
+    assert torch.equal(got, want)  # -0 comes out +0 (fma onto +0); equal() treats them alike
+    nan_row = torch.full((1, 1, 16), 0x7F, dtype=torch.uint8)
+    nan_row[0, 0, 3] = 0xFF
+    out = _run(torch.ones(1, 16), StoredWeight(nan_row, "e4m3"), _groups([1]), torch.float32)
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
+def test_e2m1_codes_and_scales_decode_as_their_definitions(vector: bool) -> None:
+    k = 64
+    nib = torch.arange(k) % 16  # every code, at even and odd positions
+    nib = torch.stack([nib, nib.roll(5)])  # [2, k]
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8).view(1, 2, k // 2)
+    value = torch.tensor(E2M1 + [-v for v in E2M1])[nib]
+    e8m0 = torch.tensor([[[1, 127, 130, 250], [100, 128, 2, 126]]], dtype=torch.uint8)
+    w = StoredWeight(packed.contiguous(), "e2m1", e8m0, "e8m0", 16)
+    got = _run(torch.eye(k), w, _groups([k]), torch.float32, vector=vector).t()
+    want = value * torch.pow(2.0, e8m0.double() - 127).float().view(2, 4).repeat_interleave(16, 1)
+    assert torch.equal(got, want)
+    e4m3 = torch.tensor([[[0x38, 0x01, 0x77, 0xB4], [0x7E, 0x08, 0x40, 0x30]]], dtype=torch.uint8)
+    w = StoredWeight(packed.contiguous(), "e2m1", e4m3, "e4m3", 16)
+    got = _run(torch.eye(k), w, _groups([k]), torch.float32, vector=vector).t()
+    scale = e4m3.view(torch.float8_e4m3fn).float().view(2, 4).repeat_interleave(16, 1)
+    assert torch.equal(got, value * scale)
+
+
+def _pack(e: int, i: int, h: int, seed: int) -> MoEWeightPack:
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.05
+    w2 = torch.randn(e, h, i, generator=g) * 0.05
+    w13[0, :3, :5] = 1e-7  # tiny values: subnormal e4m3 codes / small scales
+    return MoEWeightPack(w13=w13.bfloat16(), w2=w2.bfloat16())
+
+
+QUANTIZED: dict[str, Recipe] = {
+    "fp8": Fp8BlockRecipe(),
+    "fp8_interleave8": Fp8BlockRecipe(fc1_gate_up_interleave=8),
+    "mxfp8": Mxfp8Recipe(),
+    "nvfp4": Nvfp4Recipe(act_global_scale=3.0, hidden_global_scale=0.5),
+    "fp8_fp4": Fp8Fp4Recipe(),
+}
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
+@pytest.mark.parametrize("fmt", list(QUANTIZED))
+def test_quantized_in_register_decode_equals_the_recipes_dequantized_weights(
+    fmt: str, vector: bool
+) -> None:
+    recipe = QUANTIZED[fmt]
+    e, i, h = 3, 128, 256 + 128
+    pw = recipe.prepare(_pack(e, i, h, seed=11))
+    assert pw.stored13 is not None and pw.stored2 is not None
+    g = torch.Generator().manual_seed(5)
+    counts = [5, 0, 130]
+    q_start = [0, 5, 5, 135]
+    for stored, deq, alpha in (
+        (pw.stored13, pw.w13t.transpose(1, 2), pw.alpha13),
+        (pw.stored2, pw.w2t.transpose(1, 2), pw.alpha2),
+    ):
+        x = torch.randn(sum(counts), stored.k, generator=g)
+        got = _run(x, stored, _groups(counts), torch.float32, alpha, vector)
+        _bits_equal(got, reference_gemm(x, deq.float(), q_start, [0, 1, 2], alpha))
+
+
+# --- run_experts: the new path against the existing one -------------------------------------
+
+GRID = [-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0]  # exact in bf16, e4m3 and e2m1
+
+
+def _exact_pack(e: int, i: int, h: int, seed: int) -> MoEWeightPack:
+    """Weights whose dequantized values have few bits, and a one-hot FC2: every sum of the
+    layer is exact in fp32, so both paths must agree bit for bit whatever their order."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.tensor(GRID)
+    w13 = grid[torch.randint(0, len(GRID), (e, 2 * i, h), generator=g)]
+    w2 = torch.zeros(e, h, i)
+    for x in range(e):  # output column c of expert x reads one h element (a permutation)
+        cols = torch.randperm(h, generator=g) % i
+        w2[x, torch.arange(h), cols] = grid[torch.randint(5, 9, (h,), generator=g)]
+    return MoEWeightPack(w13=w13.bfloat16(), w2=w2.bfloat16())
+
+
+CASES: dict[str, tuple[Recipe, int, int]] = {  # recipe, H, I
+    "bf16_odd": (Bf16Recipe(), 37, 19),
+    "bf16": (Bf16Recipe(), 64, 48),
+    "mxfp8": (Mxfp8Recipe(), 64, 32),
+    "nvfp4": (Nvfp4Recipe(act_global_scale=2.0, hidden_global_scale=4.0), 64, 32),
+    "fp8_fp4": (Fp8Fp4Recipe(), 64, 32),
+}
+
+
+def _run_experts(
+    recipe: Recipe, pw: PreparedWeights, counts: list[int], limit: int, scaled: bool, seed: int
+) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    hidden = int(pw.w2t.shape[2])
+    pairs = sum(counts)
+    rows = torch.tensor(GRID)[torch.randint(0, len(GRID), (pairs + 7, hidden), generator=g)]
+    rows = rows.to(pw.w2t.dtype)
+    src_row = torch.randint(0, pairs + 7, (pairs,), generator=g)
+    scale = torch.tensor([0.5, 1.0, 2.0])[torch.randint(0, 3, (pairs,), generator=g)]
+    y = torch.full((pairs, hidden), float("nan"), dtype=torch.bfloat16)
+    requantize = None if recipe.requantize_is_rounding else recipe.requantize
+    mp = pytest.MonkeyPatch()
+    with mp.context() as m:
+        m.setattr(experts, "expert_gemm_rows", lambda weights, device: limit)
+        experts.run_experts(
+            rows, src_row, counts, pw, requantize, None, y, Workspace(),
+            pair_scale=scale if scaled else None,
+        )  # fmt: skip
+    return y
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "topk_before_fc2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_run_experts_new_path_equals_the_mm_path(case: str, scaled: bool) -> None:
+    recipe, h, i = CASES[case]
+    pw = recipe.prepare(_exact_pack(len(RAGGED), i, h, seed=2))
+    old = _run_experts(recipe, pw, RAGGED, 0, scaled, seed=4)
+    assert not old.isnan().any()
+    new = _run_experts(recipe, pw, RAGGED, 10**9, scaled, seed=4)
+    _bits_equal(new, old)
+    mixed = _run_experts(recipe, pw, RAGGED, 49, scaled, seed=4)  # both paths in one call
+    _bits_equal(mixed, old)
+
+
+# --- the crossover ---------------------------------------------------------------------------
+
+
+def test_crossover_by_format_and_device() -> None:
+    bf16 = Bf16Recipe().prepare(_pack(2, 32, 64, seed=1))
+    fp8 = Mxfp8Recipe().prepare(_pack(2, 32, 64, seed=1))
+    cpu = torch.device("cpu")
+    want_bf16 = (
+        experts.EXPERT_GEMM_ROWS_BF16_ONEDNN
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        else experts.EXPERT_GEMM_ROWS_BF16
+    )
+    assert experts.expert_gemm_rows(bf16, cpu) == want_bf16
+    assert experts.expert_gemm_rows(fp8, cpu) == experts.EXPERT_GEMM_ROWS_FP32
+    assert experts.expert_gemm_rows(bf16, torch.device("cuda")) == 0
+    no_stored = PreparedWeights(bf16.w13t, bf16.w2t)
+    assert experts.expert_gemm_rows(no_stored, cpu) == 0
+
+
+def test_run_experts_sends_experts_up_to_the_crossover_to_the_expert_gemm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pw = Bf16Recipe().prepare(_pack(len(RAGGED), 16, 32, seed=1))
+    seen: dict[str, list[tuple[int, int, int]]] = {"gemm": [], "mm": []}
+    monkeypatch.setattr(experts, "expert_gemm_rows", lambda weights, device: 49)
+    monkeypatch.setattr(
+        experts, "_run_expert_gemm", lambda rows, src, runs, *a: seen["gemm"].extend(runs)
+    )
+    monkeypatch.setattr(experts, "_run_blocks", lambda tasks, **kw: seen["mm"].extend(tasks))
+    monkeypatch.setattr(cpu_fused, "parallel_workers", lambda device: 1)
+    pairs = sum(RAGGED)
+    rows = torch.zeros(pairs, 32, dtype=torch.bfloat16)
+    y = torch.empty(pairs, 32, dtype=torch.bfloat16)
+    experts.run_experts(rows, torch.arange(pairs), RAGGED, pw, None, None, y, Workspace())
+    starts = [sum(RAGGED[:e]) for e in range(len(RAGGED))]
+    assert seen["gemm"] == [(e, starts[e], c) for e, c in enumerate(RAGGED) if 0 < c <= 49]
+    assert seen["mm"] == [(e, starts[e], c) for e, c in enumerate(RAGGED) if c > 49]
+
+
+def test_segments_split_big_experts_and_cap_each_call() -> None:
+    counts = [3, 5000, 0, 7]
+    starts = [0, 3, 5003, 5003]
+    calls = list(experts._segments([0, 1, 3], starts, counts, 2048))
+    assert all(sum(b for *_, b in runs) <= 2048 for runs in calls)
+    flat = [run for runs in calls for run in runs]
+    assert flat == [(0, 0, 3), (1, 3, 2048), (1, 2051, 2048), (1, 4099, 904), (3, 5003, 7)]
+
+
+def test_quantize_round_trip_grid_is_exact() -> None:
+    """The premise of the bit-for-bit comparison: the grid survives each recipe's weights."""
+    pack = _exact_pack(2, 32, 64, seed=9)
+    for recipe in (Mxfp8Recipe(), Fp8Fp4Recipe()):
+        pw = recipe.prepare(pack)
+        assert torch.equal(pw.w13t.transpose(1, 2).float(), pack.w13.float())
+    s = quant.e8m0_to_float32(torch.tensor([127], dtype=torch.uint8))
+    assert float(s) == 1.0
