@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "moe_ep.drop_tree",
         "moe_ep.quant",
         "moe_ep.spawn",
-        "moe_ep.launch",
+        "moe_ep.launch",  # transitional re-export of moe_ep.spawn
     ),
     ("moe_ep.runtime",),
     ("moe_ep.registry",),

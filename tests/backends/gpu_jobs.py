@@ -144,7 +144,7 @@ def job_outputs(
     rehearsals too, often with fewer GPUs than ranks); mixing twins and kernels in one call
     is refused.
     """
-    from moe_ep.launch import spawn_local
+    from moe_ep.spawn import spawn_local
 
     twins = {j.backend is not None for j in jobs}
     if len(twins) != 1:

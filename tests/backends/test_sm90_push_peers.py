@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from moe_ep.launch import spawn_local
+from moe_ep.spawn import spawn_local
 
 TIMEOUT_S = 20.0  # the runtime's bound on every wait; a one-sided failure would take this long
 

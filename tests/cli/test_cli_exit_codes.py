@@ -235,13 +235,13 @@ def test_info_names_every_malformed_variable_in_one_line(
 def test_run_checks_the_environment_before_spawning(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import moe_ep.launch
+    import moe_ep.spawn
 
     def no_spawn(*args: object, **kwargs: object) -> None:
         raise AssertionError("spawned ranks")
 
     for name in ("launch_local", "spawn_local"):
-        monkeypatch.setattr(moe_ep.launch, name, no_spawn, raising=False)
+        monkeypatch.setattr(moe_ep.spawn, name, no_spawn, raising=False)
     monkeypatch.setenv("MOE_EP_TIMEOUT_S", "1e15")
     assert main(RUN2) == EXIT_USAGE
     assert "MOE_EP_TIMEOUT_S" in one_error(capsys.readouterr().err)

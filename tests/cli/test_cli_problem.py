@@ -14,7 +14,7 @@ import torch
 
 from moe_ep.cli import capacity, jobs, main, problem
 from moe_ep.cli.problem import JobSpec
-from moe_ep.launch import spawn_local
+from moe_ep.spawn import spawn_local
 from moe_ep.oracle import FORMATS, oracle_forward
 
 SPEC = JobSpec(
@@ -164,7 +164,7 @@ def test_available_memory_is_read() -> None:
 def test_run_warns_before_spawning(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import moe_ep.launch
+    import moe_ep.spawn
 
     seen: list[str] = []
 
@@ -176,7 +176,7 @@ def test_run_warns_before_spawning(
         raise Spawned
 
     for name in ("launch_local", "spawn_local"):
-        monkeypatch.setattr(moe_ep.launch, name, record_then_stop, raising=False)
+        monkeypatch.setattr(moe_ep.spawn, name, record_then_stop, raising=False)
     _machine(monkeypatch, gib=1.0, cores=1)
     argv = ["run", "--world-size", "32", "--experts", "64", "--tokens", "16", "--check"]
     main(argv)

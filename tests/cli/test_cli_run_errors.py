@@ -35,12 +35,12 @@ def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
 def test_more_ranks_than_gpus_is_refused_before_spawning(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import moe_ep.launch
+    import moe_ep.spawn
 
     def no_spawn(*args: object, **kwargs: object) -> None:
         raise AssertionError("spawned ranks")
 
-    monkeypatch.setattr(moe_ep.launch, "launch_local", no_spawn)
+    monkeypatch.setattr(moe_ep.spawn, "launch_local", no_spawn)
     monkeypatch.delenv("MEGA_SINGLE_GPU_GLOO", raising=False)
     _fake_gpus(monkeypatch, 1)
     assert main(["run", "--world-size", "2"]) == EXIT_USAGE

@@ -6,7 +6,7 @@ import pytest
 
 from moe_ep import oracle
 from moe_ep.cli import main
-from moe_ep.launch import free_port
+from moe_ep.spawn import free_port
 
 TINY = ["--tokens", "16", "--hidden", "128", "--intermediate", "128", "--experts", "4"]
 TINY += ["--topk", "2", "--iters", "1"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from layer_cases import KERNELS, Case, from_wire, make_problem, token_split
 
-from moe_ep.launch import spawn_local
+from moe_ep.spawn import spawn_local
 from moe_ep.oracle import OracleResult, compare_to_oracle, oracle_forward
 
 pytestmark = pytest.mark.multirank

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from moe_ep.launch import spawn_local
+from moe_ep.spawn import spawn_local
 
 pytestmark = pytest.mark.multirank
 

@@ -21,7 +21,7 @@ import torch
 import moe_ep.layer.layer as layer_module
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
 from moe_ep.backends.portable import Bf16TorchKernel
-from moe_ep.launch import free_port
+from moe_ep.spawn import free_port
 
 E, H, I = 4, 128, 128  # noqa: E741 - the glossary names
 HANDLE = 0x7F00_1234  # a cudaStream_t as an int

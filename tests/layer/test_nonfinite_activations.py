@@ -20,7 +20,7 @@ from layer_cases import KERNELS, Case, from_wire, make_problem, to_wire
 
 import moe_ep.quant as q
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.launch import spawn_local
+from moe_ep.spawn import spawn_local
 from moe_ep.oracle import compare_to_oracle, oracle_forward
 
 T, H, I, E, K = 16, 256, 128, 8, 4  # noqa: E741 - I is the glossary name

@@ -25,7 +25,7 @@ from layer_cases import KERNELS, Case, make_problem
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack, quant
 from moe_ep.backends.portable import experts
 from moe_ep.backends.portable.recipes import PreparedWeights, Recipe
-from moe_ep.launch import free_port
+from moe_ep.spawn import free_port
 from moe_ep.oracle import (
     OracleResult,
     compare_to_oracle,

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from moe_ep import BootstrapConfig
-from moe_ep.launch import launch_local
+from moe_ep.spawn import launch_local
 
 pytestmark = pytest.mark.multirank
 

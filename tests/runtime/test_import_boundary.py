@@ -33,7 +33,7 @@ RUNTIME_MODULES = [
     "moe_ep.config",
     "moe_ep.device",
     "moe_ep.env",
-    "moe_ep.launch",
+    "moe_ep.spawn",
 ]
 # Drop packages (`moe_ep_drop_*`) and the generic top-level names the CuTe DSL drops import
 # from their src/ (see shared notes on the drops): none may be imported by core by name.
@@ -167,7 +167,7 @@ def test_runtime_imports_no_backend_or_drop(module: str) -> None:
 
 
 def _loaded_modules(rank: int, world_size: int) -> list[str]:
-    import moe_ep.launch
+    import moe_ep.spawn
     import moe_ep.runtime  # noqa: F401
 
     return sorted(sys.modules)
@@ -175,7 +175,7 @@ def _loaded_modules(rank: int, world_size: int) -> list[str]:
 
 @pytest.mark.multirank
 def test_importing_runtime_loads_no_backend_or_drop() -> None:
-    from moe_ep.launch import spawn_local
+    from moe_ep.spawn import spawn_local
 
     (loaded,) = spawn_local(_loaded_modules, 1, timeout_s=90)
     assert "moe_ep.runtime" in loaded

@@ -17,7 +17,7 @@ from moe_ep.errors import (
     MoeEpUnavailableError,
     MoeEpUsageError,
 )
-from moe_ep.launch import free_port, spawn_local
+from moe_ep.spawn import free_port, spawn_local
 
 SPAWN_TIMEOUT = 90.0
 

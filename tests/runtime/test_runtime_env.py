@@ -116,7 +116,7 @@ def test_every_variable_read_is_documented() -> None:
 
 def test_no_other_core_runtime_module_reads_the_environment() -> None:
     src = ROOT / "packages/moe-ep-core/src/moe_ep"
-    files = [src / n for n in ("config.py", "device.py", "launch.py")]
+    files = [src / n for n in ("config.py", "device.py", "spawn.py")]
     files += sorted((src / "runtime").glob("*.py"))
     assert len(files) >= 5
     for path in files:

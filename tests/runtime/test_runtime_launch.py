@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from moe_ep.errors import MoeEpPeerError, MoeEpTimeoutError, MoeEpUsageError
-from moe_ep.launch import launch_local, spawn_local
+from moe_ep.spawn import launch_local, spawn_local
 
 pytestmark = pytest.mark.multirank
 
@@ -209,7 +209,7 @@ def _gone(pid: int) -> bool:
 LAUNCHER = """
 import os, sys, time
 from pathlib import Path
-from moe_ep.launch import spawn_local
+from moe_ep.spawn import spawn_local
 
 def sleep_in_rank(rank, world_size, pid_dir):
     Path(pid_dir, f"{rank}.pid").write_text(str(os.getpid()))

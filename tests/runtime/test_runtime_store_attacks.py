@@ -19,7 +19,7 @@ import pytest
 
 from moe_ep import BootstrapConfig
 from moe_ep.errors import MoeEpPeerError
-from moe_ep.launch import spawn_local
+from moe_ep.spawn import spawn_local
 
 pytestmark = pytest.mark.multirank
 

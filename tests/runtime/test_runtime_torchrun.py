@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_ep.launch import free_port
+from moe_ep.spawn import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 

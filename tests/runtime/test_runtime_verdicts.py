@@ -22,7 +22,7 @@ import torch
 
 from moe_ep import BootstrapConfig
 from moe_ep.errors import MoeEpPeerError, MoeEpUsageError
-from moe_ep.launch import free_port, launch_local, spawn_local
+from moe_ep.spawn import free_port, launch_local, spawn_local
 
 pytestmark = pytest.mark.multirank
 

@@ -40,7 +40,7 @@ class MoeEpPeerError(MoeEpError, RuntimeError):
     and the same exception class, on every survivor of one fault), `reasons` what is known
     about each (e.g. the error a rank raised on its own bad input), both empty where
     nothing could be agreed. `rank_errors` maps each failed rank to the class name of the
-    exception it raised, where that is known (`moe_ep.launch.spawn_local` fills it).
+    exception it raised, where that is known (`moe_ep.spawn.spawn_local` fills it).
     """
 
     def __init__(

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from types import FrameType
 
 from moe_ep.errors import MoeEpError, MoeEpPeerError, MoeEpUnavailableError, MoeEpUsageError
-from moe_ep.launch import LocalRun, RankFailure
+from moe_ep.spawn import LocalRun, RankFailure
 
 __all__ = [
     "EXIT_CHECK_FAILED",

@@ -198,10 +198,10 @@ def execute(spec: JobSpec) -> tuple[JobSpec, list[dict[str, Any]]]:
     if launched is not None:
         per_rank: list[Any] = run_job(rank, ws, spec, True)
     else:
-        from moe_ep import launch
+        from moe_ep import spawn
         from moe_ep.cli.exits import rank_failure_error
 
-        run = launch.launch_local(run_job, spec.world_size, spec, timeout_s=600)
+        run = spawn.launch_local(run_job, spec.world_size, spec, timeout_s=600)
         if not run.ok:  # one line of the root cause's kind; its cause has the tracebacks
             raise rank_failure_error(run) from run.error()
         per_rank = run.values()
