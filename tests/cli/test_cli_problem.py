@@ -14,8 +14,8 @@ import torch
 
 from moe_ep.cli import capacity, jobs, main, problem
 from moe_ep.cli.problem import JobSpec
-from moe_ep.spawn import spawn_local
 from moe_ep.oracle import FORMATS, oracle_forward
+from moe_ep.spawn import spawn_local
 
 SPEC = JobSpec(
     kernels=("any_bf16_bf16_bf16_torch",),

@@ -13,8 +13,8 @@ from layer_cases import Case, from_wire, make_problem
 from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
 from moe_ep.backends.portable.recipes import Fp8BlockRecipe
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.spawn import spawn_local
 from moe_ep.oracle import compare_to_oracle, oracle_forward
+from moe_ep.spawn import spawn_local
 from moe_ep.types import MoEWeightPack
 
 FMAX = 448.0

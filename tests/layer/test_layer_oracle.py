@@ -9,8 +9,8 @@ import pytest
 import torch
 from layer_cases import KERNELS, Case, from_wire, make_problem, token_split
 
-from moe_ep.spawn import spawn_local
 from moe_ep.oracle import OracleResult, compare_to_oracle, oracle_forward
+from moe_ep.spawn import spawn_local
 
 pytestmark = pytest.mark.multirank
 

@@ -14,8 +14,8 @@ from moe_ep.backends.portable import (
     Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig,
 )
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.spawn import free_port
 from moe_ep.oracle import compare_to_oracle, oracle_forward
+from moe_ep.spawn import free_port
 
 E, H, I, MAX_T = 4, 128, 128, 8  # noqa: E741 - I is the glossary name
 BF16 = "any_bf16_bf16_bf16_torch"

@@ -20,8 +20,8 @@ from layer_cases import KERNELS, Case, from_wire, make_problem, to_wire
 
 import moe_ep.quant as q
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.spawn import spawn_local
 from moe_ep.oracle import compare_to_oracle, oracle_forward
+from moe_ep.spawn import spawn_local
 
 T, H, I, E, K = 16, 256, 128, 8, 4  # noqa: E741 - I is the glossary name
 BAD_TOKEN = 11  # on rank 1 at EP2; its experts sit on both ranks

@@ -25,7 +25,6 @@ from layer_cases import KERNELS, Case, make_problem
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack, quant
 from moe_ep.backends.portable import experts
 from moe_ep.backends.portable.recipes import PreparedWeights, Recipe
-from moe_ep.spawn import free_port
 from moe_ep.oracle import (
     OracleResult,
     compare_to_oracle,
@@ -35,6 +34,7 @@ from moe_ep.oracle import (
 )
 from moe_ep.registry import get_kernel
 from moe_ep.runtime import acquire
+from moe_ep.spawn import free_port
 
 FORMATS = tuple(KERNELS)
 SEEDS = (0, 1, 2)

@@ -117,8 +117,8 @@ def test_bf16_large_expert_blocks_bit_identical_across_world_sizes() -> None:
     give the same bits at EP1 and EP2, and match the oracle."""
     from layer_cases import Case, cases_worker, from_wire, make_problem
 
-    from moe_ep.spawn import spawn_local
     from moe_ep.oracle import compare_to_oracle, oracle_forward
+    from moe_ep.spawn import spawn_local
 
     case = Case("big_blocks", tokens=2600, hidden=64, inter=32, experts=2, topk=2, seed=9)
     assert case.tokens * case.topk // case.experts > experts.ROW_BLOCK  # two blocks each

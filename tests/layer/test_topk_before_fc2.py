@@ -14,8 +14,8 @@ from layer_cases import Case, from_wire, make_problem
 from moe_ep.backends.portable import comm, experts
 from moe_ep.backends.portable.configs import Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.spawn import spawn_local
 from moe_ep.oracle import compare_to_oracle, oracle_forward
+from moe_ep.spawn import spawn_local
 
 FORMATS = ("nvfp4", "mxfp8", "fp8_fp4")
 PLAIN = Case("plain", seed=11)
