@@ -31,8 +31,9 @@ the plot shows every ratio against its target line.
 --sections peers (issue 16; at the last --threads count, medians of --reps round-robin runs
 with their min-max) measures in one run the machine's read bandwidth (a 1 GiB streaming
 read), each shape's bandwidth limit (the active experts' bf16 weight bytes / bandwidth),
-dense GEMMs of equal FLOPs, the naive loop and Hugging Face transformers' Qwen3-MoE experts
-block on the same weights and routing, each `experts_implementation` that runs on CPU
+dense GEMMs of equal FLOPs (bf16 and fp32: the faster is "dense"), the naive loop and
+Hugging Face transformers' Qwen3-MoE experts block on the same weights and routing, each
+`experts_implementation` that runs on CPU
 (eager, batched_mm, grouped_mm; needs the optional `bench` group: `uv sync --group bench`,
 else skipped with the reason), on --peer-shapes (default: all of prefill, T=512, decode
 T=64 / 16 / 4 / 1, DeepSeek-like I/8), and the quantized formats' layers at decode T=64
