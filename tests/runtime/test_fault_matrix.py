@@ -161,7 +161,7 @@ def _install_fault(sc: Scenario) -> None:
     """Make this (victim) process fault at its stage, by wrapping the call that starts it."""
     from moe_ep.backends.portable import comm
     from moe_ep.layer import layer as layer_module
-    from moe_ep.runtime import core
+    from moe_ep.runtime import bootstrap, handle
 
     def at_entry(owner: Any, name: str) -> None:
         real = getattr(owner, name)
@@ -174,18 +174,18 @@ def _install_fault(sc: Scenario) -> None:
 
     if sc.stage == "bootstrap":  # just after hosting / joining the store
         name = "host_store" if sc.host_group else "create_store"
-        real = getattr(core, name)
+        real = getattr(bootstrap, name)
 
         def joined(*args: Any, **kwargs: Any) -> Any:
             made = real(*args, **kwargs)
             _fire(sc.fault)
             return made
 
-        setattr(core, name, joined)
+        setattr(bootstrap, name, joined)
     elif sc.stage == "gather":
-        at_entry(core.Runtime, "gather_json")
+        at_entry(handle.Runtime, "gather_json")
     elif sc.stage == "barrier":
-        at_entry(core.Runtime, "barrier")
+        at_entry(handle.Runtime, "barrier")
     elif sc.stage == "teardown":
         at_entry(layer_module.MoEEpLayer, "destroy")
     else:
@@ -210,19 +210,19 @@ def _mark_stage_entry(sc: Scenario) -> None:
     """On every rank, note when the construction stage the victim faults in (the setup
     gather or the barrier) is entered: a survivor's wait is timed from there, not from the
     start of the construction (whose bootstrap takes seconds at EP4 on two cores)."""
-    from moe_ep.runtime import core
+    from moe_ep.runtime import handle
 
     name = {"gather": "gather_json", "barrier": "barrier"}.get(sc.stage)
     if name is None:
         return
-    real = getattr(core.Runtime, name)
+    real = getattr(handle.Runtime, name)
 
     def entered(*args: Any, **kwargs: Any) -> Any:
         if not _ENTERED:
             _ENTERED.append(time.monotonic())
         return real(*args, **kwargs)
 
-    setattr(core.Runtime, name, entered)
+    setattr(handle.Runtime, name, entered)
 
 
 def _step(out: dict[str, Any], name: str, fn: Any) -> tuple[bool, Any]:

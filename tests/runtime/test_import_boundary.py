@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -167,7 +168,8 @@ def test_runtime_imports_no_backend_or_drop(module: str) -> None:
 
 
 def _loaded_modules(rank: int, world_size: int) -> list[str]:
-
+    for module in RUNTIME_MODULES:
+        importlib.import_module(module)
     return sorted(sys.modules)
 
 

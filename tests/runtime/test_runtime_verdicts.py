@@ -59,7 +59,7 @@ def _wait_for(path: Path, limit_s: float = 30.0) -> None:
 
 def _frozen_host_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any] | None:
     """Rank 0 hosts the store, then stops (SIGSTOP) before rank 1 even connects."""
-    from moe_ep.runtime import core, store
+    from moe_ep.runtime import bootstrap, store
 
     if rank == 0:
         real = store.create_store
@@ -70,12 +70,14 @@ def _frozen_host_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any] 
             os.kill(os.getpid(), signal.SIGSTOP)
             return made
 
-        core.create_store = host_then_freeze  # type: ignore[assignment]
+        bootstrap.create_store = host_then_freeze  # type: ignore[assignment]
         Path(tmp, "pid0").write_text(str(os.getpid()))
     else:
         _wait_for(Path(tmp, "hosted"))
         time.sleep(0.2)  # rank 0 is stopped now
-    out = _outcome(lambda: core.acquire(BootstrapConfig(world_size, rank, timeout_s=TIMEOUT_S)))
+    out = _outcome(
+        lambda: bootstrap.acquire(BootstrapConfig(world_size, rank, timeout_s=TIMEOUT_S))
+    )
     os.kill(int(Path(tmp, "pid0").read_text()), signal.SIGKILL)  # the stopped host
     return {k: v for k, v in out.items() if k != "result"}
 
@@ -203,10 +205,10 @@ def _construction_failure_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Rank 1's kernel fails to build; releasing its runtime then fails too (planted)."""
     from moe_ep.backends.portable.kernel import PortableTorchKernel
     from moe_ep.errors import MoeEpUnavailableError
-    from moe_ep.runtime import core
+    from moe_ep.runtime import handle
 
     if rank == 1:
-        real_release = core.Runtime.release
+        real_release = handle.Runtime.release
 
         def planted_init(self: Any, **kwargs: Any) -> None:
             raise MoeEpUnavailableError("planted: this kernel cannot be built here")
@@ -216,7 +218,7 @@ def _construction_failure_worker(rank: int, world_size: int) -> dict[str, Any]:
             raise RuntimeError("planted teardown error")
 
         PortableTorchKernel.__init__ = planted_init  # type: ignore[method-assign]
-        core.Runtime.release = failing_release  # type: ignore[method-assign]
+        handle.Runtime.release = failing_release  # type: ignore[method-assign]
     return _outcome(lambda: _layer(rank, world_size))
 
 
