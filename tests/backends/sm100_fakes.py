@@ -12,7 +12,9 @@ drop's own runners. Nothing here knows the expected values; the tests state them
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from cute_fakes import (
@@ -71,8 +73,8 @@ def fake_kernel_class(gpu: FakeGpu, kind: str) -> type:
 def install_fake_gpu(
     monkeypatch: pytest.MonkeyPatch, *, world_size: int, rank: int, clusters: int = 148
 ) -> FakeGpu:
-    """Install the fakes (module docstring); `clusters` is what the fake
-    `max_active_clusters` answers."""
+    """Install the fakes (module docstring); `clusters // cluster size` is what the fake
+    `cutlass.utils.HardwareInfo().get_max_active_clusters` answers (one CTA per SM)."""
     import moe_ep_sm100.cutedsl_mxfp8 as mx
     import moe_ep_sm100.cutedsl_nvfp4 as nv
     from moe_ep_sm100.mxfp8_args import Mxfp8KernelApi
@@ -94,6 +96,13 @@ def install_fake_gpu(
     )
     monkeypatch.setattr(nv, "load_nvfp4_api", lambda: nv_api)
     monkeypatch.setattr(mx, "load_mxfp8_api", lambda: mx_api)
-    for mod in (nv, mx):
-        monkeypatch.setattr(mod, "max_active_clusters", lambda size: clusters // size)
+
+    class HardwareInfo:
+        def get_max_active_clusters(self, size: int) -> int:
+            return clusters // size
+
+    utils = ModuleType("cutlass.utils")
+    utils.HardwareInfo = HardwareInfo  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cutlass.utils", utils)
+    monkeypatch.setattr(sys.modules["cutlass"], "utils", utils, raising=False)
     return gpu

@@ -23,7 +23,7 @@ from moe_ep_sm100 import (
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
 )
-from moe_ep_sm100.cutedsl_launch import CutedslMegaKernel
+from moe_ep.backends.support.cutedsl_kernel import CutedslMegaKernel
 from moe_ep_sm100.cutedsl_mxfp8 import Sm100Mxfp8Mxfp8Bf16CutedslKernel
 from moe_ep_sm100.cutedsl_nvfp4 import Sm100Nvfp4Nvfp4Bf16CutedslKernel
 
@@ -298,6 +298,7 @@ def test_staging_of_a_second_layer_refuses_the_first_layers_compute(setup):
 
 
 def test_launch_path_is_the_base_class(setup):
+    """Core's CuTe DSL base (shared with the sm90 pull kernel) runs the lifecycle."""
     _, kernel, _ = setup
     assert type(kernel)._compile is CutedslMegaKernel._compile
     assert type(kernel)._launch is CutedslMegaKernel._launch

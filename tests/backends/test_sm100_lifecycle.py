@@ -14,6 +14,12 @@ import torch
 from backend_testing import FakeRuntime, fake_gpu_pieces, make_kernel, routed_tensors
 
 import moe_ep_sm100.cutedsl_launch as launch
+from moe_ep.backends.support.cutedsl_kernel import (
+    STAGED,
+    CompiledEntry,
+    as_kernel_dtype,
+    storage_tensor,
+)
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm100 import (
@@ -36,17 +42,17 @@ KINDS = {
 @pytest.fixture(params=sorted(KINDS))
 def kind(request, monkeypatch):
     cls, cfg = KINDS[request.param]
-    compiled: list[launch.CompiledEntry] = []
-    launches: list[launch.CompiledEntry] = []
+    compiled: list[CompiledEntry] = []
+    launches: list[CompiledEntry] = []
 
     def fake_compile(self, g):
         specs = {s.name: s for s in self._tensor_specs(g)}
         staging = {
-            name: launch.storage_tensor(specs[name], lambda n: torch.empty(n, dtype=torch.uint8))
-            for name in (*launch.SYMMETRIC_INPUTS, "output_activation")
+            name: storage_tensor(specs[name], lambda n: torch.empty(n, dtype=torch.uint8))
+            for name in STAGED
         }
         staging["topk_idx"].fill_(-1)
-        entry = launch.CompiledEntry(None, torch.zeros(1), torch.zeros(1), staging, (), {})
+        entry = CompiledEntry(None, torch.zeros(1), torch.zeros(1), staging, (), None, {})
         compiled.append(entry)
         return entry
 
@@ -147,7 +153,7 @@ def test_prepared_weights_match_the_compiled_argument_specs(kind):
     assert set(weights) < set(specs)
     for name, tensor in weights.items():
         spec = specs[name]
-        t = launch.as_kernel_dtype(tensor, spec)
+        t = as_kernel_dtype(tensor, spec)
         shape = list(spec.shape)
         if spec.dtype == "fp4":
             shape[spec.leading_dim] //= 2

@@ -155,6 +155,14 @@ def test_compute_refuses_inputs_another_layer_overwrote(gpu):
     b.destroy()
 
 
+def test_launch_path_is_the_core_base_class(gpu):
+    from moe_ep.backends.support.cutedsl_kernel import CutedslMegaKernel
+
+    cls = pull.Sm90Fp8Fp8Bf16PullCutedslKernel
+    for name in ("stage_inputs", "compute_staged", "_compile", "_build_weight_args", "_launch"):
+        assert getattr(cls, name) is getattr(CutedslMegaKernel, name), name
+
+
 def test_destroy_waits_for_the_device_before_the_barrier_and_the_free(gpu, monkeypatch):
     events: list[str] = []
     rt = FakeRuntime(rank=RANK, world_size=WORLD)

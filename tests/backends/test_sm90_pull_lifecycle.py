@@ -13,6 +13,7 @@ import torch
 from backend_testing import fake_gpu_pieces, make_kernel, routed_tensors
 
 import moe_ep_sm90.pull_cutedsl as pull
+from moe_ep.backends.support.cutedsl_kernel import STAGED, CompiledEntry, storage_tensor
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig as Config
 from moe_ep_sm90.pull_args import tensor_specs
@@ -32,7 +33,7 @@ def fakes(monkeypatch):
             if s.name in ("activation", "activation_sf", "topk_idx", "topk_weights")
             or s.name == "output_activation"
         }
-        entry = pull._Compiled(None, torch.zeros(1), torch.zeros(1), staging, None, {})
+        entry = CompiledEntry(None, torch.zeros(1), torch.zeros(1), staging, (), None, {})
         compiled.append(entry)
         return entry
 
@@ -166,10 +167,11 @@ def test_symmetric_staging_is_allocated_as_bytes(monkeypatch):
         hidden_size=H,
         intermediate_size=I,
     )
-    for spec in pull._staging_specs(g):
+    staged = [s for s in tensor_specs(g) if s.name in STAGED]
+    for spec in staged:  # allocated as the launch's `_compile` allocates them: bytes
         dtype = getattr(torch, spec.dtype)
-        t = pull.symmetric_zeros(spec.shape, dtype)
+        t = storage_tensor(spec, lambda n: core.tensor((n,), dtype=torch.uint8))
         assert t.shape == spec.shape and t.dtype == dtype and t.is_contiguous()
         assert not t.view(torch.uint8).any()
         assert calls[-1] == ((t.numel() * t.element_size(),), torch.uint8)
-    assert {getattr(torch, s.dtype) for s in pull._staging_specs(g)} >= {torch.float8_e4m3fn}
+    assert {getattr(torch, s.dtype) for s in staged} >= {torch.float8_e4m3fn}

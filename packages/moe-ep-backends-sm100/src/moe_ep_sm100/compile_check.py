@@ -25,7 +25,7 @@ from moe_ep.backends.support.compile_check import (
     require_cute_dsl_arch,
     timed_compile,
 )
-from moe_ep_sm100 import mxfp8_args
+from moe_ep_sm100 import mxfp8_args, nvfp4_args
 from moe_ep_sm100.configs import (
     BLACKWELL_SM_COUNT,
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
@@ -33,12 +33,7 @@ from moe_ep_sm100.configs import (
 )
 from moe_ep_sm100.cutedsl_launch import combine_region
 from moe_ep_sm100.drops import load_mxfp8_api, load_nvfp4_api
-from moe_ep_sm100.nvfp4_args import (
-    ArgSpec,
-    Geometry,
-    call_args,
-    kernel_ctor_kwargs,
-)
+from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry, call_args
 
 __all__ = [
     "DEFAULT_GEOMETRY",
@@ -92,22 +87,11 @@ def compile_nvfp4(
 ) -> float:
     """Compile for `arch` with fake tensors; returns seconds. Needs `CUTE_DSL_ARCH=<arch>`."""
     require_cute_dsl_arch(arch)
-    import cutlass
-
     check_config_geometry(config, geometry)
     api = load_nvfp4_api()
-    kernel = api.kernel(
-        **kernel_ctor_kwargs(
-            config,
-            geometry,
-            api=api,
-            fc2_output_dtype=cutlass.BFloat16,
-            max_active_clusters=BLACKWELL_SM_COUNT,
-        )
-    )
-
+    kernel, clusters = nvfp4_args.build_kernel(config, geometry, api, sm_count=BLACKWELL_SM_COUNT)
     combine_region(kernel, geometry)  # the cells the launch path clears exist, as assumed
-    inputs = fake_call_inputs(_fake, api.sym_buffer_host, geometry, BLACKWELL_SM_COUNT)
+    inputs = fake_call_inputs(_fake, api.sym_buffer_host, geometry, clusters)
     args = call_args(geometry, pointer=fake_pointer, **inputs)
     return timed_compile(kernel, args, arch)[1]
 
@@ -120,17 +104,9 @@ def compile_mxfp8(
 ) -> float:
     """Compile the mxfp8 kernel for `arch` with fake tensors; returns seconds."""
     require_cute_dsl_arch(arch)
-    import cutlass
-
     check_config_geometry(config, geometry)
     api = load_mxfp8_api()
-    cm, cn, ck = mxfp8_args.CLUSTER_SHAPE_MNK
-    clusters = BLACKWELL_SM_COUNT // (cm * cn * ck)
-    kernel = api.kernel(
-        **mxfp8_args.kernel_ctor_kwargs(
-            config, geometry, api=api, ab_dtype=cutlass.Float8E4M3FN, max_active_clusters=clusters
-        )
-    )
+    kernel, clusters = mxfp8_args.build_kernel(config, geometry, api, sm_count=BLACKWELL_SM_COUNT)
     local_bytes, _ = kernel.get_workspace_sizes()
     combine_region(kernel, geometry)  # the cells the launch path clears exist, as assumed
 

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from moe_ep.backends.support.cutedsl_kernel import StagedBuffers
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm100 import mxfp8_args
 from moe_ep_sm100.configs import Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
-from moe_ep_sm100.cutedsl_launch import CutedslMegaKernel, StagedBuffers, max_active_clusters
+from moe_ep_sm100.cutedsl_launch import Sm100CutedslKernel
 from moe_ep_sm100.drops import load_mxfp8_api
 from moe_ep_sm100.mxfp8_layout import Mxfp8Weights, prepare_mxfp8_weights, stage_mxfp8_inputs
 from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
@@ -34,7 +35,7 @@ MAX_TENSOR_EXTENT = 2**31 - 1
 
 
 @register_mega_kernel("sm100_mxfp8_mxfp8_bf16_cutedsl", deprecated_aliases=("mxfp8_cutedsl",))
-class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
+class Sm100Mxfp8Mxfp8Bf16CutedslKernel(Sm100CutedslKernel):
     """Fused dispatch + mxfp8 FC1 + SwiGLU + FC2 + combine (2-CTA MMA), NVSHMEM peers.
 
     Weights are quantized once (`prepare_mxfp8_weights`: E8M0 per 32 along K, gate/up
@@ -75,15 +76,9 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(CutedslMegaKernel):
         )
 
     def _make_kernel(self, g: Geometry) -> tuple[Any, Any, int]:
-        import cutlass
-
         api = load_mxfp8_api()
-        cm, cn, _ = mxfp8_args.CLUSTER_SHAPE_MNK
-        clusters = max_active_clusters(cm * cn)
-        kwargs = mxfp8_args.kernel_ctor_kwargs(
-            self.cfg, g, api=api, ab_dtype=cutlass.Float8E4M3FN, max_active_clusters=clusters
-        )
-        return api.kernel(**kwargs), api, clusters
+        kernel, clusters = mxfp8_args.build_kernel(self.cfg, g, api)
+        return kernel, api, clusters
 
     def _call_args(
         self, g: Geometry, workspaces: tuple[torch.Tensor, torch.Tensor], common: dict[str, Any]

@@ -15,15 +15,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from moe_ep.backends.support.cutedsl_kernel import StagedBuffers
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm100 import nvfp4_args
 from moe_ep_sm100.configs import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig
-from moe_ep_sm100.cutedsl_launch import (
-    CUTEDSL_PACKAGES,
-    CutedslMegaKernel,
-    StagedBuffers,
-    max_active_clusters,
-)
+from moe_ep_sm100.cutedsl_launch import CUTEDSL_PACKAGES, Sm100CutedslKernel, raw_workspace_pointers
 from moe_ep_sm100.drops import load_nvfp4_api
 from moe_ep_sm100.nvfp4_args import ArgSpec, Geometry
 from moe_ep_sm100.nvfp4_layout import Nvfp4Weights, prepare_nvfp4_weights, stage_nvfp4_inputs
@@ -35,7 +31,7 @@ __all__ = ["CUTEDSL_PACKAGES", "Sm100Nvfp4Nvfp4Bf16CutedslKernel"]
 
 
 @register_mega_kernel("sm100_nvfp4_nvfp4_bf16_cutedsl", deprecated_aliases=("nvfp4_cutedsl",))
-class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
+class Sm100Nvfp4Nvfp4Bf16CutedslKernel(Sm100CutedslKernel):
     """Fused dispatch + nvfp4 FC1 + SwiGLU + FC2 + combine (swap-AB), NVSHMEM peers.
 
     Weights are quantized once (`prepare_nvfp4_weights`: per-expert global scales, gate/up
@@ -83,28 +79,11 @@ class Sm100Nvfp4Nvfp4Bf16CutedslKernel(CutedslMegaKernel):
         }
 
     def _make_kernel(self, g: Geometry) -> tuple[Any, Any, int]:
-        import cutlass
-
         api = load_nvfp4_api()
-        cm, cn, _ = nvfp4_args.CLUSTER_SHAPE_MNK
-        clusters = max_active_clusters(cm * cn)
-        kwargs = nvfp4_args.kernel_ctor_kwargs(
-            self.cfg, g, api=api, fc2_output_dtype=cutlass.BFloat16, max_active_clusters=clusters
-        )
-        return api.kernel(**kwargs), api, clusters
+        kernel, clusters = nvfp4_args.build_kernel(self.cfg, g, api)
+        return kernel, api, clusters
 
     def _call_args(
         self, g: Geometry, workspaces: tuple[torch.Tensor, torch.Tensor], common: dict[str, Any]
     ) -> dict[str, Any]:
-        import cutlass
-        import cutlass.cute as cute
-        from cutlass.cute.typing import AddressSpace
-
-        by_name = {"local_workspace": workspaces[0], "shared_workspace": workspaces[1]}
-
-        def pointer(name: str) -> Any:
-            return cute.runtime.make_ptr(
-                cutlass.Uint8, by_name[name].data_ptr(), AddressSpace.gmem, assumed_align=16
-            )
-
-        return nvfp4_args.call_args(g, pointer=pointer, **common)
+        return nvfp4_args.call_args(g, pointer=raw_workspace_pointers(workspaces), **common)

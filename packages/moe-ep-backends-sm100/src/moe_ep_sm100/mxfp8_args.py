@@ -19,6 +19,7 @@ __all__ = [
     "CLUSTER_SHAPE_MNK",
     "MXFP8_BLOCK",
     "Mxfp8KernelApi",
+    "build_kernel",
     "call_args",
     "kernel_ctor_kwargs",
     "tensor_specs",
@@ -85,6 +86,26 @@ def kernel_ctor_kwargs(
         local_rank=g.rank,
         fc2_in_kernel_topk_reduce=False,
     )
+
+
+def build_kernel(
+    config: Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
+    g: Geometry,
+    api: Mxfp8KernelApi,
+    *,
+    sm_count: int | None = None,
+) -> tuple[Any, int]:
+    """(the drop's kernel, its max active clusters) for `config` and `g`: the one builder
+    of the launch and the compile-only check (`sm_count` there: no GPU to ask)."""
+    import cutlass
+
+    from moe_ep.backends.support.cutedsl_kernel import max_active_clusters
+
+    clusters = max_active_clusters(CLUSTER_SHAPE_MNK, sm_count=sm_count)
+    kwargs = kernel_ctor_kwargs(
+        config, g, api=api, ab_dtype=cutlass.Float8E4M3FN, max_active_clusters=clusters
+    )
+    return api.kernel(**kwargs), clusters
 
 
 def call_args(

@@ -18,6 +18,7 @@ __all__ = [
     "ArgSpec",
     "Geometry",
     "Nvfp4KernelApi",
+    "build_kernel",
     "call_args",
     "kernel_ctor_kwargs",
     "shared_ctor_kwargs",
@@ -141,6 +142,26 @@ def kernel_ctor_kwargs(
         situ_linear_beta=None,
         combine_format=api.combine_format_bf16,
     )
+
+
+def build_kernel(
+    config: Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
+    g: Geometry,
+    api: Nvfp4KernelApi,
+    *,
+    sm_count: int | None = None,
+) -> tuple[Any, int]:
+    """(the drop's kernel, its max active clusters) for `config` and `g`: the one builder
+    of the launch and the compile-only check (`sm_count` there: no GPU to ask)."""
+    import cutlass
+
+    from moe_ep.backends.support.cutedsl_kernel import max_active_clusters
+
+    clusters = max_active_clusters(CLUSTER_SHAPE_MNK, sm_count=sm_count)
+    kwargs = kernel_ctor_kwargs(
+        config, g, api=api, fc2_output_dtype=cutlass.BFloat16, max_active_clusters=clusters
+    )
+    return api.kernel(**kwargs), clusters
 
 
 def call_args(

@@ -34,9 +34,8 @@ from moe_ep_sm90.configs import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig
 from moe_ep_sm90.pull_args import (
     ArgSpec,
     PullGeometry,
+    build_kernel,
     call_args,
-    kernel_class,
-    kernel_ctor_kwargs,
 )
 from moe_ep_sm90.pull_cutedsl import combine_region
 
@@ -76,16 +75,7 @@ def compile_pull(
 
     check_config_geometry(config, geometry)
     api = load_pull_api()
-    clusters = config.resolved_max_active_clusters
-    kernel = kernel_class(config, api)(
-        **kernel_ctor_kwargs(
-            config,
-            geometry,
-            api=api,
-            ab_dtype=cutlass.Float8E4M3FN,
-            max_active_clusters=clusters,
-        )
-    )
+    kernel, clusters = build_kernel(config, geometry, api)
     combine_region(kernel, geometry)  # the cells the launch path clears exist, as assumed
     dtypes = {
         "float8_e4m3fn": cutlass.Float8E4M3FN,

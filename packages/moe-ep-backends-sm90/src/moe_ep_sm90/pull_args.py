@@ -18,6 +18,7 @@ __all__ = [
     "ArgSpec",
     "PullGeometry",
     "PullKernelApi",
+    "build_kernel",
     "call_args",
     "kernel_ctor_kwargs",
     "tensor_specs",
@@ -122,6 +123,22 @@ def kernel_ctor_kwargs(
 def kernel_class(config: Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig, api: PullKernelApi) -> type:
     """The drop's kernel class for the configured layout."""
     return api.swap_ab_kernel if config.swap_ab else api.native_kernel
+
+
+def build_kernel(
+    config: Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig, g: PullGeometry, api: PullKernelApi
+) -> tuple[Any, int]:
+    """(the drop's kernel, its max active clusters: the config's) for `config` and `g`: the
+    one builder of the launch and the compile-only check."""
+    import cutlass
+
+    clusters = config.resolved_max_active_clusters
+    kernel = kernel_class(config, api)(
+        **kernel_ctor_kwargs(
+            config, g, api=api, ab_dtype=cutlass.Float8E4M3FN, max_active_clusters=clusters
+        )
+    )
+    return kernel, clusters
 
 
 def call_args(
