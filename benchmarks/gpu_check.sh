@@ -162,7 +162,7 @@ BENCH_CAP=$(cap "$BENCH_CAP")
 say "6/6 benchmark: one EP1 forward, pull (and push) vs portable fp8 (${BENCH_CAP} s cap)"
 cat > "$OUT_DIR/bench.py" <<'EOF'
 import os, time, torch
-from moe_ep.launch import spawn_local
+from moe_ep.spawn import spawn_local
 
 T, H, I, E, K = map(int, os.environ.get("MOE_EP_GPU_CHECK_SHAPE", "2048,4096,1024,32,8").split(","))
 

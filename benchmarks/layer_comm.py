@@ -33,7 +33,7 @@ from benchlib.progress import Steps
 from benchlib.tables import console, titled_table
 from benchlib.targets import Target, status
 
-from moe_ep.launch import spawn_local
+from moe_ep.spawn import spawn_local
 
 WORLD_SIZE = 2
 RATE = Target(">=", 0.80, unit="%", applies_to="dispatch + return")

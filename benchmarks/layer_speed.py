@@ -66,7 +66,7 @@ from rich.console import Console
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
 from moe_ep.backends.portable import comm, cpu_fused, experts, kernel
-from moe_ep.launch import free_port
+from moe_ep.spawn import free_port
 
 PREFILL = {"T": 4096, "H": 2048, "I": 1024, "E": 16, "k": 4}
 DECODE = {"T": 64, "H": 2048, "I": 1024, "E": 64, "k": 8}

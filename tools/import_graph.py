@@ -25,10 +25,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "moe_ep.types",
         "moe_ep.contract",
         "moe_ep.checks",
-        # transitional re-exports of the three above (removed in the portable-seam step)
-        "moe_ep.backends.base",
-        "moe_ep.layer.params",
-        "moe_ep.layer.validation",
     ),
     # process-wide utilities that know no MoE semantics beyond the types
     (
@@ -39,7 +35,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "moe_ep.drop_tree",
         "moe_ep.quant",
         "moe_ep.spawn",
-        "moe_ep.launch",  # transitional re-export of moe_ep.spawn
     ),
     ("moe_ep.runtime",),
     ("moe_ep.registry",),

@@ -397,7 +397,7 @@ def plot_peers(
         wrap=7,
     )
     axes[2].set_title(
-        "layer / faster dense GEMM (bf16 or fp32), equal FLOPs (lower: better)", fontsize=9
+        "layer / faster dense GEMM, equal FLOPs (lower: better)", fontsize=9
     )
     if quant:
         shown += plots.ratio_bars(
@@ -414,6 +414,9 @@ def plot_peers(
             ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("rows per expert")
+        else:
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, "not run (--sections crossover)", ha="center", transform=ax.transAxes)
         ax.set_title(f"{fmt}: mm blocks / expert GEMM time (> 1: GEMM faster)", fontsize=9)
     for ax in axes:
         ax.set_ylabel("ratio")

@@ -25,7 +25,7 @@ from moe_ep.backends.portable.recipes import (
     PreparedWeights,
     Recipe,
 )
-from moe_ep.layer.params import MoEWeightPack
+from moe_ep.types import MoEWeightPack
 
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
 

@@ -118,7 +118,7 @@ def test_weights_are_validated_once_per_construction(
     w = _weights()
     passes: list[tuple[int, ...]] = []
     checks: list[object] = []
-    real_isfinite, real_check = torch.isfinite, portable.validate_weight_pack
+    real_isfinite, real_check = torch.isfinite, portable.check_weight_pack
 
     def isfinite(t: torch.Tensor) -> torch.Tensor:
         if t.shape in (w.w13.shape, w.w2.shape):
@@ -130,7 +130,7 @@ def test_weights_are_validated_once_per_construction(
         return real_check(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(torch, "isfinite", isfinite)
-    monkeypatch.setattr(portable, "validate_weight_pack", check)
+    monkeypatch.setattr(portable, "check_weight_pack", check)
     built = MoEEpLayer(_boot(), FleetParams(E, MAX_T, H), w, backend)
     try:
         assert checks == [w]

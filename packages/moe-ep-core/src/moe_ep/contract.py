@@ -36,12 +36,11 @@ __all__ = [
     "RuntimeRequirements",
     "caller_validated_weights",
     "validated_shape",
-    "weights_validated_by_caller",
 ]
 
 # (weights, fleet, world_size, config, shape) a caller validated for the construction
 # under way.
-_VALIDATED: ContextVar[tuple[Any, Any, int, Any, PackShape | None] | None] = ContextVar(
+_VALIDATED: ContextVar[tuple[Any, Any, int, Any, PackShape] | None] = ContextVar(
     "moe_ep_validated_weights", default=None
 )
 
@@ -52,14 +51,12 @@ def caller_validated_weights(
     fleet: FleetParams,
     world_size: int,
     config: KernelConfig,
-    shape: PackShape | None,
+    shape: PackShape,
 ) -> Iterator[None]:
     """Within the block, kernels built from exactly these objects take `shape` instead of
     running their own weight checks: the caller ran the kernel class's `validate_weights`
     on them for this one construction (`MoEEpLayer` does, before its first collective),
-    so the full pass over the weights (shapes, finiteness) runs once. (`shape` is None
-    only for a kernel whose `validate_weights` returns no record yet: transitional, until
-    the portable-seam step.)"""
+    so the full pass over the weights (shapes, finiteness) runs once."""
     token = _VALIDATED.set((weights, fleet, world_size, config, shape))
     try:
         yield
@@ -67,9 +64,11 @@ def caller_validated_weights(
         _VALIDATED.reset(token)
 
 
-def _validated(
+def validated_shape(
     weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
-) -> tuple[Any, Any, int, Any, PackShape | None] | None:
+) -> PackShape | None:
+    """The caller's record inside `caller_validated_weights` for these very objects
+    (identity, not equality: another pack with equal shapes was not checked), else None."""
     done = _VALIDATED.get()
     if (
         done is not None
@@ -78,27 +77,8 @@ def _validated(
         and done[2] == world_size
         and done[3] is config
     ):
-        return done
+        return done[4]
     return None
-
-
-def validated_shape(
-    weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
-) -> PackShape | None:
-    """The caller's record inside `caller_validated_weights` for these very objects
-    (identity, not equality: another pack with equal shapes was not checked), else None."""
-    done = _validated(weights, fleet, world_size, config)
-    return None if done is None else done[4]
-
-
-def weights_validated_by_caller(
-    weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
-) -> bool:
-    """True inside `caller_validated_weights` for these very objects.
-
-    Transitional: removed in the portable-seam step (the portable kernel takes the record).
-    """
-    return _validated(weights, fleet, world_size, config) is not None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,12 +140,11 @@ class MegaKernel(ABC):
     @classmethod
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
-    ) -> PackShape | None:
+    ) -> PackShape:
         """Local checks of a weight pack for this kernel and config (no collective);
         `MoeEpUsageError` naming the tensor and the rule; returns the pack's record.
         Default: the generic pack checks (`moe_ep.checks.check_weight_pack`: bf16 / fp32,
-        shapes); a kernel adds its format's rules to those. (None: transitional, the
-        portable kernel until the portable-seam step.)"""
+        shapes); a kernel adds its format's rules to those."""
         from moe_ep.checks import check_weight_pack  # torch: not on `import moe_ep.contract`
 
         return check_weight_pack(weights, fleet, world_size)

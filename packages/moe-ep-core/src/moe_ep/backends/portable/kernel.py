@@ -7,12 +7,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from moe_ep.backends.base import (
-    KernelConfig,
-    MegaKernel,
-    RuntimeRequirements,
-    weights_validated_by_caller,
-)
 from moe_ep.backends.portable import comm, cpu_fused
 from moe_ep.backends.portable.configs import (
     Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
@@ -31,10 +25,11 @@ from moe_ep.backends.portable.recipes import (
     Nvfp4Recipe,
     Recipe,
 )
+from moe_ep.checks import PackShape, check_weight_pack
+from moe_ep.contract import KernelConfig, MegaKernel, RuntimeRequirements, validated_shape
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import FleetParams, MoEEpTensors, MoEWeightPack
-from moe_ep.layer.validation import validate_weight_pack
 from moe_ep.registry import register_mega_kernel
+from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 if TYPE_CHECKING:
     from moe_ep.runtime import Runtime
@@ -78,20 +73,21 @@ class PortableTorchKernel(MegaKernel):
     @classmethod
     def validate_weights(
         cls, weights: MoEWeightPack, fleet: FleetParams, world_size: int, config: KernelConfig
-    ) -> None:
+    ) -> PackShape:
         """Local checks of a weight pack (no collective): the generic pack checks, the
         recipe's block multiples and scale planes, finite unquantized weights."""
         recipe = cls.make_recipe(config)
-        _, inter = validate_weight_pack(
+        shape = check_weight_pack(
             weights, fleet, world_size, quantized_dtypes=recipe.quantized_weight_dtypes
         )
-        recipe.check_dims(fleet.hidden_size, inter)
+        recipe.check_dims(shape.hidden_size, shape.intermediate_size)
         recipe.check_scales(weights)
         if not weights.prequantized:
             for name in ("w13", "w2"):
                 t = getattr(weights, name)
                 if t.numel() and not bool(torch.isfinite(t).all()):
                     raise MoeEpUsageError(f"{name} has non-finite values (NaN or inf)")
+        return shape
 
     def __init__(
         self,
@@ -108,10 +104,11 @@ class PortableTorchKernel(MegaKernel):
             )
         super().__init__(config=config, fleet=fleet, runtime=runtime, weights=weights)
         self.pconfig: PortableConfig = config  # type: ignore[assignment]
-        if not weights_validated_by_caller(weights, fleet, runtime.world_size, config):
-            self.validate_weights(weights, fleet, runtime.world_size, config)
-        self.e_local = fleet.experts_per_rank(runtime.world_size)
-        self.intermediate = int(weights.w13.shape[1]) // 2  # w13 is [E_local, 2I, H(/2)]
+        shape = validated_shape(weights, fleet, runtime.world_size, config)
+        if shape is None:
+            shape = self.validate_weights(weights, fleet, runtime.world_size, config)
+        self.e_local = shape.num_local_experts
+        self.intermediate = shape.intermediate_size
         self.recipe = self.make_recipe(config)
         dev = runtime.device
         if dev.type == "cpu":

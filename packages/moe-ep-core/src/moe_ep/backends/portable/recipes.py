@@ -32,7 +32,7 @@ import torch
 from moe_ep import quant
 from moe_ep.backends.portable.cpu_fused import Scale, StoredWeight
 from moe_ep.errors import MoeEpUsageError
-from moe_ep.layer.params import MoEWeightPack
+from moe_ep.types import MoEWeightPack
 
 __all__ = [
     "Bf16Recipe",
