@@ -27,21 +27,7 @@ from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 
 __all__ = ["JobSpec", "add_parsers", "run_command", "run_job"]
 
-PORTABLE_KERNELS = (
-    "any_bf16_bf16_bf16_torch",
-    "any_fp8_fp8_bf16_torch",
-    "any_mxfp8_mxfp8_bf16_torch",
-    "any_nvfp4_nvfp4_bf16_torch",
-    "any_fp8_fp4_bf16_torch",
-)
-# (act, weight) taxonomy tags -> oracle format
-_ORACLE_FORMAT = {
-    ("bf16", "bf16"): "bf16",
-    ("fp8", "fp8"): "fp8",
-    ("mxfp8", "mxfp8"): "mxfp8",
-    ("nvfp4", "nvfp4"): "nvfp4",
-    ("fp8", "fp4"): "fp8_fp4",
-}
+DEFAULT_KERNEL = "any_bf16_bf16_bf16_torch"
 DEMO_SHAPE: dict[str, Any] = {
     "tokens": 128,
     "hidden": 512,
@@ -51,12 +37,37 @@ DEMO_SHAPE: dict[str, Any] = {
 }
 
 
+def portable_kernels() -> tuple[str, ...]:
+    """The portable kernels (taxonomy arch `any`) the registry lists, by name."""
+    from moe_ep.registry import available_kernels
+
+    return tuple(
+        info.name
+        for info in available_kernels()
+        if info.taxonomy is not None and info.taxonomy.arch == "any"
+    )
+
+
+def oracle_formats() -> dict[tuple[str, str], str]:
+    """(act, weight) taxonomy tags -> the oracle format, from each portable kernel's
+    `oracle_format` (a GPU kernel is checked against the portable kernel of its tags)."""
+    from moe_ep.registry import get_kernel, parse_kernel_name
+
+    out = {}
+    for name in portable_kernels():
+        fmt = getattr(get_kernel(name), "oracle_format", None)
+        if isinstance(fmt, str):
+            parsed = parse_kernel_name(name)
+            out[(parsed.act, parsed.weight)] = fmt
+    return out
+
+
 def oracle_format(kernel: str) -> str:
     """The oracle format of a kernel name, from its taxonomy (act, weight) tags."""
     from moe_ep.registry import parse_kernel_name
 
     parsed = parse_kernel_name(kernel)
-    fmt = _ORACLE_FORMAT.get((parsed.act, parsed.weight))
+    fmt = oracle_formats().get((parsed.act, parsed.weight))
     if fmt is None:
         raise MoeEpUsageError(
             f"no oracle format for kernel {kernel!r} ({parsed.act} x {parsed.weight})"
@@ -290,18 +301,19 @@ def _demo_world_size() -> int:
 def _demo_kernels() -> tuple[str, ...]:
     import torch
 
-    kernels = list(PORTABLE_KERNELS)
+    kernels = list(portable_kernels())
     if torch.cuda.is_available():
         from moe_ep.registry import available_kernels
 
         # "best": a GPU kernel of the newest arch listed as available, checkable by format.
+        formats = oracle_formats()
         gpu = [
             info
             for info in available_kernels()
             if info.available
             and info.taxonomy is not None
             and info.taxonomy.arch != "any"
-            and (info.taxonomy.act, info.taxonomy.weight) in _ORACLE_FORMAT
+            and (info.taxonomy.act, info.taxonomy.weight) in formats
         ]
         gpu.sort(
             key=lambda info: (
@@ -335,7 +347,7 @@ def add_parsers(sub: Any) -> None:
         "and the launcher's world size.",
     )
     run.add_argument("--world-size", type=int, default=1, help="local ranks to spawn (1)")
-    run.add_argument("--kernel", default=PORTABLE_KERNELS[0], help="kernel name (%(default)s)")
+    run.add_argument("--kernel", default=DEFAULT_KERNEL, help="kernel name (%(default)s)")
     run.add_argument("--tokens", type=int, default=128, help="tokens per rank (128)")
     run.add_argument("--hidden", type=int, default=1024, help="H (1024)")
     run.add_argument("--intermediate", type=int, default=512, help="I (512)")

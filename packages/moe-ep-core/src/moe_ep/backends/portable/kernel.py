@@ -65,6 +65,9 @@ class PortableTorchKernel(MegaKernel):
 
     config_cls: ClassVar[type[KernelConfig]] = PortableConfig
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements()
+    oracle_format: ClassVar[str]
+    """The `moe_ep.oracle` format whose recipe this kernel computes (the CLI checks every
+    kernel of the same (act, weight) taxonomy tags against it)."""
 
     @classmethod
     def make_recipe(cls, config: KernelConfig) -> Recipe:
@@ -190,6 +193,7 @@ class PortableTorchKernel(MegaKernel):
 class Bf16TorchKernel(PortableTorchKernel):
     """bf16 activations and weights (bit-identical across runs and world sizes 1, 2, 4)."""
 
+    oracle_format = "bf16"
     config_cls = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
 
     @classmethod
@@ -201,6 +205,7 @@ class Bf16TorchKernel(PortableTorchKernel):
 class Fp8TorchKernel(PortableTorchKernel):
     """DeepSeek-V3 blockwise fp8: the oracle of the sm90 fp8 kernels."""
 
+    oracle_format = "fp8"
     config_cls = Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
 
     @classmethod
@@ -214,6 +219,7 @@ class Fp8TorchKernel(PortableTorchKernel):
 class Mxfp8TorchKernel(PortableTorchKernel):
     """mxfp8 (E8M0 per 32, ceil rule): the oracle of sm100_mxfp8_mxfp8_bf16_cutedsl."""
 
+    oracle_format = "mxfp8"
     config_cls = Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig
 
     @classmethod
@@ -225,6 +231,7 @@ class Mxfp8TorchKernel(PortableTorchKernel):
 class Nvfp4TorchKernel(PortableTorchKernel):
     """nvfp4 (e4m3 per 16 + global alpha): the oracle of sm100_nvfp4_nvfp4_bf16_cutedsl."""
 
+    oracle_format = "nvfp4"
     config_cls = Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig
 
     @classmethod
@@ -238,6 +245,7 @@ class Nvfp4TorchKernel(PortableTorchKernel):
 class Fp8Fp4TorchKernel(PortableTorchKernel):
     """fp8 (1x128, UE8M0) activations x mxfp4 weights: the oracle of the DeepGEMM kernel."""
 
+    oracle_format = "fp8_fp4"
     config_cls = Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig
 
     @classmethod
