@@ -396,9 +396,7 @@ def plot_peers(
         [targets_of(n)["vs_dense"] for n in names],  # type: ignore[misc]
         wrap=7,
     )
-    axes[2].set_title(
-        "layer / faster dense GEMM, equal FLOPs (lower: better)", fontsize=9
-    )
+    axes[2].set_title("layer / faster dense GEMM, equal FLOPs (lower: better)", fontsize=9)
     if quant:
         shown += plots.ratio_bars(
             axes[3],
