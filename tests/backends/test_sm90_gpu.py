@@ -81,7 +81,7 @@ def test_pull_matches_oracle_multirank(case):
 
 
 def _require_push_build() -> None:
-    from moe_ep import env
+    from moe_ep_sm90 import env
 
     if not env.push_build_enabled():
         pytest.skip(

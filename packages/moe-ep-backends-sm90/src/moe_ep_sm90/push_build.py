@@ -28,9 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_ep import cache_trust, env
+from moe_ep import cache_trust
 from moe_ep.backends.support.hardware import DropRef
 from moe_ep.errors import MoeEpUnavailableError
+from moe_ep_sm90 import env as push_env
 
 __all__ = [
     "COMMON_SOURCES",
@@ -283,7 +284,7 @@ class BuiltModules:
 def default_cache_dir() -> Path:
     """`$MOE_EP_PUSH_CACHE` or `~/.cache/moe-ep/sm90_push`, private and checked
     (`moe_ep.cache_trust.cache_dir`)."""
-    return cache_trust.cache_dir("MOE_EP_PUSH_CACHE", env.push_cache_dir(), "sm90_push")
+    return cache_trust.cache_dir("MOE_EP_PUSH_CACHE", push_env.push_cache_dir(), "sm90_push")
 
 
 DRIVER_LIB_DIRS = [

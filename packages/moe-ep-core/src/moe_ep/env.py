@@ -3,7 +3,10 @@
 Rules: explicit arguments always win over the environment (callers only consult these
 readers when the matching argument was not given); an unset or empty variable means "not
 set"; a malformed value raises `MoeEpUsageError` naming the variable, the rule and the value.
-The table in docs/runtime.md mirrors `ENV_VARS`.
+The table in docs/runtime.md mirrors `all_env_vars()`: core's `ENV_VARS` plus the
+variables each backend package owns and reads itself (its `env` module, listed in the
+`moe_ep.env` entry-point group, with the readers of `raw_value`, `zero_one`,
+`absolute_dir`).
 
 This module imports nothing heavy (no torch), so `moe-ep info` and config validation can use
 it anywhere.
@@ -21,9 +24,13 @@ from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "ENV_ENTRY_POINT_GROUP",
     "ENV_VARS",
     "MAX_TIMEOUT_S",
     "EnvVar",
+    "absolute_dir",
+    "all_env_vars",
+    "backend_env_tables",
     "c_compiler",
     "check_all",
     "cpu_fused_cache_dir",
@@ -35,8 +42,7 @@ __all__ = [
     "local_rank",
     "master_addr_port",
     "nvshmem_symmetric_size",
-    "push_build_enabled",
-    "push_cache_dir",
+    "raw_value",
     "read_env",
     "single_gpu_gloo",
     "timeout_s",
@@ -44,6 +50,7 @@ __all__ = [
     "torchrun_rank",
     "torchrun_rank_and_world_size",
     "torchrun_world_size",
+    "zero_one",
 ]
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -111,21 +118,6 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Named in the error when a resolved ordinal is outside the visible devices.",
     ),
     EnvVar(
-        "MOE_EP_PUSH_CACHE",
-        "absolute directory (default $HOME/.cache/moe-ep/sm90_push)",
-        "Where the sm90 push kernel's nvcc-built modules are cached, one subdirectory per "
-        "source digest. A relative path is refused. Created 0700; refused when another "
-        "user could write it or a directory above it; an entry is loaded only if it is "
-        "yours, not group/other-writable and matches the sha256 manifest recorded when it "
-        "was built (else rebuilt).",
-    ),
-    EnvVar(
-        "MOE_EP_PUSH_BUILD",
-        "0 or 1 (default 0)",
-        "1: the GPU tests and the GPU check also build and run the sm90 push kernel "
-        "(nvcc builds of several minutes).",
-    ),
-    EnvVar(
         "MOE_EP_CPU_FUSED",
         "auto, 0 or 1 (default auto)",
         "The portable kernels' fused CPU epilogues (SwiGLU, top-k combine; a small C library "
@@ -180,7 +172,8 @@ def read_env(env: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if env is None else env
 
 
-def _raw(env: Mapping[str, str] | None, name: str) -> str | None:
+def raw_value(env: Mapping[str, str] | None, name: str) -> str | None:
+    """The value of `name` (None when unset or empty)."""
     value = read_env(env).get(name)
     if value is None or value.strip() == "":
         return None
@@ -190,7 +183,7 @@ def _raw(env: Mapping[str, str] | None, name: str) -> str | None:
 def _int(
     env: Mapping[str, str] | None, name: str, *, minimum: int, maximum: int = MAX_RANK
 ) -> int | None:
-    raw = _raw(env, name)
+    raw = raw_value(env, name)
     if raw is None:
         return None
     try:
@@ -205,7 +198,8 @@ def _int(
     return value
 
 
-def _zero_one(raw: str | None, name: str) -> bool:
+def zero_one(raw: str | None, name: str) -> bool:
+    """A 0 / 1 switch: True for "1", False for "0" or unset; anything else is an error."""
     if raw is None or raw == "0":
         return False
     if raw == "1":
@@ -251,13 +245,13 @@ def torchrun_rank_and_world_size(env: Mapping[str, str] | None = None) -> tuple[
 
 def single_gpu_gloo(env: Mapping[str, str] | None = None) -> bool:
     """MEGA_SINGLE_GPU_GLOO: True for "1", False for "0" or unset; anything else is an error."""
-    return _zero_one(_raw(env, "MEGA_SINGLE_GPU_GLOO"), "MEGA_SINGLE_GPU_GLOO")
+    return zero_one(raw_value(env, "MEGA_SINGLE_GPU_GLOO"), "MEGA_SINGLE_GPU_GLOO")
 
 
 def torchelastic_agent_store(env: Mapping[str, str] | None = None) -> bool:
     """TORCHELASTIC_USE_AGENT_STORE: True for "True" (torch's own spelling), False for
     "False" or unset; anything else is an error."""
-    raw = _raw(env, "TORCHELASTIC_USE_AGENT_STORE")
+    raw = raw_value(env, "TORCHELASTIC_USE_AGENT_STORE")
     if raw is None or raw == "False":
         return False
     if raw == "True":
@@ -269,7 +263,7 @@ def torchelastic_agent_store(env: Mapping[str, str] | None = None) -> bool:
 
 def timeout_s(env: Mapping[str, str] | None = None) -> float | None:
     """MOE_EP_TIMEOUT_S as a float in (0, `MAX_TIMEOUT_S`], None when unset."""
-    raw = _raw(env, "MOE_EP_TIMEOUT_S")
+    raw = raw_value(env, "MOE_EP_TIMEOUT_S")
     if raw is None:
         return None
     try:
@@ -289,7 +283,7 @@ def master_addr_port(env: Mapping[str, str] | None = None) -> tuple[str, int] | 
 
     One without the other, or a port outside 1..65535, is an error.
     """
-    addr = _raw(env, "MASTER_ADDR")
+    addr = raw_value(env, "MASTER_ADDR")
     port = _int(env, "MASTER_PORT", minimum=1, maximum=65535)
     if addr is None and port is None:
         return None
@@ -308,7 +302,8 @@ def cuda_visible_devices(env: Mapping[str, str] | None = None) -> str:
     return "(unset)" if value is None else repr(value)
 
 
-def _absolute_dir(env: Mapping[str, str] | None, name: str) -> str | None:
+def absolute_dir(env: Mapping[str, str] | None, name: str) -> str | None:
+    """`name` as written when it is an absolute path, None when unset or empty."""
     value = read_env(env).get(name) or None
     if value is not None and not os.path.isabs(value):
         raise MoeEpUsageError(
@@ -318,19 +313,9 @@ def _absolute_dir(env: Mapping[str, str] | None, name: str) -> str | None:
     return value
 
 
-def push_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
-    """MOE_EP_PUSH_CACHE as written (it must be absolute), None when unset or empty."""
-    return _absolute_dir(env, "MOE_EP_PUSH_CACHE")
-
-
-def push_build_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """MOE_EP_PUSH_BUILD: True for "1", False for "0" or unset; anything else is an error."""
-    return _zero_one(_raw(env, "MOE_EP_PUSH_BUILD"), "MOE_EP_PUSH_BUILD")
-
-
 def cpu_fused_mode(env: Mapping[str, str] | None = None) -> str:
     """MOE_EP_CPU_FUSED: "auto" (unset or empty), "0" or "1"; anything else is an error."""
-    raw = _raw(env, "MOE_EP_CPU_FUSED")
+    raw = raw_value(env, "MOE_EP_CPU_FUSED")
     if raw is None:
         return "auto"
     if raw not in ("auto", "0", "1"):
@@ -342,7 +327,7 @@ def cpu_fused_mode(env: Mapping[str, str] | None = None) -> str:
 
 def cpu_fused_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
     """MOE_EP_CPU_FUSED_CACHE as written (it must be absolute), None when unset or empty."""
-    return _absolute_dir(env, "MOE_EP_CPU_FUSED_CACHE")
+    return absolute_dir(env, "MOE_EP_CPU_FUSED_CACHE")
 
 
 def home_dir(env: Mapping[str, str] | None = None) -> str | None:
@@ -358,12 +343,12 @@ def cute_dsl_arch(env: Mapping[str, str] | None = None) -> str | None:
 
 def c_compiler(env: Mapping[str, str] | None = None) -> str | None:
     """CC as written (a command or a path), None when unset or empty."""
-    return _raw(env, "CC")
+    return raw_value(env, "CC")
 
 
 def debug(env: Mapping[str, str] | None = None) -> bool:
     """MOE_EP_DEBUG: True for "1", False for "0" or unset; anything else is an error."""
-    return _zero_one(_raw(env, "MOE_EP_DEBUG"), "MOE_EP_DEBUG")
+    return zero_one(raw_value(env, "MOE_EP_DEBUG"), "MOE_EP_DEBUG")
 
 
 NVSHMEM_DEFAULT_HEAP = 1 << 30
@@ -375,7 +360,7 @@ def nvshmem_symmetric_size(env: Mapping[str, str] | None = None) -> int:
     """NVSHMEM_SYMMETRIC_SIZE in bytes as NVSHMEM reads it (a number, optionally fractional,
     with one k/m/g/t suffix in either case; "20m" = 20 MiB); `NVSHMEM_DEFAULT_HEAP` (1 GiB)
     when unset."""
-    raw = _raw(env, "NVSHMEM_SYMMETRIC_SIZE")
+    raw = raw_value(env, "NVSHMEM_SYMMETRIC_SIZE")
     if raw is None:
         return NVSHMEM_DEFAULT_HEAP
     # NVSHMEM: "only one multiplier is recognized and any characters following it are
@@ -399,8 +384,6 @@ _CHECKS: dict[str, Callable[[Mapping[str, str] | None], object]] = {
     "RANK, WORLD_SIZE": torchrun_rank_and_world_size,
     "TORCHELASTIC_USE_AGENT_STORE": torchelastic_agent_store,
     "CUDA_VISIBLE_DEVICES": cuda_visible_devices,
-    "MOE_EP_PUSH_CACHE": push_cache_dir,
-    "MOE_EP_PUSH_BUILD": push_build_enabled,
     "MOE_EP_CPU_FUSED": cpu_fused_mode,
     "MOE_EP_CPU_FUSED_CACHE": cpu_fused_cache_dir,
     "HOME": home_dir,
@@ -412,16 +395,46 @@ _CHECKS: dict[str, Callable[[Mapping[str, str] | None], object]] = {
 """The reader of each `ENV_VARS` entry (by its name), for `check_all`."""
 
 
+ENV_ENTRY_POINT_GROUP = "moe_ep.env"
+"""Entry-point group of the backend packages' env modules (`ENV_VARS`, `CHECKS`)."""
+
+
+def backend_env_tables() -> list[tuple[tuple[EnvVar, ...], Mapping[str, Callable[..., object]]]]:
+    """(ENV_VARS, CHECKS) of every installed backend package's env module, by entry name.
+
+    A backend whose env module cannot be imported is left out (its kernels are listed
+    unavailable with the import error by the registry)."""
+    import importlib.metadata
+
+    tables: list[tuple[tuple[EnvVar, ...], Mapping[str, Callable[..., object]]]] = []
+    eps = importlib.metadata.entry_points(group=ENV_ENTRY_POINT_GROUP)
+    for ep in sorted(eps, key=lambda ep: ep.name):
+        try:
+            module = ep.load()
+        except Exception:
+            continue
+        tables.append((tuple(module.ENV_VARS), dict(module.CHECKS)))
+    return tables
+
+
+def all_env_vars() -> tuple[EnvVar, ...]:
+    """Core's `ENV_VARS`, then each installed backend package's."""
+    return ENV_VARS + tuple(var for table, _ in backend_env_tables() for var in table)
+
+
 def check_all(env: Mapping[str, str] | None = None) -> None:
-    """Parse every variable of `ENV_VARS` with its reader.
+    """Parse every variable of `all_env_vars()` with its reader.
 
     Raises:
         MoeEpUsageError: one message naming every malformed variable with its rule.
     """
+    checks = [(var, _CHECKS[var.name]) for var in ENV_VARS]
+    for table, readers in backend_env_tables():
+        checks += [(var, readers[var.name]) for var in table]
     errors = []
-    for var in ENV_VARS:
+    for _, check in checks:
         try:
-            _CHECKS[var.name](env)
+            check(env)
         except MoeEpUsageError as exc:
             errors.append(str(exc))
     if errors:
