@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 from backend_testing import assert_gpu_staging_equals_cpu
+from layout_references import dequantize_deepgemm_weights
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.deepgemm_layout import (
-    dequantize_deepgemm_weights,
     pack_ue8m0,
     prepare_deepgemm_weights,
     stage_deepgemm_inputs,

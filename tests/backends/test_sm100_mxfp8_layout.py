@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 from backend_testing import assert_gpu_staging_equals_cpu, require_drop, run_fresh_python
+from layout_references import dequantize_mxfp8_weights
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.mxfp8_layout import (
-    dequantize_mxfp8_weights,
     prepare_mxfp8_weights,
     stage_mxfp8_inputs,
 )

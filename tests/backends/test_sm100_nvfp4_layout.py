@@ -13,10 +13,10 @@ import pytest
 import torch
 from backend_hw import require_capability_at_least
 from backend_testing import assert_gpu_staging_equals_cpu, require_drop, run_fresh_python
+from layout_references import dequantize_nvfp4_weights
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.nvfp4_layout import (
-    dequantize_nvfp4_weights,
     prepare_nvfp4_weights,
     stage_nvfp4_inputs,
 )

@@ -11,12 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_testing import require_drop, run_fresh_python
+from layout_references import dequantize_pull_weights, dequantize_push_weights
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm90.fp8_layout import (
     PULL_GATE_UP_BLOCK,
-    dequantize_pull_weights,
-    dequantize_push_weights,
     prepare_pull_weights,
     prepare_push_weights,
     stage_pull_inputs,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from backend_testing import FakeRuntime
+from layout_references import dequantize_pull_weights
 
 from moe_ep import quant
 from moe_ep.errors import MoeEpUsageError
@@ -21,7 +22,6 @@ from moe_ep_sm90 import (
     Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
 )
 from moe_ep_sm90.fp8_layout import (
-    dequantize_pull_weights,
     prepare_pull_weights,
     prepare_push_weights,
 )

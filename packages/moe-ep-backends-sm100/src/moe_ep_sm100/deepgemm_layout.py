@@ -42,7 +42,6 @@ __all__ = [
     "UTCCP_ROWS",
     "DeepgemmWeights",
     "StagedDeepgemmInputs",
-    "dequantize_deepgemm_weights",
     "pack_ue8m0",
     "prepare_deepgemm_weights",
     "stage_deepgemm_inputs",
@@ -169,20 +168,6 @@ def prepare_deepgemm_weights(
         w2=q2.contiguous().view(torch.int8),
         w2_scales=_kernel_scales(s2),
     )
-
-
-def dequantize_deepgemm_weights(weights: DeepgemmWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Undo `prepare_deepgemm_weights`: fp32 `w13 [E_local, 2I, H]` (gate, up), `w2`."""
-    from moe_ep.quant import deinterleave_gate_up, dequantize_mxfp4
-
-    def plane(packed_sf: torch.Tensor) -> torch.Tensor:
-        return unpack_ue8m0(utccp_rows_inverse(packed_sf.contiguous()))
-
-    b = DEEPGEMM_GATE_UP_BLOCK
-    q13 = deinterleave_gate_up(weights.w13.view(torch.uint8), b)
-    s13 = deinterleave_gate_up(plane(weights.w13_scales), b)
-    w2 = dequantize_mxfp4(weights.w2.view(torch.uint8).contiguous(), plane(weights.w2_scales))
-    return dequantize_mxfp4(q13, s13), w2
 
 
 @dataclass(frozen=True)

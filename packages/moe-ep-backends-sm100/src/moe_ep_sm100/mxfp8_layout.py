@@ -27,7 +27,6 @@ __all__ = [
     "MXFP8_GATE_UP_BLOCK",
     "Mxfp8Weights",
     "StagedMxfp8Inputs",
-    "dequantize_mxfp8_weights",
     "prepare_mxfp8_weights",
     "stage_mxfp8_inputs",
 ]
@@ -90,20 +89,6 @@ def prepare_mxfp8_weights(
         w2=q2.permute(0, 2, 1),
         w2_scales=swizzle_128x4(s2),
     )
-
-
-def dequantize_mxfp8_weights(weights: Mxfp8Weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Undo `prepare_mxfp8_weights`: fp32 `w13 [E_local, 2I, H]` (gate, up) and `w2`."""
-    from moe_ep.quant import deinterleave_gate_up, dequantize_mxfp8, unswizzle_128x4
-
-    q13 = weights.w13.permute(0, 2, 1)
-    q2 = weights.w2.permute(0, 2, 1)
-    _, two_i, h = q13.shape
-    i = q2.shape[-1]
-    s13 = unswizzle_128x4(weights.w13_scales, two_i, h // _BLOCK)
-    s2 = unswizzle_128x4(weights.w2_scales, h, i // _BLOCK)
-    w13 = deinterleave_gate_up(dequantize_mxfp8(q13, s13), MXFP8_GATE_UP_BLOCK)
-    return w13, dequantize_mxfp8(q2, s2)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ __all__ = [
     "NVFP4_GATE_UP_BLOCK",
     "Nvfp4Weights",
     "StagedNvfp4Inputs",
-    "dequantize_nvfp4_weights",
     "prepare_nvfp4_weights",
     "stage_nvfp4_inputs",
 ]
@@ -126,22 +125,6 @@ def prepare_nvfp4_weights(
         fc2_alpha=torch.as_tensor(nvfp4_alpha(hidden_norm_const, g2), dtype=torch.float32),
         fc1_norm_const=torch.full((e,), float(hidden_norm_const), dtype=torch.float32),
     )
-
-
-def dequantize_nvfp4_weights(weights: Nvfp4Weights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Undo the layout: fp32 `w13 [E_local, 2I, H]` (gate, up) and `w2 [E_local, H, I]` as
-    `e2m1 * scale`, without the global scales (those are in the alphas)."""
-    from moe_ep.quant import deinterleave_gate_up, dequantize_nvfp4, unswizzle_128x4
-
-    q13 = weights.w13.permute(0, 2, 1).contiguous()
-    q2 = weights.w2.permute(0, 2, 1).contiguous()
-    two_i, h = q13.shape[1], q13.shape[2] * 2
-    i = q2.shape[2] * 2
-    s13 = unswizzle_128x4(weights.w13_scales.view(torch.uint8), two_i, h // _BLOCK)
-    s2 = unswizzle_128x4(weights.w2_scales.view(torch.uint8), h, i // _BLOCK)
-    w13 = dequantize_nvfp4(q13, s13.view(torch.float8_e4m3fn))
-    w2 = dequantize_nvfp4(q2, s2.view(torch.float8_e4m3fn))
-    return deinterleave_gate_up(w13, NVFP4_GATE_UP_BLOCK), w2
 
 
 @dataclass(frozen=True)

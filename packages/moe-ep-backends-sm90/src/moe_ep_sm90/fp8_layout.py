@@ -38,8 +38,6 @@ __all__ = [
     "Fp8BlockWeights",
     "StagedInputs",
     "check_pack",
-    "dequantize_pull_weights",
-    "dequantize_push_weights",
     "prepare_pull_weights",
     "prepare_push_weights",
     "stage_pull_inputs",
@@ -141,34 +139,11 @@ def prepare_pull_weights(w13: torch.Tensor, w2: torch.Tensor) -> Fp8BlockWeights
     )
 
 
-def dequantize_pull_weights(weights: Fp8BlockWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Undo `prepare_pull_weights`: the fp32 values the kernel multiplies with.
-
-    Returns `w13 [E_local, 2I, H]` (gate rows then up rows) and `w2 [E_local, H, I]`.
-    """
-    from moe_ep.quant.fp8 import dequantize_fp8_blockwise
-    from moe_ep.quant.layout import deinterleave_gate_up
-
-    w13 = dequantize_fp8_blockwise(weights.w13.permute(0, 2, 1), weights.w13_scales, block=_W_BLOCK)
-    w2 = dequantize_fp8_blockwise(weights.w2.permute(0, 2, 1), weights.w2_scales, block=_W_BLOCK)
-    return deinterleave_gate_up(w13, PULL_GATE_UP_BLOCK), w2
-
-
 def prepare_push_weights(w13: torch.Tensor, w2: torch.Tensor) -> Fp8BlockWeights:
     """Weights in the form the push kernel reads: contiguous `[E_local, N, K]` e4m3 (gate, up)."""
     q13, s13 = _quantize(w13)
     q2, s2 = _quantize(w2)
     return Fp8BlockWeights(w13=q13, w13_scales=s13, w2=q2, w2_scales=s2)
-
-
-def dequantize_push_weights(weights: Fp8BlockWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Undo `prepare_push_weights`: fp32 `(w13 [E_local, 2I, H], w2 [E_local, H, I])`."""
-    from moe_ep.quant.fp8 import dequantize_fp8_blockwise
-
-    return (
-        dequantize_fp8_blockwise(weights.w13, weights.w13_scales, block=_W_BLOCK),
-        dequantize_fp8_blockwise(weights.w2, weights.w2_scales, block=_W_BLOCK),
-    )
 
 
 @dataclass(frozen=True)
