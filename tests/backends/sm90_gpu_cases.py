@@ -142,7 +142,7 @@ def push_reference(p: dict[str, torch.Tensor]) -> torch.Tensor:
 
     Same quantization as `oracle_forward(fmt="fp8")` (activations 1x128, canonical 128x128
     weights), plus the drop's bf16 intermediates the oracle leaves out (read from
-    `a2a/sm90_push_a2a_ops.cu` and `push_launch.PushPipe.run_round`): FC1 `[g; u]` is written
+    `a2a/sm90_push_a2a_ops.cu` and `push_pipe.PushPipe.run_round`): FC1 `[g; u]` is written
     as bf16 by `moe_gemm`; `silu_mul_quant_grouped` computes `silu(g) * u` in fp32 from those,
     rounds it to bf16, then quantizes 1x128 (fp32 scale amax / 448); FC2 writes bf16 `y`;
     `combine_publish` sends `bf16(y * w)` per slot; `combine_reduce` sums the k partials in

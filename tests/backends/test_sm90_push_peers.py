@@ -58,7 +58,7 @@ def _worker(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str,
     from moe_ep.types import FleetParams, MoEWeightPack
     from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig as Config
     from moe_ep_sm90.push_cuda import Sm90Fp8Fp8Bf16PushCudaKernel as Push
-    from moe_ep_sm90.push_launch import PushPipe
+    from moe_ep_sm90.push_pipe import PushPipe
 
     created: list[int] = []
     a2a: list[_FakeA2A] = []

@@ -29,7 +29,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from moe_ep.backends.support.args import check_pack_geometry
 from moe_ep.backends.support.cute_launch import combine_region as _combine_region
 from moe_ep.backends.support.cutedsl_kernel import (
     CompiledEntry,
@@ -39,9 +38,10 @@ from moe_ep.backends.support.cutedsl_kernel import (
 )
 from moe_ep.backends.support.hardware import check_availability
 from moe_ep.backends.support.pool import WorkspacePool
-from moe_ep.checks import PackShape, check_weight_pack
+from moe_ep.checks import PackShape
 from moe_ep.contract import RuntimeRequirements
 from moe_ep.types import FleetParams, MoEWeightPack
+from moe_ep_sm100.common import check_sm100_pack
 from moe_ep_sm100.drops import CUTEDSL_DROP
 from moe_ep_sm100.nvfp4_args import Geometry
 
@@ -50,7 +50,6 @@ __all__ = [
     "CUTEDSL_PACKAGES",
     "POOL",
     "Sm100CutedslKernel",
-    "check_sm100_pack",
     "combine_region",
     "raw_workspace_pointers",
 ]
@@ -66,29 +65,6 @@ COMBINE_REGION = "combine_quant"
 """The drop kernels' shared-workspace region of per-(token, slot) combine cells."""
 
 POOL: WorkspacePool[CompiledEntry] = WorkspacePool(free=free_entry)
-
-
-def check_sm100_pack(
-    weights: MoEWeightPack,
-    fleet: FleetParams,
-    world_size: int,
-    config: Any,
-    *,
-    payload_dtype: torch.dtype,
-) -> PackShape:
-    """Local checks of a `MoEWeightPack` before any collective: the generic pack checks
-    (`check_weight_pack`; a pre-quantized payload must be `payload_dtype`, uint8 being
-    packed fp4) and the geometry against `config.check_problem` (top_k from the config,
-    else 1)."""
-    shape = check_weight_pack(weights, fleet, world_size, quantized_dtypes=(payload_dtype,))
-    check_pack_geometry(
-        config,
-        fleet,
-        world_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-    )
-    return shape
 
 
 class Sm100CutedslKernel(CutedslMegaKernel):

@@ -37,8 +37,8 @@ from moe_ep.checks import PackShape
 from moe_ep.contract import RuntimeRequirements
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
+from moe_ep_sm100.common import check_sm100_pack
 from moe_ep_sm100.configs import Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig
-from moe_ep_sm100.cutedsl_launch import check_sm100_pack
 from moe_ep_sm100.deepgemm_api import deepgemm_availability, load_deep_gemm
 from moe_ep_sm100.deepgemm_layout import (
     DeepgemmWeights,

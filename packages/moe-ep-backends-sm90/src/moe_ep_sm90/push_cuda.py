@@ -2,7 +2,7 @@
 
 Warning:
     The launch path (`push_build` module build and load, the peer checks of `push_peers`,
-    `push_launch.PushPipe`: the torch symmetric-memory window, the protocol's rounds) has
+    `push_pipe.PushPipe`: the torch symmetric-memory window, the protocol's rounds) has
     NEVER RUN ON A GPU. What is verified
     on CPU: weight preparation and input staging (`fp8_layout`); both translation units
     compile for sm_90a with nvcc (`compile_check`); the a2a module builds and loads through
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from moe_ep.backends.support.args import LaunchGeometry
 from moe_ep.backends.support.hardware import check_availability, nvcc_reason
 from moe_ep.backends.support.pool import WorkspacePool
 from moe_ep.backends.support.pooled import PooledKernel, StagedCall
@@ -32,9 +33,8 @@ from moe_ep_sm90.fp8_layout import (
     stage_push_inputs,
 )
 from moe_ep_sm90.fp8_packs import push_weights_from_pack
-from moe_ep_sm90.pull_args import PullGeometry as PushGeometry
 from moe_ep_sm90.push_build import PUSH_DEPS_DROP
-from moe_ep_sm90.push_launch import PushPipe, PushWeights
+from moe_ep_sm90.push_pipe import PushPipe, PushWeights
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +136,7 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
         return staged.output
 
     # -- internals ----------------------------------------------------------------------
-    def _compile(self, g: PushGeometry) -> PushPipe:
+    def _compile(self, g: LaunchGeometry) -> PushPipe:
         """Build + load the modules, agree on the peers, create the pipe, compile the GEMMs
         (GPU; never run).
 
@@ -146,7 +146,7 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
         `MoeEpUnavailableError` on every rank.
         """
         from moe_ep_sm90 import push_build, push_peers
-        from moe_ep_sm90.push_layout import push_layout
+        from moe_ep_sm90.push_window import push_window
 
         a2a: Any = None
         gemm: Any = None
@@ -164,7 +164,7 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
             lambda device, peer: push_peers.p2p_problem(a2a, device, peer),
             local_exc=local_exc,
         )
-        layout = push_layout(
+        layout = push_window(
             ep_size=g.world_size,
             rank=g.rank,
             num_local_experts=g.experts_per_rank,

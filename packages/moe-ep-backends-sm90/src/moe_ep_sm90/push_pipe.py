@@ -6,8 +6,8 @@ Warning:
     them (`push_style_megamoe/shim/{protocol,runner}.py` in the wheel), for one configuration:
     fp8 payload (the dispatch quantizes 1x128), bf16 combine, unfused FC1 (`moe_gemm` into
     bf16, then `sm90_silu_mul_quant_grouped`), no dedup, no grouped combine. What is tested
-    on CPU: the window layout (`push_layout`) and the order and arguments of the module
-    calls of one round, against recording fakes (`tests/backends/test_sm90_push_launch.py`).
+    on CPU: the window layout (`push_window`) and the order and arguments of the module
+    calls of one round, against recording fakes (`tests/backends/test_sm90_push_pipe.py`).
     The peer checks (single node, NVLink-native atomics between every pair of ranks) run
     before `create` (`push_peers`, from `push_cuda._compile`). Not done: FlashInfer's
     fingerprint handshake of the construction arguments.
@@ -23,7 +23,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from moe_ep_sm90.push_layout import PushLayout
+from moe_ep_sm90.push_window import PushLayout
 
 if TYPE_CHECKING:
     import torch

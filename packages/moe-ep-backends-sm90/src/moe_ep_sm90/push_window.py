@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from moe_ep.errors import MoeEpUsageError
 
-__all__ = ["MAX_EP_SIZE", "PUSH_TOP_K", "PushLayout", "push_layout"]
+__all__ = ["MAX_EP_SIZE", "PUSH_TOP_K", "PushLayout", "push_window"]
 
 MAX_EP_SIZE = 32
 PUSH_TOP_K = (1, 2, 4, 6, 8)
@@ -97,7 +97,7 @@ class PushLayout:
         )
 
 
-def push_layout(
+def push_window(
     *,
     ep_size: int,
     rank: int,

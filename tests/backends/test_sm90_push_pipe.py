@@ -19,8 +19,8 @@ import moe_ep_sm90.push_cuda as push
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEEpTensors
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig as Config
-from moe_ep_sm90.push_launch import GemmBuffers, PushPipe, PushScratch, PushWeights
-from moe_ep_sm90.push_layout import push_layout
+from moe_ep_sm90.push_pipe import GemmBuffers, PushPipe, PushScratch, PushWeights
+from moe_ep_sm90.push_window import push_window
 
 H, I, E, T = 256, 128, 4, 8  # noqa: E741 - the glossary names (I = intermediate)
 
@@ -42,7 +42,7 @@ ROUND = [
 
 def test_layout_regions_are_ordered_aligned_and_large_enough():
     ep, e, k, t = 4, 3, 8, 16
-    lay = push_layout(ep_size=ep, rank=1, num_local_experts=e, hidden=H, top_k=k, token_capacity=t)
+    lay = push_window(ep_size=ep, rank=1, num_local_experts=e, hidden=H, top_k=k, token_capacity=t)
     routes = ep * t * k
     # (offset, bytes the region must hold), in window order
     regions = [
@@ -65,7 +65,7 @@ def test_layout_regions_are_ordered_aligned_and_large_enough():
     assert lay.m_cap == routes and lay.pool_rows == routes
     args = lay.launch_args(0xABC)
     assert len(args) == 21 and args[0] == 0xABC and args[2] == 1 and args[-1] == lay.csc_offset
-    fp8 = push_layout(
+    fp8 = push_window(
         ep_size=ep,
         rank=1,
         num_local_experts=e,
@@ -90,7 +90,7 @@ def test_layout_regions_are_ordered_aligned_and_large_enough():
 def test_layout_rejects_what_the_kernels_refuse(kwargs, match):
     base = dict(ep_size=4, rank=0, num_local_experts=2, hidden=H, top_k=8, token_capacity=4)
     with pytest.raises(MoeEpUsageError, match=match):
-        push_layout(**{**base, **kwargs})
+        push_window(**{**base, **kwargs})
 
 
 @dataclass
@@ -111,7 +111,7 @@ class Recorder:
 
 
 def _pipe(a2a: Recorder, gemm: Recorder) -> PushPipe:
-    lay = push_layout(ep_size=2, rank=0, num_local_experts=E, hidden=H, top_k=2, token_capacity=T)
+    lay = push_window(ep_size=2, rank=0, num_local_experts=E, hidden=H, top_k=2, token_capacity=T)
     dev = torch.device("cpu")
     window = torch.zeros(lay.total_bytes, dtype=torch.uint8)
     combine = window[lay.combine_offset : lay.combine_offset + T * 2 * H * 2]
