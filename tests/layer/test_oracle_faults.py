@@ -102,9 +102,12 @@ class Run:
     def patch_prepared(self, change: Callable[[PreparedWeights], PreparedWeights]) -> None:
         """Plant a fault in the weights the kernel prepared (its dequantized values), which
         it reads at each forward (`_kernel`: the test reaches into the shared layer rather
-        than building one per fault)."""
+        than building one per fault). The faulted weights keep no stored codes, so the
+        experts run the `mm` path on them (the CPU expert GEMM of few rows reads the stored
+        codes instead; tests/layer/test_expert_gemm.py holds it bit-equal to this path)."""
         kernel = self.layer()._kernel
-        self.mp.setattr(kernel, "prepared", change(kernel.prepared))
+        changed = dataclasses.replace(change(kernel.prepared), stored13=None, stored2=None)
+        self.mp.setattr(kernel, "prepared", changed)
 
 
 @pytest.fixture(scope="module")
@@ -356,6 +359,7 @@ def _fc1_variation(compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                     variation.changed += changed
 
         run.mp.setattr(experts, "_mm", fc1)
+        run.mp.setattr(experts, "expert_gemm_rows", lambda w, d: 0)  # the `_mm` path only
         return run.forward()
 
     variation.changed = 0  # type: ignore[attr-defined]

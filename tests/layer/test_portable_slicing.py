@@ -274,6 +274,7 @@ def test_a_failing_worker_block_raises_in_the_caller(monkeypatch: pytest.MonkeyP
     prepared = Bf16Recipe().prepare(MoEWeightPack(w13, w2))
     monkeypatch.setattr(experts.cpu_fused, "parallel_workers", lambda d: 3)
     monkeypatch.setattr(experts, "_run_blocks", flaky)
+    monkeypatch.setattr(experts, "expert_gemm_rows", lambda w, d: 0)  # the blocks path only
     y = torch.empty(6, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="block of expert 2 failed"):
         experts.run_experts(
