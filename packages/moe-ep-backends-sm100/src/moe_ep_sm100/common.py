@@ -26,11 +26,5 @@ def check_sm100_pack(
     packed fp4) and the geometry against `config.check_problem` (top_k from the config,
     else 1)."""
     shape = check_weight_pack(weights, fleet, world_size, quantized_dtypes=(payload_dtype,))
-    check_pack_geometry(
-        config,
-        fleet,
-        world_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-    )
+    check_pack_geometry(config, fleet, world_size, shape)
     return shape

@@ -102,13 +102,7 @@ def check_pack(
             pack_fc1_interleave=pack_interleave,
             kernel_fc1_interleave=kernel_fc1_interleave,
         )
-    check_pack_geometry(
-        config,
-        fleet,
-        world_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-    )
+    check_pack_geometry(config, fleet, world_size, shape)
     return shape
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # moe_ep.checks imports torch: keep this module light
+    from moe_ep.checks import PackShape
 
 __all__ = [
     "ArgSpec",
@@ -74,14 +77,12 @@ def check_config_geometry(config: Any, g: LaunchGeometry) -> None:
     )
 
 
-def check_pack_geometry(
-    config: Any, fleet: Any, world_size: int, *, hidden_size: int, intermediate_size: int
-) -> None:
-    """`config.check_problem` for a weight pack's H and I before any collective (top_k from
-    the config, else 1)."""
+def check_pack_geometry(config: Any, fleet: Any, world_size: int, shape: PackShape) -> None:
+    """`config.check_problem` for a checked weight pack's H and I before any collective
+    (top_k from the config, else 1)."""
     config.check_problem(
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
         top_k=getattr(config, "top_k", None) or 1,
         num_experts=fleet.num_experts,
         world_size=world_size,
