@@ -74,20 +74,20 @@ def worker(rank: int, world_size: int, args: dict[str, int]) -> dict[str, float]
         recipe = Bf16Recipe()
         plan = comm.plan_dispatch(ids, e // world_size, world_size, True)
         payload = recipe.pack(x.index_select(0, plan.row_token))
-        kw = {"group": rt.group, "rank": rank, "world_size": world_size}
+        kw: dict[str, Any] = {"group": rt.group, "rank": rank}
         kw["workspace"] = comm.Workspace()  # as the kernel does: buffers reused
 
-        recv = comm.exchange(plan, payload, **kw)
+        recv = comm.exchange(plan, payload, world_size=world_size, **kw)
         # Stand-in for the experts' output rows (received pair order), made once: the
         # benchmark times communication, not the gather the experts would do.
         y = recipe.unpack(recv.rows, h).index_select(0, recv.pair_row)
 
         def comm_only() -> None:
-            got = comm.exchange(plan, payload, **kw)
+            got = comm.exchange(plan, payload, world_size=world_size, **kw)
             comm.return_rows(y, got, plan, **kw)
 
         def with_sum() -> None:
-            got = comm.exchange(plan, payload, **kw)
+            got = comm.exchange(plan, payload, world_size=world_size, **kw)
             back = comm.return_rows(y, got, plan, **kw)
             comm.combine(back, plan, w, out, workspace=kw["workspace"])
 

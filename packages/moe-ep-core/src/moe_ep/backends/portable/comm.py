@@ -4,6 +4,7 @@ Send order on the home rank is (destination rank, token, slot); every destinatio
 its pairs in (source rank, token, slot) order and regroups them by local expert with a stable
 sort, so an expert always sees its rows in global (token, slot) order whatever the world size.
 The combine returns one row per (token, slot) and sums on the home rank in slot order.
+A group of one rank runs the same steps with no collective: its all-to-all is a local copy.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ __all__ = [
     "Workspace",
     "combine",
     "exchange",
-    "local_received",
     "plan_dispatch",
     "return_rows",
 ]
@@ -155,8 +155,12 @@ def _a2a(
     A failure while posting is this rank's own (it is re-raised as it is, after telling
     the peers waiting for this rank through the fault board); a failure of the collective
     itself, or a peer's report, raises the verdict every survivor raises (`MoeEpPeerError`
-    / `MoeEpTimeoutError` naming the failed ranks).
+    / `MoeEpTimeoutError` naming the failed ranks). On a group of one rank (one split) the
+    rows are already here: a copy, no collective.
     """
+    if len(in_splits) == 1:
+        out.copy_(inp)
+        return
     label = f"moe-ep forward ({what})"
     try:
         pg: Any = group
@@ -206,15 +210,6 @@ def exchange(
     return Received(rows, pair_row, meta[:, 1].long(), recv_pairs_n, weight)
 
 
-def local_received(
-    token_payload: torch.Tensor, plan: DispatchPlan, pair_weight: torch.Tensor | None = None
-) -> Received:
-    """World size 1: `token_payload [n, B]` (every token, unselected) is already here."""
-    return Received(
-        token_payload, plan.pair_token, plan.pair_meta[:, 1].long(), plan.pair_counts, pair_weight
-    )
-
-
 def return_rows(
     y: torch.Tensor,
     recv: Received,
@@ -222,12 +217,9 @@ def return_rows(
     *,
     group: object,
     rank: int,
-    world_size: int,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Send `y [P_recv, H]` (received pair order) back; returns `[P, H]` in send order."""
-    if world_size == 1:
-        return y
     shape = (sum(plan.pair_counts), int(y.shape[1]))
     out = (workspace or Workspace()).get("returned", shape, y.dtype, y.device)
     _a2a(

@@ -34,12 +34,14 @@ import torch.nn.functional as F
 
 from moe_ep.backends.portable import cpu_fused
 from moe_ep.backends.portable.comm import Workspace
-from moe_ep.backends.portable.recipes import PreparedWeights
+from moe_ep.backends.portable.prepare_finalize import Dispatched
+from moe_ep.backends.portable.recipes import PreparedWeights, Recipe
 
 __all__ = [
     "ROW_BLOCK",
     "SMALL_M",
     "SWIGLU_ROWS",
+    "TorchExperts",
     "expert_gemm_rows",
     "grouped_mm_applies",
     "run_experts",
@@ -373,3 +375,44 @@ def _run_blocks(
             if alpha2 is not None:  # the product in fp32, then rounded to bf16
                 ye = ye.mul_(alpha2[e]) if cdt == torch.float32 else ye.float() * alpha2[e]
             y[s : s + b].copy_(ye)
+
+
+class TorchExperts:
+    """The portable kernels' `Experts`: the pairs grouped by local expert with a stable sort
+    (each expert sees its rows in the order dispatched), `run_experts`, back to pair order.
+
+    Args:
+        recipe: the format: how the FC2 input (the SwiGLU output) is requantized.
+        swiglu_clamp: None, or c: the gate clamped to `<= c`, the up projection to `[-c, c]`.
+    """
+
+    def __init__(self, recipe: Recipe, swiglu_clamp: float | None = None) -> None:
+        self.recipe = recipe
+        self.swiglu_clamp = swiglu_clamp
+        self.workspace = Workspace()
+
+    def apply(self, dispatched: Dispatched, weights: PreparedWeights) -> torch.Tensor:
+        """`[P, H]` bf16, pair p's expert output at row p; valid until the next `apply`."""
+        d, ws, recipe = dispatched, self.workspace, self.recipe
+        dev = d.rows.device
+        order = torch.sort(d.pair_expert, stable=True).indices
+        counts = torch.bincount(d.pair_expert, minlength=int(weights.w13t.shape[0])).tolist()
+        shape = (int(order.numel()), int(weights.w2t.shape[2]))
+        y_sorted = ws.get("y_sorted", shape, torch.bfloat16, dev)
+        run_experts(
+            d.rows,
+            d.pair_row[order],
+            counts,
+            weights,
+            None if recipe.requantize_is_rounding else recipe.requantize,
+            self.swiglu_clamp,
+            y_sorted,
+            ws,
+            pair_scale=None if d.pair_scale is None else d.pair_scale[order],
+        )
+        y = ws.get("y_pairs", shape, torch.bfloat16, dev)
+        return y.index_copy_(0, order, y_sorted)
+
+    def clear(self) -> None:
+        """Drop the expert blocks' buffers (idempotent)."""
+        self.workspace.clear()

@@ -1,13 +1,13 @@
-"""The portable kernels: dispatch (comm) -> experts -> combine (comm), any device."""
+"""The portable kernels: `AllToAllPrepareFinalize` + `TorchExperts` in a `ModularKernel`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from moe_ep.backends.portable import comm, cpu_fused
+from moe_ep.backends.portable import cpu_fused
+from moe_ep.backends.portable.all_to_all import AllToAllPrepareFinalize
 from moe_ep.backends.portable.configs import (
     Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig,
@@ -16,7 +16,8 @@ from moe_ep.backends.portable.configs import (
     Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig,
     PortableConfig,
 )
-from moe_ep.backends.portable.experts import run_experts
+from moe_ep.backends.portable.experts import TorchExperts
+from moe_ep.backends.portable.modular import ModularKernel
 from moe_ep.backends.portable.recipes import (
     Bf16Recipe,
     Fp8BlockRecipe,
@@ -44,18 +45,12 @@ __all__ = [
 ]
 
 
-@dataclass
-class StagedInputs:
-    """What `stage_inputs` hands to `compute_staged` (valid for one compute)."""
-
-    output: torch.Tensor
-    plan: comm.DispatchPlan
-    payload: torch.Tensor
-    topk_weights: torch.Tensor
-
-
 class PortableTorchKernel(MegaKernel):
     """Portable EP MoE in torch: runs on CPU (gloo) and CUDA (NCCL); the kernels' oracle.
+
+    A `ModularKernel` (`self.modular`) of `AllToAllPrepareFinalize` (quantize, dispatch,
+    combine over the runtime's group) and `TorchExperts`, both with the format's recipe; the
+    experts read `self.prepared`, the weights prepared once here.
 
     Duplicate expert ids within a row are legal: each slot is its own (token, slot) pair and
     the duplicates are summed like any other slots.
@@ -111,82 +106,35 @@ class PortableTorchKernel(MegaKernel):
         if shape is None:
             shape = self.validate_weights(weights, fleet, runtime.world_size, config)
         self.e_local = shape.num_local_experts
-        self.intermediate = shape.intermediate_size
         self.recipe = self.make_recipe(config)
         dev = runtime.device
         if dev.type == "cpu":
             cpu_fused.library()  # build or load now: MOE_EP_CPU_FUSED=1 fails here, not mid-forward
         self.prepared = self.recipe.prepare(weights.to(dev))
-        self.workspace = comm.Workspace()
+        """The weights the experts read at each forward."""
+        self.modular = ModularKernel(
+            AllToAllPrepareFinalize(
+                self.recipe,
+                runtime,
+                num_local_experts=self.e_local,
+                hidden_size=fleet.hidden_size,
+                dedup=self.pconfig.dedup,
+                topk_weight_before_fc2=self.pconfig.topk_weight_before_fc2,
+            ),
+            TorchExperts(self.recipe, self.pconfig.swiglu_clamp),
+        )
 
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
         """Plan routing and quantize this rank's tokens into the dispatch payload."""
-        ws = self.runtime.world_size
-        plan = comm.plan_dispatch(tensors.topk_ids, self.e_local, ws, self.pconfig.dedup)
-        x = tensors.hidden_states
-        if ws == 1:
-            payload = self.recipe.pack(x)
-        else:
-            payload = self.recipe.pack(x.index_select(0, plan.row_token))
-        return StagedInputs(output, plan, payload, tensors.topk_weights)
+        return self.modular.stage(tensors, output)
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
         """Dispatch, run the local experts, return rows and combine into the output."""
-        st: StagedInputs = staged
-        rt = self.runtime
-        ws, rank = rt.world_size, rt.rank
-        before_fc2 = self.pconfig.topk_weight_before_fc2
-        pair_weight = (
-            st.topk_weights[st.plan.pair_token, st.plan.pair_slot].float() if before_fc2 else None
-        )
-        if ws == 1:
-            recv = comm.local_received(st.payload, st.plan, pair_weight)
-        else:
-            recv = comm.exchange(
-                st.plan,
-                st.payload,
-                group=rt.group,
-                rank=rank,
-                world_size=ws,
-                workspace=self.workspace,
-                pair_weight=pair_weight,
-            )
-        st.payload = st.payload[:0]  # the send buffer is no longer needed
-        hidden = self.fleet.hidden_size
-        wsp = self.workspace
-        order = torch.sort(recv.pair_expert, stable=True).indices
-        counts = torch.bincount(recv.pair_expert, minlength=self.e_local).tolist()
-        rows = self.recipe.unpack(recv.rows, hidden)
-        pairs = int(order.numel())
-        y_sorted = wsp.get("y_sorted", (pairs, hidden), torch.bfloat16, rows.device)
-        run_experts(
-            rows,
-            recv.pair_row[order],
-            counts,
-            self.prepared,
-            None if self.recipe.requantize_is_rounding else self.recipe.requantize,
-            self.pconfig.swiglu_clamp,
-            y_sorted,
-            wsp,
-            pair_scale=None if recv.pair_weight is None else recv.pair_weight[order],
-        )
-        del rows, recv.rows
-        # weights already applied before FC2: the top-k sum adds the rows as they are
-        combine_w = torch.ones_like(st.topk_weights) if before_fc2 else st.topk_weights
-        if ws == 1:  # no return trip: combine reads the expert-sorted rows in place
-            where = torch.empty_like(order)
-            where[order] = torch.arange(pairs, device=order.device)
-            return comm.combine(y_sorted, st.plan, combine_w, st.output, rows=where, workspace=wsp)
-        y = wsp.get("y_send", (pairs, hidden), torch.bfloat16, y_sorted.device)
-        y.index_copy_(0, order, y_sorted)
-        y_home = comm.return_rows(
-            y, recv, st.plan, group=rt.group, rank=rank, world_size=ws, workspace=wsp
-        )
-        return comm.combine(y_home, st.plan, combine_w, st.output, workspace=wsp)
+        return self.modular.compute(staged, self.prepared)
 
     def destroy(self) -> None:
         """Drop the receive buffers (idempotent)."""
-        self.workspace.clear()
+        self.modular.clear()
 
 
 @register_mega_kernel("any_bf16_bf16_bf16_torch")
