@@ -138,6 +138,48 @@ def test_vector_body_equals_scalar_twin_on_gathered_rows_with_alpha() -> None:
     _bits_equal(got, want.bfloat16())
 
 
+BLOCK_EDGES = [1, 2, 3, 4, 5, 23, 24, 25, 26, 47, 48, 49, 0, 73]
+"""Rows per expert around the kernel's row tiles (3) and row blocks (24): whole-row streaming
+(1 to 3 rows), every partial register tile, and blocks that end one row early or late."""
+
+
+def _padded_codes(codes: torch.Tensor, poison: int) -> torch.Tensor:
+    """`codes [E, N, K']` as a view into rows 40 elements wider whose padding is `poison`
+    (bf16 NaN bits or a NaN e4m3 byte): a kernel reading past K would turn outputs NaN."""
+    e, n, k = codes.shape
+    bits = torch.int16 if codes.element_size() == 2 else torch.uint8
+    wide = torch.full((e, n, k + 40), poison, dtype=bits)
+    wide = wide.view(codes.dtype) if codes.dtype == torch.bfloat16 else wide
+    wide[:, :, :k] = codes
+    return wide[:, :, :k]
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
+@pytest.mark.parametrize(("code", "n", "k"), [("bf16", 37, 19), ("bf16", 66, 529),
+                                              ("bf16", 3, 16), ("e4m3", 35, 272)])  # fmt: skip
+def test_row_tiles_and_blocks_read_nothing_past_k(code: str, n: int, k: int, vector: bool) -> None:
+    if vector and not cpu_fused.vector_bodies() & 1:
+        pytest.skip("this build has no AVX2 expert GEMM body")
+    g = torch.Generator().manual_seed(n + k)
+    counts = BLOCK_EDGES
+    e = len(counts)
+    x = torch.randn(sum(counts), k, generator=g).bfloat16()
+    wf = torch.randn(e, n, k, generator=g)
+    if code == "bf16":
+        w = StoredWeight(_padded_codes(wf.bfloat16(), 0x7FC0), "bf16")
+        deq = wf.bfloat16().float()
+    else:
+        bytes_ = wf.to(torch.float8_e4m3fn).view(torch.uint8)
+        scales = torch.rand(e, n, k // 16, generator=g) + 0.5
+        w = StoredWeight(_padded_codes(bytes_, 0x7F), "e4m3", scales, "fp32", 16)
+        deq = bytes_.view(torch.float8_e4m3fn).float() * scales.repeat_interleave(16, -1)
+    assert w.codes.stride(1) == k + 40
+    want = reference_gemm(
+        x.float(), deq, [0, *torch.tensor(counts).cumsum(0)], list(range(e)), None
+    )
+    _bits_equal(_run(x, w, _groups(counts), torch.float32, vector=vector), want)
+
+
 def test_thread_counts_give_the_same_bits() -> None:
     g = torch.Generator().manual_seed(3)
     counts, n, k = RAGGED, 200, 384

@@ -303,9 +303,13 @@ void moe_ep_omp_set_threads(int32_t n) {
  *
  * Work: each group's rows in blocks of EG_ROWS, each block's outputs in tiles of EG_COLS
  * columns; the (group, block, tile) items go to the OpenMP threads dynamically. Within a
- * tile, EG_NR weight rows at a time are decoded EG_KC elements at a time into an L1 buffer
- * of fp32 (once per block of rows), then multiplied with EG_MR rows at a time held in
- * registers. Every output is one item's, so the split never changes a bit.
+ * tile, EG_NR weight rows at a time, EG_KC elements of K at a time, the register-blocked
+ * micro-kernel (EG_MR rows x EG_NR weight rows, 2 x 8 lanes each: 12 ymm accumulators)
+ * runs over every EG_MR rows of the block: bf16 weights straight from where they are
+ * stored (a shift or a mask per 8 lanes), the quantized ones (and bf16's K tail) decoded
+ * once per block into an L1 buffer of fp32. The weights stream from DRAM once per block of
+ * rows and stay in L1 for the later row tiles. Every output is one item's, so the split
+ * never changes a bit.
  */
 enum { EG_X_BF16 = 0, EG_X_F32 = 1 };
 enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2 };
@@ -313,12 +317,11 @@ enum { EG_S_NONE = 0, EG_S_F32 = 1, EG_S_E8M0 = 2, EG_S_E4M3 = 3 };
 enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
 
 #define EG_LANES 16
-#define EG_KC 256       /* K elements of each weight row decoded at a time (multiple of 16) */
-#define EG_NB 8         /* weight rows decoded together (their 8 KiB of fp32 stay in L1) */
+#define EG_KC 256       /* K elements of each weight row per block (multiple of 16) */
 #define EG_NR 2         /* weight rows multiplied together */
 #define EG_MR 3         /* activation rows multiplied together (12 accumulator registers) */
-#define EG_COLS 32      /* output columns per work item (a multiple of EG_NB) */
-#define EG_ROWS 48      /* rows per work item (a multiple of EG_MR) */
+#define EG_COLS 32      /* output columns per work item (a multiple of EG_NR) */
+#define EG_ROWS 24      /* rows per work item (a multiple of EG_MR: their x block stays in L1) */
 
 static float e4m3_value[256]; /* e4m3fn byte -> fp32, exact; 0x7f / 0xff -> quiet NaN */
 static const float e2m1_value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -450,23 +453,36 @@ static inline void eg_decode_chunk_avx2(const uint8_t *w_row, int32_t w_kind, in
     _mm256_storeu_ps(dst + 8, odd);
 }
 
-/* acc[m][n][:] (row stride ldacc) += the chunks of x rows m and decoded weight rows n,
- * lane by lane with one fma each; mr x nr accumulator pairs stay in registers. */
+/* acc[m][n][:] (row stride ldacc) += the chunks of x rows m and weight rows n, lane by lane
+ * with one fma each; mr x nr accumulator pairs stay in registers. Weight row n is w[n]:
+ * bf16 stored elements when `bf16` (even lanes by a shift, odd by a mask: no buffer), else
+ * fp32 already decoded in lane order. */
 static inline __attribute__((always_inline)) void eg_tile_avx2(
-    const int mr, const int nr, const float *x, int64_t ldx, const float *w, int64_t chunks,
-    float *acc, int64_t ldacc) {
+    const int mr, const int nr, const int bf16, const float *x, int64_t ldx,
+    const void *const *w, int64_t chunks, float *acc, int64_t ldacc, int64_t ahead) {
+    const __m256i odd_mask = _mm256_set1_epi32((int)0xffff0000u);
     __m256 a[EG_MR][EG_NR][2];
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++)
             for (int h = 0; h < 2; h++)
                 a[m][n][h] = _mm256_loadu_ps(acc + m * ldacc + n * EG_LANES + h * 8);
     for (int64_t c = 0; c < chunks; c++) {
+        if (bf16 && ahead && (c & 1) == 0) /* one 64-byte line per row every two chunks */
+            for (int n = 0; n < nr; n++)
+                _mm_prefetch((const char *)w[n] + c * 32 + ahead, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             __m256 wv[EG_NR];
             /* Each vector loaded once into a register (the empty asm stops the compiler from
              * folding the load into every fma that uses it: 1.3 loads per fma, not 0.8). */
             for (int n = 0; n < nr; n++) {
-                wv[n] = _mm256_loadu_ps(w + n * EG_KC + c * 16 + h * 8);
+                if (bf16) {
+                    const __m256i v =
+                        _mm256_loadu_si256((const __m256i *)((const uint16_t *)w[n] + c * 16));
+                    wv[n] = _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(v, 16)
+                                                       : _mm256_and_si256(v, odd_mask));
+                } else {
+                    wv[n] = _mm256_loadu_ps((const float *)w[n] + c * 16 + h * 8);
+                }
                 __asm__("" : "+x"(wv[n]));
             }
             for (int m = 0; m < mr; m++) {
@@ -483,35 +499,40 @@ static inline __attribute__((always_inline)) void eg_tile_avx2(
 }
 #endif
 
-/* The scalar twin of eg_tile_avx2: the same fma per lane in the same order. */
-static void eg_tile_scalar(int mr, int nr, const float *x, int64_t ldx, const float *w,
+/* The scalar twin of eg_tile_avx2 (fp32 weights in lane order, row n at w[n]): the same
+ * fma per lane in the same order. */
+static void eg_tile_scalar(int mr, int nr, const float *x, int64_t ldx, const void *const *w,
                            int64_t chunks, float *acc, int64_t ldacc) {
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++) {
             float *a = acc + m * ldacc + n * EG_LANES;
+            const float *wn = (const float *)w[n];
             for (int64_t c = 0; c < chunks; c++)
                 for (int l = 0; l < EG_LANES; l++)
-                    a[l] = __builtin_fmaf(x[m * ldx + c * 16 + l], w[n * EG_KC + c * 16 + l], a[l]);
+                    a[l] = __builtin_fmaf(x[m * ldx + c * 16 + l], wn[c * 16 + l], a[l]);
         }
 }
 
-static void eg_tile(int mr, int nr, const float *x, int64_t ldx, const float *w, int64_t chunks,
-                    float *acc, int64_t ldacc, int32_t vector) {
 #ifdef MOE_EP_AVX2
-    if (vector) { /* constant shapes, so each call below is its own register-tiled loop */
-        if (nr == 2) {
-            if (mr == 3) eg_tile_avx2(3, 2, x, ldx, w, chunks, acc, ldacc);
-            else if (mr == 2) eg_tile_avx2(2, 2, x, ldx, w, chunks, acc, ldacc);
-            else eg_tile_avx2(1, 2, x, ldx, w, chunks, acc, ldacc);
-        } else {
-            if (mr == 3) eg_tile_avx2(3, 1, x, ldx, w, chunks, acc, ldacc);
-            else if (mr == 2) eg_tile_avx2(2, 1, x, ldx, w, chunks, acc, ldacc);
-            else eg_tile_avx2(1, 1, x, ldx, w, chunks, acc, ldacc);
-        }
+#define EG_TILE_MR(mr, nr, bf16)                                                              \
+    (mr == 3   ? eg_tile_avx2(3, nr, bf16, x, ldx, w, chunks, acc, ldacc, ahead)            \
+     : mr == 2 ? eg_tile_avx2(2, nr, bf16, x, ldx, w, chunks, acc, ldacc, ahead)            \
+               : eg_tile_avx2(1, nr, bf16, x, ldx, w, chunks, acc, ldacc, ahead))
+#endif
+
+/* eg_tile_avx2 (vector) or its scalar twin (fp32 weights only), for mr <= EG_MR rows and
+ * nr <= EG_NR weight rows: each shape and weight kind its own register-tiled loop. `ahead`:
+ * bf16 weights are prefetched that many bytes past each line read (0: none). */
+static void eg_tile(int mr, int nr, int bf16, const float *x, int64_t ldx, const void *const *w,
+                    int64_t chunks, float *acc, int64_t ldacc, int32_t vector, int64_t ahead) {
+#ifdef MOE_EP_AVX2
+    if (vector) {
+        if (bf16) nr == 2 ? EG_TILE_MR(mr, 2, 1) : EG_TILE_MR(mr, 1, 1);
+        else nr == 2 ? EG_TILE_MR(mr, 2, 0) : EG_TILE_MR(mr, 1, 0);
         return;
     }
 #endif
-    (void)vector;
+    (void)vector, (void)bf16, (void)ahead;
     eg_tile_scalar(mr, nr, x, ldx, w, chunks, acc, ldacc);
 }
 
@@ -548,157 +569,151 @@ typedef struct {
     int64_t ld_out, n, k;
 } eg_args;
 
-/* Decode EG_KC elements from kc of weight rows [j0, j0 + nb) into wbuf rows (stride EG_KC). */
-static void eg_decode_rows(const eg_args *a, const uint8_t *we, const uint8_t *se, int64_t j0,
+#ifdef MOE_EP_AVX2
+/* eg_decode_rows' vector body for one row: whole chunks [kc, k1) into dst, one scale per
+ * s_block elements (kc a multiple of s_block or 16 when unscaled). w_kind and s_kind are
+ * constants at each call, so each format compiles to its own loop. */
+static inline __attribute__((always_inline)) void eg_decode_row_avx2(
+    const int32_t w_kind, const int32_t s_kind, const uint8_t *w_row, const uint8_t *s_row,
+    int64_t s_block, int64_t kc, int64_t k1, float *dst) {
+    const int32_t scaled = s_kind != EG_S_NONE;
+    const int64_t step = scaled ? s_block : k1 - kc;
+    for (int64_t kb = kc; kb < k1; kb += step) {
+        const float s = scaled ? eg_scale(s_row, s_kind, kb / s_block) : 1.0f;
+        const int64_t kb1 = kb + step < k1 ? kb + step : k1;
+        for (int64_t kk = kb; kk < kb1; kk += EG_LANES)
+            eg_decode_chunk_avx2(w_row, w_kind, kk, s, scaled, dst + (kk - kc));
+    }
+}
+
+static void eg_decode_row_vector(const eg_args *a, const uint8_t *w_row, const uint8_t *s_row,
+                                 int64_t kc, int64_t k1, float *dst) {
+#define EG_DECODE(w, s) eg_decode_row_avx2(w, s, w_row, s_row, a->s_block, kc, k1, dst)
+    if (a->w_kind == EG_W_BF16) EG_DECODE(EG_W_BF16, EG_S_NONE);
+    else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_F32) EG_DECODE(EG_W_E4M3, EG_S_F32);
+    else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_E8M0) EG_DECODE(EG_W_E4M3, EG_S_E8M0);
+    else if (a->w_kind == EG_W_E2M1 && a->s_kind == EG_S_E4M3) EG_DECODE(EG_W_E2M1, EG_S_E4M3);
+    else if (a->w_kind == EG_W_E2M1 && a->s_kind == EG_S_E8M0) EG_DECODE(EG_W_E2M1, EG_S_E8M0);
+    else EG_DECODE(a->w_kind, a->s_kind); /* other pairings: the generic loop */
+#undef EG_DECODE
+}
+#endif
+
+/* Decode elements [kc, k1) of weight rows [j, j + nb) into wbuf rows (stride EG_KC), in
+ * lane order, zero-padded to whole chunks (kc a multiple of EG_KC, or the K tail). */
+static void eg_decode_rows(const eg_args *a, const uint8_t *we, const uint8_t *se, int64_t j,
                            int64_t nb, int64_t kc, int64_t k1, float *wbuf) {
     const int32_t scaled = a->s_kind != EG_S_NONE;
+    for (int64_t n = 0; n < nb; n++) {
+        const uint8_t *w_row = we + (j + n) * a->w_row_bytes;
+        const uint8_t *s_row = se ? se + (j + n) * a->s_row_bytes : NULL;
+        int64_t kk = kc;
 #ifdef MOE_EP_AVX2
-    /* The weights stream from DRAM once: ask for what lies EG_PREFETCH_BYTES past each
-     * piece read here (prefetches never fault, so running past the expert's end is fine). */
+        if (a->vector) {
+            kk = kc + (k1 - kc) / EG_LANES * EG_LANES;
+            eg_decode_row_vector(a, w_row, s_row, kc, kk, wbuf + n * EG_KC);
+        }
+#endif
+        for (; kk < k1; kk += EG_LANES) {
+            const float s = scaled ? eg_scale(s_row, a->s_kind, kk / a->s_block) : 1.0f;
+            eg_decode_chunk_scalar(w_row, a->w_kind, kk, k1, s, scaled, wbuf + n * EG_KC + (kk - kc));
+        }
+    }
+}
+
+/* The prefetch distance: at least EG_PREFETCH_BYTES, in whole weight rows, so that it lands
+ * on the same elements of a later row (the rows an item reads next). */
+static inline int64_t eg_prefetch_ahead(int64_t row_bytes) {
+    return (EG_PREFETCH_BYTES + row_bytes - 1) / row_bytes * row_bytes;
+}
+
+/* Ask for the bytes of elements [kc, k1) of the weight rows a prefetch distance (at least
+ * EG_PREFETCH_BYTES, whole rows) past rows [j, j + nb): the same place in the rows this item
+ * reads next, as they stream from DRAM once. Prefetches never fault, so running past the
+ * expert's end is fine. */
+static inline void eg_prefetch(const eg_args *a, const uint8_t *we, int64_t j, int64_t nb,
+                               int64_t kc, int64_t k1, int64_t ahead) {
+#ifdef MOE_EP_AVX2
+    const int64_t row = a->w_row_bytes;
     const int64_t first = (kc * eg_bits(a->w_kind)) >> 3, end = (k1 * eg_bits(a->w_kind)) >> 3;
     for (int64_t n = 0; n < nb; n++)
         for (int64_t off = first; off < end; off += 64)
-            _mm_prefetch((const char *)we + (j0 + n) * a->w_row_bytes + off + EG_PREFETCH_BYTES,
-                         _MM_HINT_T0);
+            _mm_prefetch((const char *)we + (j + n) * row + ahead + off, _MM_HINT_T0);
+#else
+    (void)a, (void)we, (void)j, (void)nb, (void)kc, (void)k1, (void)ahead;
 #endif
-    for (int64_t n = 0; n < nb; n++) {
-        const uint8_t *w_row = we + (j0 + n) * a->w_row_bytes;
-        const uint8_t *s_row = se ? se + (j0 + n) * a->s_row_bytes : NULL;
-        for (int64_t kk = kc; kk < k1; kk += EG_LANES) {
-            const float s = scaled ? eg_scale(s_row, a->s_kind, kk / a->s_block) : 1.0f;
-            float *dst = wbuf + n * EG_KC + (kk - kc);
-#ifdef MOE_EP_AVX2
-            if (a->vector && kk + EG_LANES <= k1) {
-                eg_decode_chunk_avx2(w_row, a->w_kind, kk, s, scaled, dst);
-                continue;
-            }
-#endif
-            eg_decode_chunk_scalar(w_row, a->w_kind, kk, k1, s, scaled, dst);
-        }
-    }
 }
 
-#ifdef MOE_EP_AVX2
-/* acc[m][n][:] = the sums of x rows m (at most EG_MR) and weight rows j + n (n < nr), each
- * weight chunk decoded straight into registers (no L1 buffer): for blocks of so few rows
- * the buffer's stores and reloads cost more than they save. bf16 only: the fp8 / fp4
- * decodes need more registers than are left, and measured slower this way (fp8, 1 row:
- * 48 vs 31 ms through the buffer at 8 rows, 2 threads). The same fma per lane in the
- * same order as eg_decode_rows + eg_tile; the K tail goes through the scalar decode. */
-static inline __attribute__((always_inline)) void eg_direct_avx2(
-    const int mr, const int nr, const eg_args *a, const float *x, int64_t ldx, const uint8_t *we,
-    const uint8_t *se, int64_t j, float *acc, int64_t ldacc) {
-    const int32_t scaled = a->s_kind != EG_S_NONE;
-    const int64_t chunks_per_scale = scaled ? a->s_block / EG_LANES : 1;
-    __m256 acc_v[EG_MR][EG_NR][2];
-    for (int m = 0; m < mr; m++)
-        for (int n = 0; n < nr; n++) acc_v[m][n][0] = acc_v[m][n][1] = _mm256_setzero_ps();
-    const uint8_t *w_row[EG_NR], *s_row[EG_NR];
-    for (int n = 0; n < nr; n++) {
-        w_row[n] = we + (j + n) * a->w_row_bytes;
-        s_row[n] = se ? se + (j + n) * a->s_row_bytes : NULL;
-    }
-    int64_t scale_index = 0, chunk_in_scale = 0;
-    for (int64_t kk = 0; kk < a->k; kk += EG_LANES) {
-        __m256 even[EG_NR], odd[EG_NR];
-        for (int n = 0; n < nr; n++) {
-            const float s = scaled ? eg_scale(s_row[n], a->s_kind, scale_index) : 1.0f;
-            _mm_prefetch((const char *)w_row[n] + ((kk * eg_bits(a->w_kind)) >> 3) +
-                             EG_PREFETCH_BYTES, _MM_HINT_T0);
-            if (kk + EG_LANES <= a->k) {
-                eg_decode_regs_avx2(w_row[n], a->w_kind, kk, s, scaled, &even[n], &odd[n]);
-            } else {
-                float tail[EG_LANES];
-                eg_decode_chunk_scalar(w_row[n], a->w_kind, kk, a->k, s, scaled, tail);
-                even[n] = _mm256_loadu_ps(tail);
-                odd[n] = _mm256_loadu_ps(tail + 8);
-            }
-        }
-        for (int m = 0; m < mr; m++) {
-            const __m256 x0 = _mm256_loadu_ps(x + m * ldx + kk);
-            const __m256 x1 = _mm256_loadu_ps(x + m * ldx + kk + 8);
-            for (int n = 0; n < nr; n++) {
-                acc_v[m][n][0] = _mm256_fmadd_ps(x0, even[n], acc_v[m][n][0]);
-                acc_v[m][n][1] = _mm256_fmadd_ps(x1, odd[n], acc_v[m][n][1]);
-            }
-        }
-        if (++chunk_in_scale == chunks_per_scale) {
-            chunk_in_scale = 0;
-            scale_index++;
-        }
-    }
-    for (int m = 0; m < mr; m++)
-        for (int n = 0; n < nr; n++) {
-            _mm256_storeu_ps(acc + m * ldacc + n * EG_LANES, acc_v[m][n][0]);
-            _mm256_storeu_ps(acc + m * ldacc + n * EG_LANES + 8, acc_v[m][n][1]);
-        }
-}
-
-static void eg_direct(int mr, int nr, const eg_args *a, const float *x, int64_t ldx,
-                      const uint8_t *we, const uint8_t *se, int64_t j, float *acc,
-                      int64_t ldacc) { /* constant shapes: each call its own unrolled loop */
-    if (nr == 2) {
-        if (mr == 3) eg_direct_avx2(3, 2, a, x, ldx, we, se, j, acc, ldacc);
-        else if (mr == 2) eg_direct_avx2(2, 2, a, x, ldx, we, se, j, acc, ldacc);
-        else eg_direct_avx2(1, 2, a, x, ldx, we, se, j, acc, ldacc);
-    } else {
-        if (mr == 3) eg_direct_avx2(3, 1, a, x, ldx, we, se, j, acc, ldacc);
-        else if (mr == 2) eg_direct_avx2(2, 1, a, x, ldx, we, se, j, acc, ldacc);
-        else eg_direct_avx2(1, 1, a, x, ldx, we, se, j, acc, ldacc);
+/* acc[r] += `chunks` chunks of x rows [0, rows) times weight rows w[n] (n < nr), in
+ * register tiles of EG_MR rows: the weight chunks, read from memory by the first tile
+ * (which prefetches bf16 ones `ahead` bytes on), stay in L1 for the later ones. */
+static void eg_row_tiles(const eg_args *a, int64_t rows, int nr, int bf16, const float *x,
+                         const void *const *w, int64_t chunks, float *acc, int64_t ldacc,
+                         int64_t ahead) {
+    for (int64_t r = 0; r < rows; r += EG_MR) {
+        const int mr = rows - r < EG_MR ? (int)(rows - r) : EG_MR;
+        eg_tile(mr, nr, bf16, x + r * a->ldxs, a->ldxs, w, chunks, acc + r * ldacc, ldacc,
+                a->vector, r == 0 ? ahead : 0);
     }
 }
-#endif
 
 /* One work item: rows [q0, q0 + rows) of group g times output columns [tile * EG_COLS, ...):
- * per EG_NB weight rows, per EG_KC block of K, decode the block once and run every
- * EG_MR x EG_NR register tile over it (the x block and the decoded weights stay in L1; the
- * accumulators carry over from block to block, so the fma chain per lane is unchanged). */
+ * per EG_NR weight rows, per EG_KC block of K, every EG_MR x EG_NR register tile of the
+ * rows over the block. bf16 weights (vector body) are read where they are stored, the K
+ * tail (a partial chunk) and the other kinds decoded into an L1 buffer first. The
+ * accumulators carry over from block to block, so the fma chain per lane is unchanged. */
 static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
-    float wbuf[EG_NB * EG_KC];
-    float acc[EG_ROWS * EG_NB * EG_LANES];
-    const int64_t ldacc = EG_NB * EG_LANES;
+    float wbuf[EG_NR * EG_KC];
+    float acc[EG_ROWS * EG_NR * EG_LANES];
+    const int64_t ldacc = EG_NR * EG_LANES;
     const int64_t q0 = a->q_start[g] + block * EG_ROWS;
     const int64_t rows = a->q_start[g + 1] - q0 < EG_ROWS ? a->q_start[g + 1] - q0 : EG_ROWS;
     const int64_t n1 = tile * EG_COLS + EG_COLS < a->n ? tile * EG_COLS + EG_COLS : a->n;
     const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
     const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
-    for (int64_t j0 = tile * EG_COLS; j0 < n1; j0 += EG_NB) {
-        const int64_t nb = n1 - j0 < EG_NB ? n1 - j0 : EG_NB;
-        memset(acc, 0, sizeof(float) * (size_t)(rows * ldacc));
-        int64_t kc0 = 0; /* where the buffered path starts: a->k when the direct one ran */
+    const float *x = a->xs + q0 * a->ldxs;
 #ifdef MOE_EP_AVX2
-        if (a->vector && rows <= EG_MR && a->w_kind == EG_W_BF16) {
-            for (int64_t n = 0; n < nb; n += EG_NR) {
-                const int nr = nb - n < EG_NR ? (int)(nb - n) : EG_NR;
-                eg_direct((int)rows, nr, a, a->xs + q0 * a->ldxs, a->ldxs, we, se, j0 + n,
-                          acc + n * EG_LANES, ldacc);
-            }
-            kc0 = a->k;
-        }
+    const int direct = a->vector && a->w_kind == EG_W_BF16; /* bf16 read where stored */
+#else
+    const int direct = 0;
 #endif
-        for (int64_t kc = kc0; kc < a->k; kc += EG_KC) {
-            const int64_t k1 = kc + EG_KC < a->k ? kc + EG_KC : a->k;
-            const int64_t chunks = (k1 - kc + EG_LANES - 1) / EG_LANES;
-            eg_decode_rows(a, we, se, j0, nb, kc, k1, wbuf);
-            for (int64_t r = 0; r < rows; r += EG_MR) {
-                const int mr = rows - r < EG_MR ? (int)(rows - r) : EG_MR;
-                for (int64_t n = 0; n < nb; n += EG_NR) {
-                    const int nr = nb - n < EG_NR ? (int)(nb - n) : EG_NR;
-                    eg_tile(mr, nr, a->xs + (q0 + r) * a->ldxs + kc, a->ldxs, wbuf + n * EG_KC,
-                            chunks, acc + r * ldacc + n * EG_LANES, ldacc, a->vector);
-                }
+    const int64_t k_whole = a->k / EG_LANES * EG_LANES; /* elements in whole chunks */
+    const void *wbuf_rows[EG_NR] = {wbuf, wbuf + EG_KC};
+    /* K in blocks whose weights stay in L1 for the later row tiles; with one row tile the
+     * direct path streams whole rows (no accumulator round trips between blocks). */
+    const int64_t step = direct && rows <= EG_MR ? a->k : EG_KC;
+    const int64_t ahead = eg_prefetch_ahead(a->w_row_bytes);
+    for (int64_t j = tile * EG_COLS; j < n1; j += EG_NR) {
+        const int nr = n1 - j < EG_NR ? (int)(n1 - j) : EG_NR;
+        memset(acc, 0, sizeof(float) * (size_t)(rows * ldacc));
+        for (int64_t kc = 0; kc < a->k; kc += step) {
+            const int64_t k1 = kc + step < a->k ? kc + step : a->k;
+            int64_t kd = kc; /* where the decoded part of this block starts */
+            if (direct) {
+                kd = k1 < k_whole ? k1 : k_whole > kc ? k_whole : kc;
+                const void *w_rows[EG_NR];
+                for (int n = 0; n < nr; n++) w_rows[n] = we + (j + n) * a->w_row_bytes + 2 * kc;
+                if (kd > kc)
+                    eg_row_tiles(a, rows, nr, 1, x + kc, w_rows, (kd - kc) / EG_LANES, acc,
+                                 ldacc, ahead);
+            }
+            if (kd < k1) {
+                if (!direct) eg_prefetch(a, we, j, nr, kd, k1, ahead);
+                eg_decode_rows(a, we, se, j, nr, kd, k1, wbuf);
+                eg_row_tiles(a, rows, nr, 0, x + kd, wbuf_rows,
+                             (k1 - kd + EG_LANES - 1) / EG_LANES, acc, ldacc, 0);
             }
         }
         for (int64_t r = 0; r < rows; r++) {
             const int64_t orow = a->out_row0[g] + block * EG_ROWS + r;
-            for (int64_t n = 0; n < nb; n++) {
+            for (int n = 0; n < nr; n++) {
                 float v = eg_lane_sum(acc + r * ldacc + n * EG_LANES);
                 v = a->alpha ? v * alpha : v;
                 if (a->out_kind == EG_OUT_F32)
-                    ((float *)a->out)[orow * a->ld_out + j0 + n] = v;
+                    ((float *)a->out)[orow * a->ld_out + j + n] = v;
                 else
-                    ((uint16_t *)a->out)[orow * a->ld_out + j0 + n] = f32_to_bf16(v);
+                    ((uint16_t *)a->out)[orow * a->ld_out + j + n] = f32_to_bf16(v);
             }
         }
     }
