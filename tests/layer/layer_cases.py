@@ -74,6 +74,17 @@ def token_split(case: Case, world_size: int) -> list[int]:
     return [t // world_size + (1 if r < t % world_size else 0) for r in range(world_size)]
 
 
+def rank_share(
+    case: Case, world_size: int, rank: int
+) -> tuple[dict[str, torch.Tensor], slice, slice]:
+    """The global problem, and rank `rank`'s slices of its experts and of its tokens."""
+    p = make_problem(case, world_size)
+    el = case.num_experts(world_size) // world_size
+    split = token_split(case, world_size)
+    lo = sum(split[:rank])
+    return p, slice(rank * el, (rank + 1) * el), slice(lo, lo + split[rank])
+
+
 def to_wire(t: torch.Tensor) -> np.ndarray:
     """bf16 tensor -> numpy (pickles by value, unlike torch's shared-memory tensors)."""
     return t.contiguous().view(torch.int16).numpy().copy()
@@ -87,19 +98,14 @@ def run_one(rank: int, world_size: int, case: Case, fmt: str, timeout_s: float) 
     from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
     from moe_ep.registry import get_kernel
 
-    p = make_problem(case, world_size)
-    e = case.num_experts(world_size)
-    el = e // world_size
-    split = token_split(case, world_size)
-    lo = sum(split[:rank])
-    sl = slice(lo, lo + split[rank])
+    p, es, sl = rank_share(case, world_size, rank)
     backend: Any = KERNELS[fmt]
     if case.config:
         backend = get_kernel(backend).config_cls(**dict(case.config))
     layer = MoEEpLayer(
         BootstrapConfig(world_size, rank, timeout_s=timeout_s),
-        FleetParams(e, max(split), case.hidden),
-        MoEWeightPack(p["w13"][rank * el : (rank + 1) * el], p["w2"][rank * el : (rank + 1) * el]),
+        FleetParams(case.num_experts(world_size), max(token_split(case, world_size)), case.hidden),
+        MoEWeightPack(p["w13"][es], p["w2"][es]),
         backend,
     )
     try:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from layer_cases import KERNELS, Case, from_wire, make_problem, to_wire, token_split
+from layer_cases import KERNELS, Case, from_wire, make_problem, rank_share, to_wire
 
 from moe_ep.backends.portable import (
     AllToAllPrepareFinalize,
@@ -178,19 +178,12 @@ class AllGatherPrepareFinalize:
 def _forward(rt: Any, case: Case, fmt: str, parts: str) -> torch.Tensor:
     from moe_ep.registry import get_kernel
 
-    ws, rank = rt.world_size, rt.rank
-    p = make_problem(case, ws)
-    e = case.num_experts(ws)
-    el = e // ws
-    split = token_split(case, ws)
-    lo = sum(split[:rank])
-    sl = slice(lo, lo + split[rank])
+    p, es, sl = rank_share(case, rt.world_size, rt.rank)
+    el = es.stop - es.start
     kernel_cls: Any = get_kernel(KERNELS[fmt])
     config = kernel_cls.config_cls(**dict(case.config))
     recipe = kernel_cls.make_recipe(config)
-    prepared = recipe.prepare(
-        MoEWeightPack(p["w13"][rank * el : (rank + 1) * el], p["w2"][rank * el : (rank + 1) * el])
-    )
+    prepared = recipe.prepare(MoEWeightPack(p["w13"][es], p["w2"][es]))
     if parts == "gather+torch":
         pf: Any = AllGatherPrepareFinalize(
             recipe, rt, el, case.hidden, config.topk_weight_before_fc2
@@ -210,7 +203,7 @@ def _forward(rt: Any, case: Case, fmt: str, parts: str) -> torch.Tensor:
         experts = TorchExperts(recipe, config.swiglu_clamp)
     kernel = ModularKernel(pf, experts)
     tensors = MoEEpTensors(p["x"][sl], p["ids"][sl], p["topk_weights"][sl])
-    out = torch.empty(split[rank], case.hidden, dtype=torch.bfloat16)
+    out = torch.empty(sl.stop - sl.start, case.hidden, dtype=torch.bfloat16)
     try:
         return kernel.forward(tensors, out, prepared)
     finally:
@@ -297,6 +290,34 @@ def test_modular_kernel_refuses_a_part_without_its_protocol() -> None:
     kernel = ModularKernel(pf, experts)
     with pytest.raises(MoeEpUsageError, match=r"staged must come from ModularKernel\.stage"):
         kernel.compute(object(), Bf16Recipe().prepare(_tiny_pack()))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"recipe": "bf16"}, r"recipe must be a moe_ep\.backends\.portable\.recipes\.Recipe"),
+        ({"num_local_experts": 0}, r"num_local_experts must be an int >= 1, got 0"),
+        ({"num_local_experts": 2.0}, r"num_local_experts must be an int >= 1, got 2\.0"),
+        ({"hidden_size": 100}, r"hidden_size must be a multiple of 32 for format mxfp8, got 100"),
+        ({"dedup": 1}, r"dedup must be a bool, got 1"),
+        ({"topk_weight_before_fc2": "yes"}, r"topk_weight_before_fc2 must be a bool, got 'yes'"),
+    ],
+)
+def test_the_all_to_all_part_refuses_bad_arguments(kwargs: dict[str, Any], message: str) -> None:
+    from moe_ep.backends.portable.recipes import Mxfp8Recipe
+
+    args: dict[str, Any] = {"recipe": Mxfp8Recipe(), "num_local_experts": 2, "hidden_size": 64}
+    args.update(kwargs)
+    recipe = args.pop("recipe")
+    with pytest.raises(MoeEpUsageError, match=message):
+        AllToAllPrepareFinalize(recipe, None, **args)  # type: ignore[arg-type]
+
+
+def test_the_torch_experts_refuse_bad_arguments() -> None:
+    with pytest.raises(MoeEpUsageError, match=r"recipe must be a .*Recipe .*got str"):
+        TorchExperts("bf16")  # type: ignore[arg-type]
+    with pytest.raises(MoeEpUsageError, match=r"swiglu_clamp must be a finite float > 0, got -1"):
+        TorchExperts(Bf16Recipe(), -1.0)
 
 
 def _tiny_pack() -> MoEWeightPack:

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep.backends.portable import comm
+from moe_ep.backends.portable.configs import check_bool
 from moe_ep.backends.portable.prepare_finalize import Dispatched
-from moe_ep.backends.portable.recipes import Recipe
+from moe_ep.backends.portable.recipes import Recipe, check_recipe
 from moe_ep.contract import KernelRuntime
+from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEEpTensors
 
 __all__ = ["AllToAllPrepareFinalize"]
@@ -60,6 +62,17 @@ class AllToAllPrepareFinalize:
         dedup: bool = True,
         topk_weight_before_fc2: bool = False,
     ) -> None:
+        check_recipe(recipe)
+        for name, value in (("num_local_experts", num_local_experts), ("hidden_size", hidden_size)):
+            if type(value) is not int or value < 1:
+                raise MoeEpUsageError(f"{name} must be an int >= 1, got {value!r}")
+        if hidden_size % recipe.k_multiple:
+            raise MoeEpUsageError(
+                f"hidden_size must be a multiple of {recipe.k_multiple} for format "
+                f"{recipe.name}, got {hidden_size}"
+            )
+        check_bool("dedup", dedup)
+        check_bool("topk_weight_before_fc2", topk_weight_before_fc2)
         self.recipe = recipe
         self.runtime = runtime
         self.num_local_experts = num_local_experts

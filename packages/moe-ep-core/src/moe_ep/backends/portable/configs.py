@@ -17,10 +17,13 @@ __all__ = [
     "Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig",
     "Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig",
     "PortableConfig",
+    "check_bool",
+    "check_positive_float",
 ]
 
 
-def _positive_float(name: str, value: object) -> None:
+def check_positive_float(name: str, value: object) -> None:
+    """`MoeEpUsageError` unless `value` is a finite int or float > 0 (not a bool)."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
@@ -28,6 +31,12 @@ def _positive_float(name: str, value: object) -> None:
         or value <= 0
     ):
         raise MoeEpUsageError(f"{name} must be a finite float > 0, got {value!r}")
+
+
+def check_bool(name: str, value: object) -> None:
+    """`MoeEpUsageError` unless `value` is a bool."""
+    if not isinstance(value, bool):
+        raise MoeEpUsageError(f"{name} must be a bool, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,10 +55,9 @@ class PortableConfig(KernelConfig):
 
     def __post_init__(self) -> None:
         if self.swiglu_clamp is not None:
-            _positive_float("swiglu_clamp", self.swiglu_clamp)
-        for name in ("dedup", "topk_weight_before_fc2"):
-            if not isinstance(getattr(self, name), bool):
-                raise MoeEpUsageError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_positive_float("swiglu_clamp", self.swiglu_clamp)
+        check_bool("dedup", self.dedup)
+        check_bool("topk_weight_before_fc2", self.topk_weight_before_fc2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,8 +112,8 @@ class Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig(PortableConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _positive_float("act_global_scale", self.act_global_scale)
-        _positive_float("hidden_global_scale", self.hidden_global_scale)
+        check_positive_float("act_global_scale", self.act_global_scale)
+        check_positive_float("hidden_global_scale", self.hidden_global_scale)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,8 +34,9 @@ import torch.nn.functional as F
 
 from moe_ep.backends.portable import cpu_fused
 from moe_ep.backends.portable.comm import Workspace
+from moe_ep.backends.portable.configs import check_positive_float
 from moe_ep.backends.portable.prepare_finalize import Dispatched
-from moe_ep.backends.portable.recipes import PreparedWeights, Recipe
+from moe_ep.backends.portable.recipes import PreparedWeights, Recipe, check_recipe
 
 __all__ = [
     "ROW_BLOCK",
@@ -387,6 +388,9 @@ class TorchExperts:
     """
 
     def __init__(self, recipe: Recipe, swiglu_clamp: float | None = None) -> None:
+        check_recipe(recipe)
+        if swiglu_clamp is not None:
+            check_positive_float("swiglu_clamp", swiglu_clamp)
         self.recipe = recipe
         self.swiglu_clamp = swiglu_clamp
         self.workspace = Workspace()

@@ -42,6 +42,7 @@ __all__ = [
     "Nvfp4Recipe",
     "PreparedWeights",
     "Recipe",
+    "check_recipe",
 ]
 
 
@@ -138,6 +139,15 @@ class Recipe(ABC):
     @abstractmethod
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
         """Quantize (or take the pre-quantized payload), dequantize once, lay out."""
+
+
+def check_recipe(recipe: object) -> None:
+    """`MoeEpUsageError` unless `recipe` is a `Recipe` (e.g. `Bf16Recipe()`)."""
+    if not isinstance(recipe, Recipe):
+        raise MoeEpUsageError(
+            f"recipe must be a moe_ep.backends.portable.recipes.Recipe (e.g. Bf16Recipe()), "
+            f"got {type(recipe).__name__}"
+        )
 
 
 def _stored(
