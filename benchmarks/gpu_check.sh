@@ -20,7 +20,7 @@
 #      reported and the tests needing it skip;
 #   3. installs moe-ep-core, both backend packages and the four drops editable, --no-deps;
 #   4. only with MOE_EP_PUSH_BUILD=1 (adds up to 240 s): builds and loads the push drop's two
-#      TVM-FFI modules (moe_ep_sm90.push_build; nvcc, curand headers from torch's cu13 wheels)
+#      TVM-FFI modules (moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.build; nvcc, curand headers from torch's cu13 wheels)
 #      into $MOE_EP_PUSH_CACHE (default /tmp/moe_ep_push_cache) and asks the a2a module whether
 #      GPU 0 has NVLink-native atomics to itself; the push GPU tests of step 5 run only then;
 #   5. runs the tests that need a GPU (pytest -m gpu): the pull (and push) kernel against the
@@ -119,7 +119,7 @@ if [ "${MOE_EP_PUSH_BUILD:-0}" = "1" ]; then
   export MOE_EP_PUSH_CACHE="${MOE_EP_PUSH_CACHE:-/tmp/moe_ep_push_cache}"
   timeout "$(cap 240)" "$PY" - <<'EOF' 2>&1 | tee "$OUT_DIR/push_build.txt"
 import time
-from moe_ep_sm90 import push_build
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 start = time.perf_counter()
 s = push_build.find_sources()
 built = push_build.build_modules(s)

@@ -1,8 +1,9 @@
 """moe-ep core's import graph, read from import statements (ast), and its layering rules.
 
-`tests/runtime/test_import_boundary.py` enforces the rules; `python tools/import_graph.py
-[ROOT]` prints the tree's measures (files, lines, largest file, import circles, reverse
-edges) for any checkout, e.g. an older commit extracted with `git archive`.
+`tests/runtime/test_import_boundary.py` enforces the rules (and that no backend package's
+modules import each other in a circle); `python tools/import_graph.py [ROOT]` prints the
+tree's measures (files, lines, largest file, import circles, reverse edges) for any checkout,
+e.g. an older commit extracted with `git archive`.
 
 Layers, bottom first: a module may import its own layer and the ones below, never above.
 A module's layer is that of the longest prefix in `LAYERS` naming it.
@@ -16,7 +17,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 CORE_SRC = Path("packages/moe-ep-core/src")
-BACKEND_PACKAGES = ("moe_ep_sm90", "moe_ep_sm100")
+BACKEND_SRC = {
+    "moe_ep_sm90": Path("packages/moe-ep-backends-sm90/src"),
+    "moe_ep_sm100": Path("packages/moe-ep-backends-sm100/src"),
+}
+BACKEND_PACKAGES = tuple(BACKEND_SRC)
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the plain data, the errors and the kernel contract: what every other module speaks
@@ -82,16 +87,20 @@ def imported_names(path: Path, module: str, *, type_only: bool = False) -> set[s
     return found
 
 
+def package_modules(src: Path, package: str) -> dict[str, Path]:
+    """Module name -> file for every module of `package` under the source root `src`."""
+    return {module_name(p, src): p for p in sorted((src / package).rglob("*.py"))}
+
+
 def core_modules(root: Path) -> dict[str, Path]:
-    src = root / CORE_SRC
-    return {module_name(p, src): p for p in sorted((src / "moe_ep").rglob("*.py"))}
+    return package_modules(root / CORE_SRC, "moe_ep")
 
 
-def core_graph(root: Path, *, type_only: bool = False) -> dict[str, set[str]]:
-    """moe_ep module -> the moe_ep modules it imports (`from pkg import name` counts as an
-    edge to `pkg.name` when that is a module, else to `pkg`); `type_only` adds the imports
-    made for type checkers only."""
-    modules = core_modules(root)
+def package_graph(src: Path, package: str, *, type_only: bool = False) -> dict[str, set[str]]:
+    """module of `package` -> the modules of `package` it imports (`from pkg import name`
+    counts as an edge to `pkg.name` when that is a module, else to `pkg`); `type_only` adds
+    the imports made for type checkers only."""
+    modules = package_modules(src, package)
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
         targets: set[str] = set()
@@ -105,6 +114,16 @@ def core_graph(root: Path, *, type_only: bool = False) -> dict[str, set[str]]:
     for module, targets in graph.items():
         graph[module] = {t for t in targets if not any(u.startswith(t + ".") for u in targets)}
     return graph
+
+
+def core_graph(root: Path, *, type_only: bool = False) -> dict[str, set[str]]:
+    """`package_graph` of moe_ep (core)."""
+    return package_graph(root / CORE_SRC, "moe_ep", type_only=type_only)
+
+
+def backend_graph(root: Path, package: str, *, type_only: bool = False) -> dict[str, set[str]]:
+    """`package_graph` of one backend package (`BACKEND_SRC`)."""
+    return package_graph(root / BACKEND_SRC[package], package, type_only=type_only)
 
 
 def layer_of(module: str) -> int:
@@ -188,6 +207,12 @@ def tree_measures(root: Path) -> dict[str, object]:
     largest = max(sizes, key=sizes.__getitem__)
     graph = core_graph(root)
     typed = core_graph(root, type_only=True)
+    backend_circles = [
+        c
+        for package in BACKEND_PACKAGES
+        if (root / BACKEND_SRC[package] / package).is_dir()
+        for c in circles(backend_graph(root, package, type_only=True))
+    ]
     return {
         "product files": len(sizes),
         "product lines": sum(sizes.values()),
@@ -196,6 +221,7 @@ def tree_measures(root: Path) -> dict[str, object]:
         "import circles (with type-only imports)": len(circles(typed)),
         "reverse edges": len(reverse_edges(graph)),
         "reverse edges (with type-only imports)": len(reverse_edges(typed)),
+        "backend package import circles (with type-only imports)": len(backend_circles),
     }
 
 
@@ -208,6 +234,10 @@ def main(argv: list[str]) -> int:
         print("circle (type-only imports included):", " <-> ".join(component))
     for edge in reverse_edges(graph):
         print("reverse edge (type-only imports included):", edge)
+    for package in BACKEND_PACKAGES:
+        if (root / BACKEND_SRC[package] / package).is_dir():
+            for component in circles(backend_graph(root, package, type_only=True)):
+                print(f"{package} circle (type-only imports included):", " <-> ".join(component))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Each GPU wrapper whose drop ships a reference that runs on CPU is checked against it on the
 GPU tests' problems (`sm90_gpu_cases.CASES`): the wrapper's own weight preparation and input
-staging (`moe_ep_sm90.fp8_layout`, `moe_ep_sm100.nvfp4_layout` / `mxfp8_layout`), laid out
+staging (each kernel's `layout` module), laid out
 as the drop's runners hand them to their reference, go through the drop's reference
 (`moe_hopper_fp8.mega_reference_fp8`, `moe_mxfp8_glu.mega_reference_mxfp8`,
 `moe_nvfp4_swapab.mega_reference`), its top-k reduce is restated (fp32 sum over the slots in
@@ -136,7 +136,10 @@ def reduce_topk(combine: torch.Tensor, tokens: int) -> torch.Tensor:
 def _pull_output(case: GpuCase, world_size: int) -> torch.Tensor:
     import moe_ep_drop_sm90_pull as drop
 
-    from moe_ep_sm90.fp8_layout import prepare_pull_weights, stage_pull_inputs
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.layout import (
+        prepare_pull_weights,
+        stage_pull_inputs,
+    )
 
     ref = drop.import_src_module("moe_hopper_fp8.mega_reference_fp8")
     ranks = _rank_inputs(case, world_size, PULL)
@@ -173,8 +176,11 @@ def _plain_scales(swizzled: torch.Tensor, rows: int, cols: int, to_blocked: Any)
 def _nvfp4_output(case: GpuCase, world_size: int) -> torch.Tensor:
     import moe_ep_drop_sm100_cutedsl as drop
 
-    from moe_ep_sm100.configs import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig as Config
-    from moe_ep_sm100.nvfp4_layout import prepare_nvfp4_weights, stage_nvfp4_inputs
+    from moe_ep_sm100 import Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig as Config
+    from moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.layout import (
+        prepare_nvfp4_weights,
+        stage_nvfp4_inputs,
+    )
 
     ref = _install_reference_standins(drop)
     rc = drop.import_src_module("moe_nvfp4_swapab.runner_common")
@@ -229,7 +235,10 @@ def _nvfp4_output(case: GpuCase, world_size: int) -> torch.Tensor:
 def _mxfp8_output(case: GpuCase, world_size: int) -> torch.Tensor:
     import moe_ep_drop_sm100_cutedsl as drop
 
-    from moe_ep_sm100.mxfp8_layout import prepare_mxfp8_weights, stage_mxfp8_inputs
+    from moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.layout import (
+        prepare_mxfp8_weights,
+        stage_mxfp8_inputs,
+    )
 
     ref = drop.import_src_module("moe_mxfp8_glu.mega_reference_mxfp8")
     rc = drop.import_src_module("moe_nvfp4_swapab.runner_common")

@@ -15,15 +15,21 @@ from moe_ep.quant import (
     unswizzle_128x4,
 )
 from moe_ep.quant.fp8 import dequantize_fp8_blockwise
-from moe_ep_sm90.fp8_layout import PULL_GATE_UP_BLOCK, Fp8BlockWeights
-from moe_ep_sm100.deepgemm_layout import (
+from moe_ep_sm90.common.fp8_blockwise import Fp8BlockWeights
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.config import PULL_GATE_UP_BLOCK
+from moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.layout import (
     DEEPGEMM_GATE_UP_BLOCK,
+    UTCCP_ROWS,
     DeepgemmWeights,
-    unpack_ue8m0,
-    utccp_rows_inverse,
 )
-from moe_ep_sm100.mxfp8_layout import MXFP8_GATE_UP_BLOCK, Mxfp8Weights
-from moe_ep_sm100.nvfp4_layout import NVFP4_GATE_UP_BLOCK, Nvfp4Weights
+from moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.layout import (
+    MXFP8_GATE_UP_BLOCK,
+    Mxfp8Weights,
+)
+from moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.layout import (
+    NVFP4_GATE_UP_BLOCK,
+    Nvfp4Weights,
+)
 
 FP8_W = (128, 128)
 NVFP4_BLOCK = 16
@@ -72,6 +78,20 @@ def dequantize_mxfp8_weights(weights: Mxfp8Weights) -> tuple[torch.Tensor, torch
     s2 = unswizzle_128x4(weights.w2_scales, h, i // MXFP8_BLOCK)
     w13 = deinterleave_gate_up(dequantize_mxfp8(q13, s13), MXFP8_GATE_UP_BLOCK)
     return w13, dequantize_mxfp8(q2, s2)
+
+
+def unpack_ue8m0(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_ue8m0`: `[..., K/128]` int32 -> `[..., K/32]` uint8 (contiguous):
+    byte j of int c (little-endian) is the scale of K-block 4c + j."""
+    return packed.contiguous().view(torch.uint8)
+
+
+def utccp_rows_inverse(sf: torch.Tensor) -> torch.Tensor:
+    """Inverse of `utccp_rows`: input row `32i + j` of each 128-row group is kernel row
+    `4j + i` (i < 4, j < 32)."""
+    e, n, c = sf.shape
+    assert n % UTCCP_ROWS == 0, sf.shape
+    return sf.reshape(e, n // UTCCP_ROWS, 32, 4, c).transpose(2, 3).reshape(e, n, c)
 
 
 def dequantize_deepgemm_weights(weights: DeepgemmWeights) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,8 @@
 """Recording stand-ins for what the sm100 CuTe DSL launch path imports on a GPU machine.
 
 `install_fake_gpu(monkeypatch, ...)` installs `cute_fakes`' fake `cutlass`, `cuda.bindings`
-and `nvshmem.core` modules and replaces the drop loaders of `moe_ep_sm100.cutedsl_nvfp4` /
-`cutedsl_mxfp8` with a recording fake kernel class. Then the
+and `nvshmem.core` modules and replaces the drop loaders of the nvfp4 / mxfp8 kernel modules
+(`kernels/*/kernel.py`) with a recording fake kernel class. Then the
 real `_compile` / `_launch` of `CutedslMegaKernel` run on CPU tensors and every call they
 make (kernel constructor, allocations, `from_dlpack`, `make_ptr`, peer lookups,
 `cute.compile`, the launch) is recorded in a `FakeGpu` for the tests to compare with the
@@ -75,10 +75,10 @@ def install_fake_gpu(
 ) -> FakeGpu:
     """Install the fakes (module docstring); `clusters // cluster size` is what the fake
     `cutlass.utils.HardwareInfo().get_max_active_clusters` answers (one CTA per SM)."""
-    import moe_ep_sm100.cutedsl_mxfp8 as mx
-    import moe_ep_sm100.cutedsl_nvfp4 as nv
-    from moe_ep_sm100.mxfp8_args import Mxfp8KernelApi
-    from moe_ep_sm100.nvfp4_args import Nvfp4KernelApi
+    import moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.kernel as mx
+    import moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.kernel as nv
+    from moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.upstream import Mxfp8KernelApi
+    from moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.upstream import Nvfp4KernelApi
 
     gpu = install_fake_modules(monkeypatch, world_size=world_size, rank=rank)
     nv_api = Nvfp4KernelApi(

@@ -22,8 +22,8 @@ CODE = r"""
 import json, re
 import torch, cutlass
 import cutlass.torch as cutlass_torch
-from moe_ep.backends.support.args import ArgSpec
-from moe_ep.backends.support.compile_check import fake_gmem_tensor
+from moe_ep.backends.support.launch_args import ArgSpec
+from moe_ep.backends.support.cutedsl.compile_fakes import fake_gmem_tensor
 
 def widths(text):
     # '(?,?):(?{i64},1)' or '(?{div=1}, ?{div=1}), (?{i64 div=1}, 1)' -> shape, stride modes

@@ -33,10 +33,10 @@ def _reports(kernel: str, runs: tuple[tuple[str, int], ...], **kwargs: object) -
 
 def _drop(kernel: str) -> object:
     if kernel == PULL:
-        from moe_ep_sm90.drops import PULL_DROP
+        from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.upstream import PULL_DROP
 
         return PULL_DROP
-    from moe_ep_sm100.drops import CUTEDSL_DROP
+    from moe_ep_sm100.common.cutedsl import CUTEDSL_DROP
 
     return CUTEDSL_DROP
 

@@ -1,6 +1,6 @@
 """Compile-only checks of the sm100 CuTe DSL kernels (nvfp4, mxfp8) for sm_100a (no GPU).
 
-Built from `moe_ep_sm100.nvfp4_args` / `mxfp8_args` in a fresh process (the drop owns generic
+Built from the kernels' `args` modules in a fresh process (the drop owns generic
 top-level module names; the CuTe DSL reads the target arch from the environment).
 """
 
@@ -12,7 +12,7 @@ import pytest
 from backend_testing import require_drop, run_compile_check
 from sm100_fakes import install_fake_gpu
 
-from moe_ep_sm100.drops import CUTEDSL_DROP
+from moe_ep_sm100.common.cutedsl import CUTEDSL_DROP
 
 
 def _compile(tmp_path: Path, arch: str, kernel: str = "nvfp4") -> dict:
@@ -39,7 +39,7 @@ def test_mxfp8_workspace_fakes_have_the_launch_paths_extents(monkeypatch):
     # does too): local static, shared marked dynamic on dim 0, which gives a 32-bit extent
     # (`fake_gmem_tensor` builds exactly that, `test_compile_fakes`); the check's fake had a
     # 64-bit one, a kernel specialisation the launch never runs.
-    from moe_ep_sm100.compile_check import mxfp8_fake_workspace
+    from moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.compile import mxfp8_fake_workspace
 
     gpu = install_fake_gpu(monkeypatch, world_size=1, rank=0)
     mxfp8_fake_workspace("local_workspace", 1000)

@@ -13,16 +13,14 @@ import math
 import pytest
 import torch
 from backend_testing import assert_gpu_staging_equals_cpu
-from layout_references import dequantize_deepgemm_weights
+from layout_references import dequantize_deepgemm_weights, unpack_ue8m0, utccp_rows_inverse
 
 from moe_ep.errors import MoeEpUsageError
-from moe_ep_sm100.deepgemm_layout import (
+from moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.layout import (
     pack_ue8m0,
     prepare_deepgemm_weights,
     stage_deepgemm_inputs,
-    unpack_ue8m0,
     utccp_rows,
-    utccp_rows_inverse,
 )
 
 E, I, H = 2, 128, 256  # noqa: E741 - the glossary names (I = intermediate)

@@ -19,11 +19,11 @@ import pytest
 import torch
 from backend_testing import FakeRuntime, make_kernel, routed_tensors
 
-import moe_ep_sm100.deepgemm as dg
-import moe_ep_sm100.deepgemm_api as api
+import moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.kernel as dg
+import moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.upstream as api
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep_sm100 import Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig as Config
-from moe_ep_sm100.deepgemm_layout import stage_deepgemm_inputs
+from moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.layout import stage_deepgemm_inputs
 
 H, I, E, T = 512, 512, 4, 8  # noqa: E741 - the glossary names (I = intermediate)
 ALIGN = 16  # the fake aligns max tokens up, as deep_gemm does
@@ -182,7 +182,7 @@ def test_staging_fills_the_buffer_views_and_launch_gets_the_prepared_layouts(log
 def test_prepared_weights_are_the_layout_modules_and_prequantized_packs_work(log):
     from moe_ep.quant import quantize_mxfp4
     from moe_ep.types import FleetParams, MoEWeightPack
-    from moe_ep_sm100.deepgemm_layout import prepare_deepgemm_weights
+    from moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.layout import prepare_deepgemm_weights
 
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(E, 2 * I, H, generator=g).to(torch.bfloat16)

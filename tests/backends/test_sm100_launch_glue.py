@@ -17,15 +17,19 @@ from backend_testing import FakeRuntime, routed_tensors
 from cute_fakes import assert_heap_bound
 from sm100_fakes import FakeCuteTensor, FakePtr, FakeStream, drop_signature, install_fake_gpu
 
-from moe_ep.backends.support.cutedsl_kernel import CutedslMegaKernel
+from moe_ep.backends.support.cutedsl.mega_kernel import CutedslMegaKernel
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm100 import (
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
 )
-from moe_ep_sm100.cutedsl_mxfp8 import Sm100Mxfp8Mxfp8Bf16CutedslKernel
-from moe_ep_sm100.cutedsl_nvfp4 import Sm100Nvfp4Nvfp4Bf16CutedslKernel
+from moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.kernel import (
+    Sm100Mxfp8Mxfp8Bf16CutedslKernel,
+)
+from moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.kernel import (
+    Sm100Nvfp4Nvfp4Bf16CutedslKernel,
+)
 
 H, I, E, T, K, WORLD, RANK = 256, 128, 4, 8, 2, 2, 1  # noqa: E741 - glossary names
 KINDS = {

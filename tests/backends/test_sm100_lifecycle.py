@@ -13,8 +13,8 @@ import pytest
 import torch
 from backend_testing import FakeRuntime, fake_gpu_pieces, make_kernel, routed_tensors
 
-import moe_ep_sm100.cutedsl_launch as launch
-from moe_ep.backends.support.cutedsl_kernel import (
+import moe_ep_sm100.common.cutedsl as launch
+from moe_ep.backends.support.cutedsl.mega_kernel import (
     STAGED,
     CompiledEntry,
     as_kernel_dtype,
@@ -26,10 +26,14 @@ from moe_ep_sm100 import (
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
 )
-from moe_ep_sm100.cutedsl_mxfp8 import Sm100Mxfp8Mxfp8Bf16CutedslKernel
-from moe_ep_sm100.cutedsl_nvfp4 import Sm100Nvfp4Nvfp4Bf16CutedslKernel
-from moe_ep_sm100.mxfp8_layout import stage_mxfp8_inputs
-from moe_ep_sm100.nvfp4_layout import stage_nvfp4_inputs
+from moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.kernel import (
+    Sm100Mxfp8Mxfp8Bf16CutedslKernel,
+)
+from moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.layout import stage_mxfp8_inputs
+from moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.kernel import (
+    Sm100Nvfp4Nvfp4Bf16CutedslKernel,
+)
+from moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.layout import stage_nvfp4_inputs
 
 H, I, E, T = 256, 128, 4, 8  # noqa: E741 - the glossary names (I = intermediate)
 

@@ -16,7 +16,7 @@ from backend_testing import assert_gpu_staging_equals_cpu, require_drop, run_fre
 from layout_references import dequantize_mxfp8_weights
 
 from moe_ep.errors import MoeEpUsageError
-from moe_ep_sm100.mxfp8_layout import (
+from moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.layout import (
     prepare_mxfp8_weights,
     stage_mxfp8_inputs,
 )
@@ -157,7 +157,7 @@ print(json.dumps({
 def test_layouts_match_the_drops_own_host_helpers():
     """Our swizzle and mxfp8 recipe produce the bytes of the drop's own `to_blocked` and
     `mxfp8_quantize_per_block_32` (run in a fresh process: the drop owns top-level names)."""
-    from moe_ep_sm100.drops import CUTEDSL_DROP
+    from moe_ep_sm100.common.cutedsl import CUTEDSL_DROP
 
     require_drop(CUTEDSL_DROP)
     assert run_fresh_python(_CROSS_CHECK) == {

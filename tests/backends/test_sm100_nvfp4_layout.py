@@ -16,7 +16,7 @@ from backend_testing import assert_gpu_staging_equals_cpu, require_drop, run_fre
 from layout_references import dequantize_nvfp4_weights
 
 from moe_ep.errors import MoeEpUsageError
-from moe_ep_sm100.nvfp4_layout import (
+from moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.layout import (
     prepare_nvfp4_weights,
     stage_nvfp4_inputs,
 )
@@ -153,7 +153,7 @@ def test_recipe_is_bit_exact_with_the_drops_own_nvfp4_quantizer_on_cpu():
     it (scale rule, `acc = nc * rcp(scale)`, `v * acc`) is the drop's own code. The double
     rounding `fl(fl(v * nc) / scale)` this recipe had got 127 of these 196,608 codes wrong,
     and its block amax gave 64 of the zero blocks scale byte 0x80 (-0)."""
-    from moe_ep_sm100.drops import CUTEDSL_DROP
+    from moe_ep_sm100.common.cutedsl import CUTEDSL_DROP
 
     require_drop(CUTEDSL_DROP)
     res = run_fresh_python(_CPU_CROSS_CHECK.replace("HERE", repr(str(_HERE))))
@@ -186,7 +186,7 @@ print(json.dumps(out))
 def test_recipe_matches_the_drops_own_nvfp4_quantizer():
     """On a Blackwell GPU: bytes equal the drop's `nvfp4_quantize_per_block_16` with its real
     CUDA helpers (fresh process: the drop owns top-level names). Never run."""
-    from moe_ep_sm100.drops import CUTEDSL_DROP
+    from moe_ep_sm100.common.cutedsl import CUTEDSL_DROP
 
     # Its fp4 packer is a Triton kernel around `cvt.rn.satfinite.e2m1x2.f32`, which ptxas
     # accepts only for Blackwell targets: on the H200 of the GPU check it cannot compile.
@@ -217,7 +217,7 @@ def test_the_kernels_approximate_reciprocal_is_exact_on_e4m3_scales():
     any CUDA GPU with Triton (the drop's `_rcp_approx_ftz_f32_cuda`); never run yet."""
     import importlib.util
 
-    from moe_ep_sm100.drops import CUTEDSL_DROP
+    from moe_ep_sm100.common.cutedsl import CUTEDSL_DROP
 
     require_capability_at_least((7, 0), "rcp.approx.ftz.f32 through the drop's Triton helper")
     if importlib.util.find_spec("triton") is None:

@@ -1,7 +1,7 @@
 """Compile-only checks of the sm90 kernels (no GPU needed).
 
 The pull kernel is compiled for sm_90a with exactly the constructor and call arguments the
-launch path builds (`moe_ep_sm90.pull_args`), in a fresh process per compile: the drop owns
+launch path builds (the pull kernel's `args`), in a fresh process per compile: the drop owns
 generic top-level module names and the CuTe DSL reads its target arch from the environment.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from backend_testing import require_drop, run_compile_check
 
-from moe_ep_sm90.drops import PULL_DROP
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.upstream import PULL_DROP
 
 
 def _require_drop(drop) -> None:
@@ -49,7 +49,7 @@ def test_pull_kernel_swap_ab_compiles_for_sm90a(tmp_path):
 
 def _require_push() -> None:
     from moe_ep.errors import MoeEpUnavailableError
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
@@ -68,7 +68,7 @@ def _elf_sm(cubin: Path) -> int:
 
 def test_push_a2a_unit_compiles_for_sm90a(tmp_path):
     _require_push()
-    from moe_ep_sm90.compile_check import compile_push
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.compile import compile_push
 
     cubin, result = compile_push(tmp_path, "a2a")
     assert _elf_sm(cubin) == 90 and result.arch == "sm_90a"
@@ -78,7 +78,7 @@ def test_push_a2a_unit_compiles_for_sm90a(tmp_path):
 def test_push_binding_unit_compiles_for_sm90a(tmp_path):
     # The TVM-FFI binding + TRT-LLM fp8 block-scale GEMM unit (~60-90 s on 2 cores).
     _require_push()
-    from moe_ep_sm90.compile_check import compile_push
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.compile import compile_push
 
     cubin, _ = compile_push(tmp_path, "binding")
     assert _elf_sm(cubin) == 90
@@ -90,7 +90,7 @@ def test_push_a2a_refuses_without_its_headers(tmp_path):
     # The check means something: without the deps drop's include dirs the unit does not
     # compile (tvm_ffi_utils.h lives outside the push drop).
     _require_push()
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     s = push_build.find_sources()
     cmd = push_build.a2a_cubin_command(s, tmp_path / "x.cubin")
@@ -116,7 +116,7 @@ def test_push_a2a_module_builds_and_loads_with_tvm_ffi(tmp_path):
     _require_push()
     import tvm_ffi
 
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     s = push_build.find_sources()
     out = tmp_path / "sm90_push_a2a.so"

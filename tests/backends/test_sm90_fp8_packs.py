@@ -1,4 +1,5 @@
-"""Pre-quantized fp8 weight packs for the sm90 kernels (`moe_ep_sm90.fp8_packs`), on CPU.
+"""Pre-quantized fp8 weight packs for the sm90 kernels (`moe_ep_sm90.common.fp8_packs`, the
+kernels' `layout.*_from_pack`), on CPU.
 
 A pack that fits a kernel's recipe must give exactly the tensors the kernel prepares from the
 bf16 weights the pack was quantized from (`prepare_pull_weights` / `prepare_push_weights`,
@@ -21,13 +22,18 @@ from moe_ep_sm90 import (
     Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
     Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
 )
-from moe_ep_sm90.fp8_layout import (
-    prepare_pull_weights,
-    prepare_push_weights,
+from moe_ep_sm90.common.fp8_packs import check_prequantized_pack
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel import (
+    Sm90Fp8Fp8Bf16PullCutedslKernel as Pull,
 )
-from moe_ep_sm90.fp8_packs import check_prequantized_pack, quantize_pull_pack
-from moe_ep_sm90.pull_cutedsl import Sm90Fp8Fp8Bf16PullCutedslKernel as Pull
-from moe_ep_sm90.push_cuda import Sm90Fp8Fp8Bf16PushCudaKernel as Push
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.layout import (
+    prepare_pull_weights,
+    quantize_pull_pack,
+)
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.kernel import (
+    Sm90Fp8Fp8Bf16PushCudaKernel as Push,
+)
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.layout import prepare_push_weights
 
 E, H, I = 2, 256, 128  # noqa: E741 - the glossary names (I = intermediate)
 W = (128, 128)
@@ -179,7 +185,8 @@ def test_rank_slices_of_a_pack_reach_the_kernels_16_byte_aligned():
     # I/128 = 3 an expert's w2_scale is 27 fp32 = 108 bytes, so expert 1 starts misaligned
     # for the kernels' assumed 16-byte alignment. The prepared tensors are aligned copies
     # with the same values.
-    from moe_ep_sm90.fp8_packs import pull_weights_from_pack, push_weights_from_pack
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.layout import pull_weights_from_pack
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.layout import push_weights_from_pack
 
     g = torch.Generator().manual_seed(4)
     h, inter = 9 * 128, 3 * 128

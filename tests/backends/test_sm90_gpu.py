@@ -111,7 +111,7 @@ def test_push_matches_oracle_multirank(case):
 
 def test_pull_staging_on_gpu_matches_cpu_bytes():
     require_capability((9, 0), "Hopper (sm_90)")
-    from moe_ep_sm90.fp8_layout import stage_pull_inputs
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.layout import stage_pull_inputs
 
     p = problem_for(GpuCase("staging", pad_frac=0.2), 1, PULL)
     cpu = stage_pull_inputs(p["x"], p["ids"], p["w"], max_tokens=128)

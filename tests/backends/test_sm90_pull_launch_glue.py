@@ -20,11 +20,11 @@ from cute_fakes import (
     recording_kernel_class,
 )
 
-import moe_ep_sm90.pull_cutedsl as pull
+import moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel as pull
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig as Config
-from moe_ep_sm90.pull_args import PullKernelApi
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.upstream import PullKernelApi
 
 H, I, E, T, K, WORLD, RANK = 256, 128, 4, 8, 2, 2, 1  # noqa: E741 - glossary names
 WEIGHTS = ("fc1_weight", "fc1_weight_sf", "fc2_weight", "fc2_weight_sf")
@@ -156,7 +156,7 @@ def test_compute_refuses_inputs_another_layer_overwrote(gpu):
 
 
 def test_launch_path_is_the_core_base_class(gpu):
-    from moe_ep.backends.support.cutedsl_kernel import CutedslMegaKernel
+    from moe_ep.backends.support.cutedsl.mega_kernel import CutedslMegaKernel
 
     cls = pull.Sm90Fp8Fp8Bf16PullCutedslKernel
     for name in ("stage_inputs", "compute_staged", "_compile", "_build_weight_args", "_launch"):

@@ -12,11 +12,12 @@ import pytest
 import torch
 from backend_testing import fake_gpu_pieces, make_kernel, routed_tensors
 
-import moe_ep_sm90.pull_cutedsl as pull
-from moe_ep.backends.support.cutedsl_kernel import STAGED, CompiledEntry, storage_tensor
+import moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel as pull
+from moe_ep.backends.support.cutedsl.mega_kernel import STAGED, CompiledEntry, storage_tensor
+from moe_ep.backends.support.launch_args import LaunchGeometry
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig as Config
-from moe_ep_sm90.pull_args import tensor_specs
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.args import tensor_specs
 
 H, I, E = 256, 128, 4  # noqa: E741 - the glossary names (I = intermediate)
 
@@ -158,7 +159,7 @@ def test_symmetric_staging_is_allocated_as_bytes(monkeypatch):
     root.core = core  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "nvshmem", root)
     monkeypatch.setitem(sys.modules, "nvshmem.core", core)
-    g = pull.PullGeometry(
+    g = LaunchGeometry(
         world_size=2,
         rank=1,
         max_tokens_per_rank=16,

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from backend_testing import require_drop
 
-from moe_ep_sm90.drops import PUSH_DROP
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.upstream import PUSH_DROP
 
 
 def _require_push() -> None:
     require_drop(PUSH_DROP, cutlass=False)
-    from moe_ep_sm90.push_build import PUSH_DEPS_DROP
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.upstream import PUSH_DEPS_DROP
 
     require_drop(PUSH_DEPS_DROP, cutlass=False)
     if shutil.which("nvcc") is None:
@@ -30,7 +30,7 @@ def _require_push() -> None:
 
 
 def _preprocessed_binding(tmp_path: Path) -> str:
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     s = push_build.find_sources()
     cmd = push_build.binding_cubin_command(s, tmp_path / "gen", tmp_path / "x.cubin")
@@ -58,7 +58,7 @@ def test_gemm_binding_accepts_fp8_e4m3_with_the_module_flags(tmp_path):
 def test_every_flashinfer_switch_the_drop_tests_is_defined():
     # Each FLASHINFER_ENABLE_* the drop's sources test is defined for both modules.
     _require_push()
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     s = push_build.find_sources()
     used: set[str] = set()
@@ -80,7 +80,7 @@ def test_every_flashinfer_switch_the_drop_tests_is_defined():
 def test_gemm_link_finds_a_versioned_only_nvrtc_and_records_rpaths(tmp_path):
     # torch's cu13 wheel dir holds libnvrtc.so.13 but no libnvrtc.so: a plain -lnvrtc
     # cannot find it there, and nothing puts that dir on the loader's path at run time.
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     wheel = tmp_path / "nvidia" / "cu13" / "lib"
     wheel.mkdir(parents=True)
@@ -104,7 +104,7 @@ def test_libcuda_is_found_as_the_drivers_versioned_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # an image whose nvcc has no stubs dir and whose driver ships only libcuda.so.1
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     driver = tmp_path / "driver"
     driver.mkdir()
@@ -127,7 +127,7 @@ def test_libcuda_is_found_as_the_drivers_versioned_file(
 
 def _link_sources(tmp: Path, tvm_lib: Path, wheel_lib: Path | None) -> Any:
     """`PushSources` whose only real parts are the library dirs `_link_flags` reads."""
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     return push_build.PushSources(
         drop_src=tmp,
@@ -149,7 +149,7 @@ def test_cuda_wheel_dirs_of_cuda13_and_cuda12_torch(tmp_path: Path) -> None:
     # torch cu13 wheels: one nvidia/cu13 tree; torch cu12 wheels (torch 2.8 cu128):
     # nvidia/<component>/{include,lib}, libnvrtc.so.12. Both must give cublasLt.h, nvrtc.h
     # and a linkable nvrtc (the GEMM module failed to compile on cu12 torch: no cublasLt.h).
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     cu13 = tmp_path / "a" / "nvidia"
     _touch(cu13 / "cu13" / "include" / "cublasLt.h", cu13 / "cu13" / "lib" / "libnvrtc.so.13")
@@ -184,7 +184,7 @@ def test_every_gemm_module_source_finds_its_headers_in_the_drops(tmp_path: Path)
     # headers were at hand). nvcc -M of each compile unit with the module's own flags and
     # include dirs; curand_kernel.h (CUDA toolkit, not a drop file) may be a stub here.
     _require_push()
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     stub = tmp_path / "stub"
     stub.mkdir()

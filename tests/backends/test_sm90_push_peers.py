@@ -1,4 +1,4 @@
-"""The push kernel's peer checks (`moe_ep_sm90.push_peers`) on 2 spawned gloo ranks.
+"""The push kernel's peer checks (`peers` of the push kernel) on 2 spawned gloo ranks.
 
 Each rank builds the real kernel class on a real CPU runtime and calls `warmup()`, which runs
 `_compile` for real up to the window: the GPU pieces are faked (module build/load, this
@@ -52,13 +52,15 @@ class _FakePipe:
 def _worker(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
     import torch
 
-    import moe_ep_sm90.push_build as push_build
-    import moe_ep_sm90.push_peers as push_peers
+    import moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.build as push_build
+    import moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.peers as push_peers
     from moe_ep import BootstrapConfig, runtime
     from moe_ep.types import FleetParams, MoEWeightPack
     from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig as Config
-    from moe_ep_sm90.push_cuda import Sm90Fp8Fp8Bf16PushCudaKernel as Push
-    from moe_ep_sm90.push_pipe import PushPipe
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.kernel import (
+        Sm90Fp8Fp8Bf16PushCudaKernel as Push,
+    )
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.pipe import PushPipe
 
     created: list[int] = []
     a2a: list[_FakeA2A] = []
@@ -164,7 +166,7 @@ def test_the_failing_rank_chains_its_own_error(results) -> None:
 
 def _late_worker(rank: int, world_size: int) -> dict[str, Any]:
     """Rank 1 reaches the check after the runtime's timeout: rank 0's wait is bounded."""
-    import moe_ep_sm90.push_peers as push_peers
+    import moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.peers as push_peers
     from moe_ep import BootstrapConfig, runtime
 
     out: dict[str, Any] = {}

@@ -15,12 +15,17 @@ import pytest
 import torch
 from backend_testing import fake_gpu_pieces, make_kernel
 
-import moe_ep_sm90.push_cuda as push
+import moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.kernel as push
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEEpTensors
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig as Config
-from moe_ep_sm90.push_pipe import GemmBuffers, PushPipe, PushScratch, PushWeights
-from moe_ep_sm90.push_window import push_window
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.pipe import (
+    GemmBuffers,
+    PushPipe,
+    PushScratch,
+    PushWeights,
+)
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.window import push_window
 
 H, I, E, T = 256, 128, 4, 8  # noqa: E741 - the glossary names (I = intermediate)
 

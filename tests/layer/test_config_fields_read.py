@@ -29,7 +29,16 @@ PACKAGES = {
     "moe_ep_sm90": ROOT / "packages" / "moe-ep-backends-sm90" / "src" / "moe_ep_sm90",
     "moe_ep_sm100": ROOT / "packages" / "moe-ep-backends-sm100" / "src" / "moe_ep_sm100",
 }
-CONFIG_MODULES = ("moe_ep.backends.portable.configs", "moe_ep_sm90.configs", "moe_ep_sm100.configs")
+CONFIG_MODULES = (
+    "moe_ep.backends.portable.configs",
+    "moe_ep_sm90.common.config",
+    "moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.config",
+    "moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.config",
+    "moe_ep_sm100.common.config",
+    "moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.config",
+    "moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.config",
+    "moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.config",
+)
 
 
 class _Reads(ast.NodeVisitor):

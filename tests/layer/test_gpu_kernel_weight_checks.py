@@ -46,11 +46,20 @@ class _Runtime:
 
 # kernel -> (the module whose functions its validation calls, those functions)
 CHECKERS = {
-    "sm90_fp8_fp8_bf16_pull_cutedsl": ("moe_ep_sm90.pull_cutedsl", ("check_pack",)),
-    "sm90_fp8_fp8_bf16_push_cuda": ("moe_ep_sm90.push_cuda", ("check_pack", "check_launchable")),
-    "sm100_nvfp4_nvfp4_bf16_cutedsl": ("moe_ep_sm100.cutedsl_launch", ("check_sm100_pack",)),
-    "sm100_mxfp8_mxfp8_bf16_cutedsl": ("moe_ep_sm100.cutedsl_launch", ("check_sm100_pack",)),
-    "sm100_fp8_fp4_bf16_deepgemm": ("moe_ep_sm100.deepgemm", ("_checked_intermediate",)),
+    "sm90_fp8_fp8_bf16_pull_cutedsl": (
+        "moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel",
+        ("check_pack",),
+    ),
+    "sm90_fp8_fp8_bf16_push_cuda": (
+        "moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.kernel",
+        ("check_pack", "check_launchable"),
+    ),
+    "sm100_nvfp4_nvfp4_bf16_cutedsl": ("moe_ep_sm100.common.cutedsl", ("check_sm100_pack",)),
+    "sm100_mxfp8_mxfp8_bf16_cutedsl": ("moe_ep_sm100.common.cutedsl", ("check_sm100_pack",)),
+    "sm100_fp8_fp4_bf16_deepgemm": (
+        "moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.kernel",
+        ("_checked_intermediate",),
+    ),
 }
 
 

@@ -5,8 +5,9 @@ recording fakes and the layer's rank is made to look like a CUDA rank (the runti
 stays on CPU), which shows that the kernel's construction, the input checks, staging,
 compute, warmup and destroy all run inside the stream's context. That the GPU kernels then
 launch on it rests on torch: inside `torch.cuda.stream(s)`, `torch.cuda.current_stream()`
-is `s`, which the CuTe DSL launches (`moe_ep.backends.support.cute_launch.current_stream`),
-the push drop's TVM-FFI calls and torch ops use. Never run on a GPU.
+is `s`, which the CuTe DSL launches
+(`moe_ep.backends.support.cutedsl.launch_glue.current_stream`), the push drop's TVM-FFI
+calls and torch ops use. Never run on a GPU.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 - Imports in core flow one way, bottom to top, with no exception: no module imports a
   module of a higher layer (`import_graph.LAYERS`), and no modules import each other in a
   circle, counting the imports made for type checkers too.
+- No backend package's modules import each other in a circle (type-only imports counted).
 - No module under packages/moe-ep-core names `moe_ep_sm90`, `moe_ep_sm100` or a drop
   package: backends are reached through entry points only.
 - `moe_ep.runtime` and the modules it is built from import no backend (`moe_ep.backends.*`,
@@ -19,6 +20,7 @@ import import_graph
 import pytest
 from import_graph import (
     BACKEND_PACKAGES,
+    backend_graph,
     backend_names,
     circles,
     core_graph,
@@ -147,6 +149,25 @@ def test_core_imports_flow_one_way(type_only: bool) -> None:
     assert len(graph) > 20
     assert reverse_edges(graph) == []
     assert circles(graph) == []
+
+
+@pytest.mark.parametrize("type_only", [False, True], ids=["executed", "with-type-only"])
+@pytest.mark.parametrize("package", BACKEND_PACKAGES)
+def test_backend_package_has_no_import_circle(package: str, type_only: bool) -> None:
+    graph = backend_graph(ROOT, package, type_only=type_only)
+    assert len(graph) > 5
+    assert circles(graph) == []
+
+
+def test_backend_circle_check_sees_function_level_imports(tmp_path: Path) -> None:
+    """A circle closed by an import inside a function (as a lazy import) still counts."""
+    src = tmp_path / import_graph.BACKEND_SRC["moe_ep_sm90"]
+    (src / "moe_ep_sm90").mkdir(parents=True)
+    (src / "moe_ep_sm90" / "__init__.py").write_text("")
+    (src / "moe_ep_sm90" / "a.py").write_text("from moe_ep_sm90.b import x\n")
+    (src / "moe_ep_sm90" / "b.py").write_text("def x():\n    from moe_ep_sm90 import a\n")
+    graph = backend_graph(tmp_path, "moe_ep_sm90")
+    assert circles(graph) == [["moe_ep_sm90.a", "moe_ep_sm90.b"]]
 
 
 def test_core_never_imports_backend_packages_or_drops_by_name() -> None:

@@ -143,7 +143,7 @@ def test_relative_cache_variable_is_refused_naming_it(
         with pytest.raises(MoeEpUsageError, match=f"{var} must be an absolute"):
             cpu_fused.library()
     else:
-        push_build = pytest.importorskip("moe_ep_sm90.push_build")
+        push_build = pytest.importorskip("moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.build")
         with pytest.raises(MoeEpUsageError, match=f"{var} must be an absolute"):
             push_build.default_cache_dir()
     assert not (fused.parent / "rel").exists()
@@ -466,7 +466,7 @@ _FAKE_NVCC = """
 
 
 def _push_sources(tmp_path: Path) -> object:
-    push_build = pytest.importorskip("moe_ep_sm90.push_build")
+    push_build = pytest.importorskip("moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.build")
     drop, deps = tmp_path / "drop", tmp_path / "deps"
     for name in _GEMM:
         (drop / "fp8_gemm").mkdir(parents=True, exist_ok=True)
@@ -507,7 +507,7 @@ def _calls(tmp_path: Path) -> int:
 def test_push_cache_entry_planted_file_is_rebuilt(
     plant: str, tmp_path: Path, fake_nvcc: Path
 ) -> None:
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     s = _push_sources(tmp_path)
     cache = tmp_path / "push"
@@ -538,7 +538,7 @@ def test_push_cache_entry_planted_file_is_rebuilt(
 
 
 def test_push_cache_directories_are_0700(tmp_path: Path, fake_nvcc: Path) -> None:
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     cache = tmp_path / "c" / "push"
     old = os.umask(0o022)
@@ -557,7 +557,7 @@ def test_push_cache_directories_are_0700(tmp_path: Path, fake_nvcc: Path) -> Non
 def test_push_cache_dir_another_user_can_write_is_refused(
     kind: str, tmp_path: Path, fake_nvcc: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from moe_ep_sm90 import push_build
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
     s = _push_sources(tmp_path)
     cache = tmp_path / "push"
@@ -588,7 +588,7 @@ def test_push_builders_at_once_never_touch_each_others_files(
     code = textwrap.dedent(
         f"""
         from pathlib import Path
-        from moe_ep_sm90 import push_build
+        from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
         s = push_build.PushSources(**{{k: (Path(v) if isinstance(v, str) else v)
                                       for k, v in {_fields(s)!r}.items()}})
         print(push_build.build_modules(s, Path({str(tmp_path / "cache")!r}),

@@ -5,17 +5,22 @@ Kernels (registered through the `moe_ep.backends` entry points):
 - `sm100_nvfp4_nvfp4_bf16_cutedsl` (alias `nvfp4_cutedsl`): CuTe DSL drop.
 - `sm100_mxfp8_mxfp8_bf16_cutedsl` (alias `mxfp8_cutedsl`): CuTe DSL drop.
 
-Importing this package is light: configs only. The deprecated config-class aliases
+Each kernel is the subpackage `moe_ep_sm100.kernels.<taxonomy name>`; `common` holds what
+they share. Importing this package is light: configs only. The deprecated config-class aliases
 (`DeepGemmMegaMoeConfig`, `Nvfp4CutedslMegaMoeConfig`, `Mxfp8CutedslMegaMoeConfig`) resolve
 to the canonical classes with a `DeprecationWarning`.
 """
 
 from __future__ import annotations
 
-from moe_ep.backends.support.configs import lazy_package_attrs
-from moe_ep_sm100.configs import (
+from moe_ep.backends.support.package_attrs import lazy_package_attrs
+from moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.config import (
     Sm100_Fp8_Fp4_Bf16_Deepgemm_MegaMoeConfig,
+)
+from moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.config import (
     Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
+)
+from moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.config import (
     Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
 )
 
@@ -34,10 +39,11 @@ _DEPRECATED_CONFIGS: dict[str, type] = {
     "Nvfp4CutedslMegaMoeConfig": Sm100_Nvfp4_Nvfp4_Bf16_Cutedsl_MegaMoeConfig,
     "Mxfp8CutedslMegaMoeConfig": Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
 }
+_KERNELS = "moe_ep_sm100.kernels"
 _LAZY = {
-    "Sm100Fp8Fp4Bf16DeepgemmKernel": "moe_ep_sm100.deepgemm",
-    "Sm100Nvfp4Nvfp4Bf16CutedslKernel": "moe_ep_sm100.cutedsl_nvfp4",
-    "Sm100Mxfp8Mxfp8Bf16CutedslKernel": "moe_ep_sm100.cutedsl_mxfp8",
+    "Sm100Fp8Fp4Bf16DeepgemmKernel": f"{_KERNELS}.sm100_fp8_fp4_bf16_deepgemm.kernel",
+    "Sm100Nvfp4Nvfp4Bf16CutedslKernel": f"{_KERNELS}.sm100_nvfp4_nvfp4_bf16_cutedsl.kernel",
+    "Sm100Mxfp8Mxfp8Bf16CutedslKernel": f"{_KERNELS}.sm100_mxfp8_mxfp8_bf16_cutedsl.kernel",
 }
 
 __getattr__, __dir__ = lazy_package_attrs(

@@ -4,16 +4,20 @@ Kernels (registered through the `moe_ep.backends` entry points):
 - `sm90_fp8_fp8_bf16_pull_cutedsl` (alias `sm90_pull_fp8`): CuTe DSL, peers pull tokens.
 - `sm90_fp8_fp8_bf16_push_cuda` (alias `sm90_push_fp8`): CUDA, senders push tokens.
 
-Importing this package is light: configs only. Kernel classes, cutlass, NVSHMEM and the drops
-load on first use. The deprecated config-class aliases (`Sm90PullFp8MegaMoeConfig`,
-`Sm90PushFp8MegaMoeConfig`) resolve to the canonical classes with a `DeprecationWarning`.
+Each kernel is the subpackage `moe_ep_sm90.kernels.<taxonomy name>`; `common` holds what
+the two share. Importing this package is light: configs only. Kernel classes, cutlass,
+NVSHMEM and the drops load on first use. The deprecated config-class aliases
+(`Sm90PullFp8MegaMoeConfig`, `Sm90PushFp8MegaMoeConfig`) resolve to the canonical classes
+with a `DeprecationWarning`.
 """
 
 from __future__ import annotations
 
-from moe_ep.backends.support.configs import lazy_package_attrs
-from moe_ep_sm90.configs import (
+from moe_ep.backends.support.package_attrs import lazy_package_attrs
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.config import (
     Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
+)
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.config import (
     Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
 )
 
@@ -30,8 +34,8 @@ _DEPRECATED_CONFIGS: dict[str, type] = {
     "Sm90PushFp8MegaMoeConfig": Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
 }
 _LAZY = {
-    "Sm90Fp8Fp8Bf16PullCutedslKernel": "moe_ep_sm90.pull_cutedsl",
-    "Sm90Fp8Fp8Bf16PushCudaKernel": "moe_ep_sm90.push_cuda",
+    "Sm90Fp8Fp8Bf16PullCutedslKernel": "moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel",
+    "Sm90Fp8Fp8Bf16PushCudaKernel": "moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.kernel",
 }
 
 __getattr__, __dir__ = lazy_package_attrs(
