@@ -73,10 +73,10 @@ def test_sync_all_is_a_no_op_then_verify_all(materialized: None) -> None:
         d: json.loads((REPO / "vendor" / d / "vendor.lock.json").read_text())["file_count"]
         for d in DROPS
     }
-    # counts of the wheel's src/ trees (80 / 64 / 16 entries in all, src/ only here)
+    # counts of the 0.7.4 wheel's src/ trees (85 / 98 / 16 files in all, src/ only here)
     assert lock_counts == {
-        "sm100_cutedsl_megamoe": 61,
-        "sm90_pull_cutedsl": 55,
+        "sm100_cutedsl_megamoe": 65,
+        "sm90_pull_cutedsl": 76,
         "sm90_push_cuda": 7,
         "sm90_push_cuda_deps": 204,  # the nvcc -M closure of the push drop's includes
     }
