@@ -3,6 +3,7 @@
     uv run python benchmarks/layer_speed.py [--reps 5] [--threads 1 2]
         [--prefill T,H,I,E,k] [--decode T,H,I,E,k] [--stages]
         [--sections layer peers crossover] [--peer-shapes NAME ...]
+        [--baseline-kernel OLD_cpu_fused.c]
         [--out benchmarks/out/layer_speed.png | --no-plot]
 
 Measures one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) against
@@ -42,6 +43,9 @@ against their own stored weight bytes. Targets: decode T=64 layer <= 1.5x its li
 prefill <= 1.1x dense, quantized decode <= 2x their limit. --sections crossover times
 `run_experts` with every expert on the CPU expert GEMM of few rows and on the `mm` blocks,
 by rows per expert (bf16, mxfp8). Their plot goes to the --out name with `_peers` added.
+--baseline-kernel PATH (with peers) times the layers once more on the fused CPU library
+built from another cpu_fused.c (e.g. `git show 0f2f303:<its path> > old.c`), in the same
+round robin: before / after a kernel change measured side by side under the same load.
 """
 
 from __future__ import annotations
@@ -52,11 +56,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from benchlib import OUT_DIR, moe_peers, plots
+from benchlib import OUT_DIR, baseline_kernel, moe_peers, plots
 from benchlib.machine import this_machine
 from benchlib.options import add_plot_options, benchmark_parser, moe_shape, positive_int, shape_text
 from benchlib.progress import Steps
@@ -383,6 +388,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"shapes of the peers section, of: {', '.join(moe_peers.PEER_SHAPES)}",
     )
+    parser.add_argument(
+        "--baseline-kernel",
+        type=Path,
+        metavar="PATH",
+        help="with --sections peers: also time the layers on the fused CPU library built "
+        "from this cpu_fused.c (an older commit's), in the same round robin",
+    )
     add_plot_options(parser, OUT_DIR / "layer_speed.png")
     return parser
 
@@ -393,6 +405,7 @@ def run_peers(args: argparse.Namespace) -> None:
     torch.set_num_threads(threads)
     shapes = args.peer_shapes if "peers" in args.sections else []
     results, quant, points = [], [], []
+    baseline = None if args.baseline_kernel is None else baseline_kernel.build(args.baseline_kernel)
     with Steps(2 + len(shapes) + ("crossover" in args.sections)) as steps:
         steps.step(f"read bandwidth, {threads} thread(s)")
         bw = moe_peers.bandwidth(max(args.reps, 5))
@@ -403,13 +416,13 @@ def run_peers(args: argparse.Namespace) -> None:
             )
             results.append(
                 moe_peers.time_peer_shape(
-                    name, shape, args.reps, bw, problem, make_layer, naive_forward
+                    name, shape, args.reps, bw, problem, make_layer, naive_forward, baseline
                 )
             )
         steps.step("quantized formats at decode")
         if "peers" in args.sections:
             decode = moe_peers.PEER_SHAPES[moe_peers.DECODE_TARGETED]
-            quant = moe_peers.time_quantized(decode, args.reps, bw, problem, make_layer)
+            quant = moe_peers.time_quantized(decode, args.reps, bw, problem, make_layer, baseline)
         if "crossover" in args.sections:
             steps.step("crossover: expert GEMM vs mm blocks by rows per expert")
             points = moe_peers.crossover(args.reps)
@@ -430,6 +443,11 @@ def run_peers(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.baseline_kernel is not None:
+        if "peers" not in args.sections:
+            parser.error("--baseline-kernel times the peers section: add --sections peers")
+        if not args.baseline_kernel.is_file():
+            parser.error(f"--baseline-kernel {args.baseline_kernel}: no such file")
     if "peers" in args.sections or "crossover" in args.sections:
         run_peers(args)
     if "layer" not in args.sections:

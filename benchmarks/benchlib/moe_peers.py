@@ -4,6 +4,7 @@ on the same weights and routing, and the crossover of the CPU expert GEMM of few
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from rich.console import Console
 
 from benchlib import hf_moe, plots
 from benchlib.bandwidth import read_bandwidth
+from benchlib.baseline_kernel import with_library
 from benchlib.options import shape_text
 from benchlib.tables import titled_table
 from benchlib.targets import Target, row_status, status
@@ -47,6 +49,8 @@ PEER_OVER_LAYER = Target(">=", 1.0)
 VS_DENSE = {"T=512": Target("<=", 1.2, applies_to="T=512"), "prefill": Target("<=", 1.1)}
 QUANT_VS_LIMIT = Target("<=", 2.0)
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BASELINE = "layer baseline"
+"""The layer on the --baseline-kernel library (timed only when one is given)."""
 
 
 @dataclass
@@ -119,9 +123,11 @@ def time_peer_shape(
     problem: Callable[[Shape], dict[str, torch.Tensor]],
     make_layer: Callable[[dict[str, torch.Tensor], Shape], object],
     naive: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    baseline: ctypes.CDLL | None = None,
 ) -> ShapeResult:
     """The layer, dense GEMMs of equal FLOPs, the naive loop and each transformers experts
-    implementation on one shape, same weights and routing."""
+    implementation on one shape, same weights and routing; with `baseline`, the layer once
+    more on that fused CPU library ("layer baseline")."""
     p = problem(shape)
     layer = make_layer(p, shape)
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
@@ -140,6 +146,8 @@ def time_peer_shape(
         "dense fp32": lambda: (torch.mm(xf, w13f, out=gu_f), torch.mm(hf, w2f, out=y_f)),
         "naive": lambda: naive(p),
     }
+    if baseline is not None:
+        fns[BASELINE] = with_library(baseline, lambda: layer(tensors))  # type: ignore[operator]
     skipped: dict[str, str] = {}
     why = hf_moe.unavailable()
     for impl in hf_moe.IMPLEMENTATIONS:
@@ -163,6 +171,7 @@ class QuantResult:
     layer: Samples
     limit_s: float
     weight_bytes: int
+    baseline: Samples | None = None
 
 
 def time_quantized(
@@ -171,9 +180,11 @@ def time_quantized(
     bw: float,
     problem: Callable[[Shape], dict[str, torch.Tensor]],
     make_layer: Callable[..., object],
+    baseline: ctypes.CDLL | None = None,
 ) -> list[QuantResult]:
     """Each quantized portable format's layer at a decode shape, against the bytes its own
-    stored weights (codes and scales) of the active experts take to read."""
+    stored weights (codes and scales) of the active experts take to read (and on the
+    `baseline` library too, in the same round robin)."""
     p = problem(shape)
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
     active = active_experts(p["ids"])
@@ -182,8 +193,15 @@ def time_quantized(
         layer = make_layer(p, shape, kernel_name)
         prepared = layer._kernel.prepared  # type: ignore[attr-defined]
         per_expert = prepared.stored13.nbytes() + prepared.stored2.nbytes()
-        samples = round_robin({fmt: lambda layer=layer: layer(tensors)}, reps)[fmt]  # type: ignore[operator]
-        out.append(QuantResult(fmt, samples, active * per_expert / bw, active * per_expert))
+        fns: dict[str, Callable[[], object]] = {fmt: lambda layer=layer: layer(tensors)}  # type: ignore[operator]
+        if baseline is not None:
+            fns[BASELINE] = with_library(baseline, fns[fmt])
+        times = round_robin(fns, reps)
+        out.append(
+            QuantResult(
+                fmt, times[fmt], active * per_expert / bw, active * per_expert, times.get(BASELINE)
+            )
+        )
         layer.destroy()  # type: ignore[attr-defined]
     return out
 
@@ -267,7 +285,9 @@ def print_peers(
     machine: str,
     reps: int,
 ) -> None:
-    """The issue's table with the new figures and a status column, then the quantized one."""
+    """The issue's table with the new figures and a status column, then the quantized one
+    (each with the baseline library's layer and its ratio to the layer, when timed)."""
+    base = [BASELINE, "baseline/layer"] if any(BASELINE in r.times for r in results) else []
     table = titled_table(
         "portable bf16 layer (EP1) vs its limits and transformers' experts",
         f"median of {reps} round-robin runs (min-max in ms); read bandwidth {bw / 1e9:.1f} GB/s",
@@ -278,6 +298,7 @@ def print_peers(
             "dense bf16",
             "dense fp32",
             "layer",
+            *base,
             "naive",
             *(f"hf {i}" for i in hf_moe.IMPLEMENTATIONS),
             "layer/limit",
@@ -307,6 +328,11 @@ def print_peers(
             cell("dense"),
             cell("dense fp32"),
             cell("layer"),
+            *(
+                [cell(BASELINE), f"{r.times[BASELINE].median / r.times['layer'].median:.2f}x"]
+                if base
+                else []
+            ),
             cell("naive"),
             *(cell(f"hf {i}") for i in hf_moe.IMPLEMENTATIONS),
             f"{ratios['vs_limit']:.2f}x",
@@ -323,15 +349,32 @@ def print_peers(
             "quantized portable formats at decode vs their own weight bytes",
             f"{DECODE_TARGETED} {shape_text(PEER_SHAPES[DECODE_TARGETED])}",
             machine,
-            ("format", "active weight bytes", "limit", "layer", "layer/limit", "target", "status"),
+            (
+                "format",
+                "active weight bytes",
+                "limit",
+                "layer",
+                *base,
+                "layer/limit",
+                "target",
+                "status",
+            ),
         )
         for q in quant:
             ratio = q.layer.median / q.limit_s
+            b = q.baseline
             qt.add_row(
                 q.fmt,
                 f"{q.weight_bytes / 2**20:.0f} MiB",
                 f"{q.limit_s * 1e3:.1f} ms",
                 f"{q.layer.median * 1e3:.1f} ({q.layer.spread()})",
+                *(
+                    [f"{b.median * 1e3:.1f} ({b.spread()})", f"{b.median / q.layer.median:.2f}x"]
+                    if base and b is not None
+                    else ["", ""]
+                    if base
+                    else []
+                ),
                 f"{ratio:.2f}x",
                 QUANT_VS_LIMIT.label(),
                 status(ratio, QUANT_VS_LIMIT),
