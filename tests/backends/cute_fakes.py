@@ -233,6 +233,7 @@ def recording_kernel_class(gpu: FakeGpu, combine_region: str, kind: str = "") ->
             self._shared_offsets = {combine_region: 256}
             self._shared_region_by_name = {combine_region: spec}
             self.sizes = (1024, 256 + 2 * t * k * h + 64)
+            self.pool_token_capacity = 384  # the sm100 mxfp8 kernel's dispatch pool rows
 
         def get_workspace_sizes(self) -> tuple[int, int]:
             return self.sizes

@@ -90,7 +90,7 @@ def install_fake_gpu(
     )
     mx_api = Mxfp8KernelApi(
         kernel=fake_kernel_class(gpu, "mxfp8"),
-        token_padding_block=64,
+        token_padding_block=128,
         sf_padding_block=128,
         sym_buffer_host=FakeSymBufferHost,
     )

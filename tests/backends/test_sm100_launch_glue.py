@@ -88,7 +88,12 @@ def test_kernel_constructor_matches_the_runner(setup):
     assert (kw["world_size"], kw["num_topk"], kw["max_tokens_per_rank"]) == (WORLD, K, T)
     assert kw["gate_up_clamp"] == 7.0 and kw["load_balance_mode"] == "static"
     assert kw["force_static_sched"] is True and kw["token_back_mode"] == "epi_warps"
-    assert kw["sf_padding_block"] == 128 and kw["token_padding_block"] == 64  # the api's
+    # the api's: the nvfp4 epilogue tile; mxfp8 the runner's c_token_padding (its col
+    # requant takes 128 or 256 only)
+    assert kw["sf_padding_block"] == 128
+    assert kw["token_padding_block"] == (64 if kind == "nvfp4" else 128)
+    # as the runners construct them: the separate, non-persistent top-k reduce
+    assert kw["skip_topk_reduce"] is False and kw["topk_reduce_persistent"] is False
     cluster = 1 if kind == "nvfp4" else 2  # 1-CTA swap-AB; 2-CTA (2, 1, 1) cluster
     assert kw["cluster_shape_mnk"] == (cluster, 1, 1)
     assert kw["use_2cta_instrs"] is (kind == "mxfp8")
@@ -99,6 +104,7 @@ def test_kernel_constructor_matches_the_runner(setup):
         assert kw["in_kernel_fc2_reduce"] is False and kw["non_ubulk_fc2_store"] is True
         assert kw["fc2_output_dtype"] == "cutlass.BFloat16"
         assert kw["combine_format"] == "CombineFormat(bf16)"
+        assert kw["enable_fc1_activation_per_token_scale"] is False  # not offered
     else:
         assert kw["mma_tiler_mnk"] == (256, 256, 128)
         assert kw["local_rank"] == RANK and kw["fc2_in_kernel_topk_reduce"] is False
@@ -158,6 +164,14 @@ def test_buffers_placement_dtypes_and_zeroing_match_the_runner(setup):
         assert sw.leading_dim == 0 and sw.tensor is shared
         local = lw.tensor
         assert args["fc1_c"] is None
+        # run_kernel's col-quant outputs: local CUDA, [pool, H] fp8 and H * pool / 32 bytes
+        pool = k.pool_token_capacity
+        data, sf = args["col_quant_data"].tensor, args["col_quant_sf"].tensor
+        assert (tuple(data.shape), data.dtype) == ((pool, H), torch.float8_e4m3fn)
+        assert (tuple(sf.shape), sf.dtype) == ((H * pool // 32,), torch.uint8)
+        heap = {s.data_ptr() for s in gpu.symmetric}
+        mine = {data.untyped_storage().data_ptr(), sf.untyped_storage().data_ptr()}
+        assert mine.isdisjoint(heap)
     assert local.numel() == local_bytes and not local.any() and id(local) not in sym
     # every tensor argument: assumed_align 16 (4 for the per-expert fp32 vectors), dynamic
     # layout on the stride-1 dim (`_to_cute`)

@@ -144,8 +144,14 @@ plane = torch.randint(0, 255, (200, 7), generator=g, dtype=torch.uint8)
 swizzle_ok = torch.equal(swizzle_128x4(plane), rc.to_blocked(plane))
 x = torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 64).unsqueeze(1)
 x[3] = 0.0
+# block maxima on and next to the scale thresholds 1.75 * 2**k (e4m3's max 448 = 1.75 * 2**8,
+# scaled), where a recipe through an inexact log2 picks the neighbouring exponent
+edges = torch.tensor([448.0 * 2.0**j for j in range(-20, 12, 3)])
+edges = torch.stack([edges, torch.nextafter(edges, edges * 2), torch.nextafter(edges, edges / 2)])
+x[4:7] *= 1e-9
+x[4:7, ::32] = edges[:, :8]
 ours = quantize_mxfp8(x)
-theirs = hu.mxfp8_quantize_per_block_32(x, torch.float8_e4m3fn)
+theirs = hu.mxfp8_quantize_per_block_32_row(x, torch.float8_e4m3fn)
 print(json.dumps({
     "swizzle": swizzle_ok,
     "scales": torch.equal(ours[1], theirs[1].view(torch.uint8)),
@@ -156,7 +162,7 @@ print(json.dumps({
 
 def test_layouts_match_the_drops_own_host_helpers():
     """Our swizzle and mxfp8 recipe produce the bytes of the drop's own `to_blocked` and
-    `mxfp8_quantize_per_block_32` (run in a fresh process: the drop owns top-level names)."""
+    `mxfp8_quantize_per_block_32_row` (run in a fresh process: the drop owns top-level names)."""
     from moe_ep_sm100.common.cutedsl import CUTEDSL_DROP
 
     require_drop(CUTEDSL_DROP)

@@ -58,6 +58,7 @@ from moe_ep_sm100.common.pack_check import check_sm100_pack
 __all__ = [
     "COMBINE_REGION",
     "CUTEDSL_DROP",
+    "CUTEDSL_FLOORS",
     "CUTEDSL_PACKAGES",
     "POOL",
     "Sm100CutedslKernel",
@@ -80,6 +81,11 @@ CUTEDSL_PACKAGES = (
     ("nvshmem", "nvshmem4py-cu13"),
     ("triton", "triton"),
 )
+
+CUTEDSL_FLOORS = (
+    ("nvidia-cutlass-dsl", "4.8.0", "the sm100_cutedsl_megamoe drop (flashinfer-python 0.7.4)"),
+)
+"""Version floors of the drop's release (its wheel's `Requires-Dist`), refused below."""
 
 COMBINE_REGION = "combine_quant"
 """The drop kernels' shared-workspace region of per-(token, slot) combine cells."""
@@ -105,6 +111,7 @@ class Sm100CutedslKernel(CutedslMegaKernel):
             capability=(10, 0),
             arch_label="Blackwell B200/GB200, sm_100a",
             packages=CUTEDSL_PACKAGES,
+            floors=CUTEDSL_FLOORS,
             drop=CUTEDSL_DROP,
         )
 
@@ -176,5 +183,6 @@ def fake_tensor(spec: ArgSpec) -> Any:
         "float32": cutlass.Float32,
         "int64": cutlass.Int64,
         "bfloat16": cutlass.BFloat16,
+        "uint8": cutlass.Uint8,
     }
     return fake_gmem_tensor(spec, dtypes[spec.dtype])

@@ -22,6 +22,7 @@ __all__ = [
     "CLUSTER_SHAPE_MNK",
     "build_kernel",
     "call_args",
+    "col_quant_specs",
     "kernel_ctor_kwargs",
     "tensor_specs",
 ]
@@ -52,6 +53,18 @@ def tensor_specs(g: LaunchGeometry) -> tuple[ArgSpec, ...]:
     )
 
 
+def col_quant_specs(pool_token_capacity: int, g: LaunchGeometry) -> tuple[ArgSpec, ...]:
+    """The outputs of the drop kernel's token-axis requant (`Mxfp8ColRequant`, which runs
+    after the combine on every launch since flashinfer-python 0.7.4): `col_quant_data
+    [pool, H]` fp8 and `col_quant_sf [H * pool / 32]` E8M0 bytes, `pool` the kernel's
+    `pool_token_capacity` (its runner's sizes). moe-ep reads neither."""
+    h = g.hidden_size
+    return (
+        ArgSpec("col_quant_data", (pool_token_capacity, h), "fp8_e4m3", 1),
+        ArgSpec("col_quant_sf", (h * pool_token_capacity // MXFP8_BLOCK,), "uint8", 0),
+    )
+
+
 def kernel_ctor_kwargs(
     config: Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig,
     g: LaunchGeometry,
@@ -75,6 +88,8 @@ def kernel_ctor_kwargs(
         sf_vec_size=MXFP8_BLOCK,
         local_rank=g.rank,
         fc2_in_kernel_topk_reduce=False,
+        skip_topk_reduce=False,
+        topk_reduce_persistent=False,
     )
 
 
@@ -101,6 +116,7 @@ def build_kernel(
 def call_args(
     g: LaunchGeometry,
     *,
+    pool_token_capacity: int,
     tensor: Callable[[ArgSpec], Any],
     workspace: Callable[[str], Any],
     peer_map: Any,
@@ -110,14 +126,14 @@ def call_args(
     """Keyword arguments of the kernel's `__call__` (and of `cute.compile`).
 
     `workspace(name)` builds the uint8 tensor of `"local_workspace"` (static extent) or
-    `"shared_workspace"`.
+    `"shared_workspace"`; `pool_token_capacity` is the built kernel's (`col_quant_specs`).
     """
     return kernel_call_args(
-        tensor_specs(g),
+        (*tensor_specs(g), *col_quant_specs(pool_token_capacity, g)),
         tensor,
         workspaces=(workspace("local_workspace"), workspace("shared_workspace")),
         peer_map=peer_map,
         stream=stream,
         max_active_clusters=max_active_clusters,
-        extra={"fc1_c": None},
+        extra={"fc1_c": None, "num_valid_tokens": None},
     )

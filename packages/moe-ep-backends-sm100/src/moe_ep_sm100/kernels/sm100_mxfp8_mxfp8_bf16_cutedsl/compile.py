@@ -59,5 +59,7 @@ def compile_mxfp8(
         return mxfp8_fake_workspace(name, local_bytes)
 
     inputs = fake_call_inputs(fake_tensor, api.sym_buffer_host, geometry, clusters)
-    args = call_args(geometry, workspace=workspace, **inputs)
+    args = call_args(
+        geometry, pool_token_capacity=kernel.pool_token_capacity, workspace=workspace, **inputs
+    )
     return timed_compile(kernel, args, arch)[1]

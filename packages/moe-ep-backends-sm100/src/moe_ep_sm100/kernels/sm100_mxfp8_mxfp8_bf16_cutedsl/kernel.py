@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from moe_ep.backends.support.cutedsl.mega_kernel import StagedBuffers
+from moe_ep.backends.support.cutedsl.mega_kernel import StagedBuffers, storage_tensor
 from moe_ep.backends.support.launch_args import ArgSpec, LaunchGeometry
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import register_mega_kernel
@@ -48,6 +48,8 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(Sm100CutedslKernel):
     config_cls: ClassVar[type[Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig]] = (
         Sm100_Mxfp8_Mxfp8_Bf16_Cutedsl_MegaMoeConfig
     )
+    _pool_token_capacity: int
+    """The built drop kernel's dispatch pool rows (set by `_make_kernel`)."""
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Mxfp8Weights:
         w = weights.to(device)
@@ -82,7 +84,18 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(Sm100CutedslKernel):
     def _make_kernel(self, g: LaunchGeometry) -> tuple[Any, Any, int]:
         api = load_mxfp8_api()
         kernel, clusters = args.build_kernel(self.cfg, g, api)
+        self._pool_token_capacity = int(kernel.pool_token_capacity)
         return kernel, api, clusters
+
+    def _local_tensors(self, g: LaunchGeometry, device: torch.device) -> dict[str, torch.Tensor]:
+        """The kernel's col-requant outputs (`args.col_quant_specs`): local, pooled with
+        the compiled entry, written by every launch and never read."""
+
+        def alloc(nbytes: int) -> torch.Tensor:
+            return torch.empty((nbytes,), dtype=torch.uint8, device=device)
+
+        specs = args.col_quant_specs(self._pool_token_capacity, g)
+        return {s.name: storage_tensor(s, alloc) for s in specs}
 
     def _call_args(
         self,
@@ -102,4 +115,6 @@ class Sm100Mxfp8Mxfp8Bf16CutedslKernel(Sm100CutedslKernel):
                 leading_dim=0
             )
 
-        return args.call_args(g, workspace=workspace, **common)
+        return args.call_args(
+            g, pool_token_capacity=self._pool_token_capacity, workspace=workspace, **common
+        )

@@ -24,7 +24,7 @@ class Mxfp8KernelApi:
 def load_mxfp8_api() -> Mxfp8KernelApi:
     """The mxfp8 kernel class and ABI constants, through the drop's shim (imports cutlass)."""
     kernel = drop_src_module(CUTEDSL_DROP, "moe_mxfp8_glu.megamoe_kernel_mxfp8")
-    epilogue = drop_src_module(CUTEDSL_DROP, "moe_nvfp4_swapab.epilogue")
+    requant = drop_src_module(CUTEDSL_DROP, "moe_mxfp8_glu.mxfp8_col_requant")
     consts = drop_src_module(CUTEDSL_DROP, "common.megamoe_constants")
     sym = drop_src_module(CUTEDSL_DROP, "src.sym_buffer")
     if int(consts.Mxfp8BlockSize) != MXFP8_BLOCK:
@@ -32,9 +32,18 @@ def load_mxfp8_api() -> Mxfp8KernelApi:
             f"the drop's Mxfp8BlockSize is {consts.Mxfp8BlockSize}, moe_ep_sm100 assumes "
             f"{MXFP8_BLOCK}"
         )
+    # The kernel's token-axis requant takes only its TokenPaddingBlocks (128, 256); the
+    # drop's runner pads expert token segments to the 128-row scale atom, so do we.
+    token_padding = int(consts.SfPaddingBlock)
+    allowed = tuple(requant.Mxfp8ColRequant.TokenPaddingBlocks)
+    if token_padding not in allowed:
+        raise RuntimeError(
+            f"the drop's SfPaddingBlock {token_padding} is not a token padding block its "
+            f"Mxfp8ColRequant accepts {allowed}"
+        )
     return Mxfp8KernelApi(
         kernel=kernel.Sm100MegaMoEMxfp8Kernel,
-        token_padding_block=int(epilogue.EpilogueTokenTile),
+        token_padding_block=token_padding,
         sf_padding_block=int(consts.SfPaddingBlock),
         sym_buffer_host=sym.SymBufferHost,
     )

@@ -83,7 +83,9 @@ def kernel_ctor_kwargs(
         fc2_output_dtype=fc2_output_dtype,
         non_ubulk_fc2_store=True,
         in_kernel_fc2_reduce=False,
-        defer_topk_reduce=False,
+        skip_topk_reduce=False,
+        topk_reduce_persistent=False,
+        enable_fc1_activation_per_token_scale=False,
         apply_topk_in_fc1=True,
         swiglu_alpha=None,
         swiglu_beta=None,
@@ -130,4 +132,6 @@ def call_args(
         peer_map=peer_map,
         stream=stream,
         max_active_clusters=max_active_clusters,
+        # off, as constructed: no per-token FC1 scale, the non-persistent top-k reduce
+        extra={"fc1_activation_per_token_scale": None, "num_valid_tokens": None},
     )

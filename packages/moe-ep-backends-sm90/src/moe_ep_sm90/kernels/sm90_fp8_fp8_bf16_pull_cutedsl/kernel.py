@@ -55,6 +55,8 @@ _PACKAGES = (
     ("cuda.bindings", "cuda-bindings"),
     ("nvshmem", "nvshmem4py-cu13"),
 )
+_FLOORS = (("nvidia-cutlass-dsl", "4.8.0", "the sm90_pull_cutedsl drop (flashinfer-python 0.7.4)"),)
+"""Version floors of the drop's release (its wheel's `Requires-Dist`), refused below."""
 
 
 COMBINE_REGION = "unreduced_expert_output"
@@ -89,7 +91,11 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(CutedslMegaKernel):
     @classmethod
     def availability(cls) -> tuple[bool, str]:
         return check_availability(
-            capability=(9, 0), arch_label="Hopper, sm_90a", packages=_PACKAGES, drop=PULL_DROP
+            capability=(9, 0),
+            arch_label="Hopper, sm_90a",
+            packages=_PACKAGES,
+            floors=_FLOORS,
+            drop=PULL_DROP,
         )
 
     @classmethod

@@ -7,7 +7,9 @@ checked with `importlib.util.find_spec` and the drop through its package `__init
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
 import shutil
 
 from moe_ep.backends.support.drop_access import DropRef
@@ -17,6 +19,7 @@ __all__ = [
     "cuda_capability_reason",
     "missing_packages",
     "nvcc_reason",
+    "outdated_packages",
 ]
 
 
@@ -56,6 +59,27 @@ def missing_packages(modules: tuple[tuple[str, str], ...]) -> list[str]:
     return out
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string (`4.8.1.post2` -> (4, 8, 1))."""
+    m = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(p) for p in m.group().split(".")) if m else ()
+
+
+def outdated_packages(floors: tuple[tuple[str, str, str], ...]) -> list[str]:
+    """For each `(distribution, minimum, why)` installed at a release below `minimum`, a
+    phrase naming both versions and `why` (a distribution not installed is left to
+    `missing_packages`)."""
+    out = []
+    for dist, minimum, why in floors:
+        try:
+            have = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if _release(have) < _release(minimum):
+            out.append(f"python package {dist!r} is {have}; {why} needs >= {minimum}")
+    return out
+
+
 def nvcc_reason(purpose: str) -> str:
     """ "" if `nvcc` is on PATH, else why it is needed (`purpose`) and missing."""
     if shutil.which("nvcc") is None:
@@ -68,10 +92,13 @@ def check_availability(
     capability: tuple[int, int],
     arch_label: str,
     packages: tuple[tuple[str, str], ...] = (),
+    floors: tuple[tuple[str, str, str], ...] = (),
     drop: DropRef | None = None,
 ) -> tuple[bool, str]:
-    """(True, "") or (False, every reason joined by "; ") for one kernel on this machine."""
-    reasons = missing_packages(packages)
+    """(True, "") or (False, every reason joined by "; ") for one kernel on this machine.
+
+    `floors`: `(distribution, minimum version, who needs it)` (`outdated_packages`)."""
+    reasons = missing_packages(packages) + outdated_packages(floors)
     if drop is not None:
         why = drop.reason()
         if why:
