@@ -11,8 +11,10 @@ Commands:
   sync (NAME... | --all) [--to REV [--sha256 HEX]] [--force]
       Materialize src/ from the pin (staged, then swapped in atomically with the lock and
       VENDOR.md; skipped when src/ already matches the lock).
-      Refuses to overwrite local edits without --force. --to re-pins (git commit or ref, PyPI
-      version, or directory) and drops the [[pending]] entries the new pin already contains.
+      Refuses to overwrite local edits without --force (bytes equal to a lock of the drop's
+      git history are no edits: a pull or merge that re-pinned it). --to re-pins (git commit
+      or ref, PyPI version, or directory) and drops the [[pending]] entries the new pin
+      already contains.
   verify (NAME... | --all | --present)
       Offline: every byte and mode matches vendor.lock.json, nothing missing or extra, the lock
       matches the VENDOR.md pin, pending patches reproduce, license files present, no

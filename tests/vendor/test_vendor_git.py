@@ -9,7 +9,17 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from vendor_testlib import SUBDIR, UTILS_V3, V1, GitUpstream, Runner, git, sha256, snapshot
+from vendor_testlib import (
+    SUBDIR,
+    UTILS_V3,
+    V1,
+    GitUpstream,
+    Runner,
+    git,
+    sha256,
+    snapshot,
+    write_tree,
+)
 from vendorlib import ops
 from vendorlib.lockfile import git_blob_id
 from vendorlib.meta import load_meta
@@ -104,6 +114,37 @@ def test_sync_refuses_local_edits_then_force_restores(
     assert rc == 0 and res[0]["action"] == "materialized"
     assert edited.read_bytes() == V1["common/utils.py"][1]
     assert vendor("verify", "demo")[0] == 0
+
+
+@pytest.mark.parametrize("edited", [False, True])
+def test_sync_replaces_an_earlier_pins_bytes_left_by_a_merge_without_force(
+    vendor: Runner, root: Path, git_upstream: GitUpstream, edited: bool
+) -> None:
+    # A checkout materialized at c0 merges a commit that re-pins the drop (lock, VENDOR.md):
+    # its src/ still holds c0's bytes, which a lock in its history vouches for: no local edit.
+    _add(vendor, git_upstream, git_upstream.commits[0])
+    d = root / "vendor" / "demo"
+    git(root, "init", "-q", "-b", "main")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "drop at c0")
+    old_src = snapshot(d / "src")
+    (git_upstream.path / SUBDIR / "common" / "utils.py").write_bytes(UTILS_V3)
+    c2 = git_upstream.commit("c2: utils fix")
+    assert vendor("sync", "demo", "--to", c2)[0] == 0
+    git(root, "commit", "-q", "-am", "re-pin to c2")
+    shutil.rmtree(d / "src")
+    write_tree(d / "src", old_src)  # what the merging checkout still has
+    if edited:
+        (d / "src" / "a2a" / "push.cu").write_text("a local fix\n")
+    rc, res = vendor("sync", "demo")
+    if edited:  # not the bytes of any earlier lock: refused, src/ left alone
+        assert rc == 1 and "local changes" in res["error"]
+        assert (d / "src" / "a2a" / "push.cu").read_text() == "a local fix\n"
+        return
+    assert rc == 0 and res[0]["action"] == "materialized", res
+    assert (d / "src" / "common" / "utils.py").read_bytes() == UTILS_V3
+    assert vendor("verify", "demo")[0] == 0
+    assert git(root, "status", "--porcelain") == ""  # nothing tracked rewritten
 
 
 def test_sync_materializes_missing_src_and_is_a_noop_when_clean(

@@ -29,6 +29,7 @@ __all__ = [
     "git_blob_id",
     "load_lock",
     "mode_str",
+    "parse_lock",
     "scan_dir",
     "tree_digest",
     "write_lock",
@@ -184,11 +185,18 @@ def write_lock(
 def load_lock(path: Path) -> Lock:
     """Parse a lock; a malformed one raises `UsageError` naming the file and the problem."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UsageError(
             f"{path}: missing; run `uv run tools/vendor.py sync` to create it"
         ) from None
+    return parse_lock(text, str(path))
+
+
+def parse_lock(text: str, path: str) -> Lock:
+    """Parse the lock text read from `path` (a file, or `REV:file` of git's history)."""
+    try:
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UsageError(f"{path}: not valid JSON ({exc})") from None
     try:

@@ -22,6 +22,7 @@ from vendorlib.checks import check_tree, problem, today
 from vendorlib.drops import Drop, load_drop
 from vendorlib.errors import MismatchError, SourceError, UsageError
 from vendorlib.globs import select
+from vendorlib.history import earlier_lock_matching
 from vendorlib.lockfile import (
     LOCK_NAME,
     FileEntry,
@@ -170,13 +171,14 @@ def sync(
 
     if drop.src.exists() and not force:
         dirty = check_tree(drop, lock) if lock else [problem("lock", "", "no lock to compare")]
-        if dirty:
+        # bytes of an earlier pin left by a pull or merge that moved the lock are no edits
+        if dirty and (lock is None or earlier_lock_matching(root, drop) is None):
             shown = ", ".join(f"{d['check']} {d['path']}" for d in dirty[:5])
             raise MismatchError(
                 f"{name}: src/ has local changes ({len(dirty)}: {shown}); "
                 "fix them upstream or pass --force to discard them"
             )
-        if to is None and lock is not None and lock.pin == meta.source.identity():
+        if not dirty and to is None and lock is not None and lock.pin == meta.source.identity():
             return {
                 "name": name,
                 "action": "up-to-date",
