@@ -138,9 +138,10 @@ def test_vector_body_equals_scalar_twin_on_gathered_rows_with_alpha() -> None:
     _bits_equal(got, want.bfloat16())
 
 
-BLOCK_EDGES = [1, 2, 3, 4, 5, 23, 24, 25, 26, 47, 48, 49, 0, 73]
-"""Rows per expert around the kernel's row tiles (3) and row blocks (24): whole-row streaming
-(1 to 3 rows), every partial register tile, and blocks that end one row early or late."""
+BLOCK_EDGES = [1, 2, 3, 4, 5, 23, 24, 25, 26, 47, 48, 49, 0, 73, 96, 97, 121]
+"""Rows per expert around the kernel's row tiles (3), row blocks (24) and work items (96):
+whole-row streaming (1 to 3 rows), every partial register tile, and blocks and items that
+end one row early or late."""
 
 
 def _padded_codes(codes: torch.Tensor, poison: int) -> torch.Tensor:

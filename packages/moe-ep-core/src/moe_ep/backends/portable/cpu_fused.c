@@ -302,14 +302,14 @@ void moe_ep_omp_set_threads(int32_t n) {
  * this (tests compare them bit for bit and with a float64 emulation of the definition).
  *
  * Work: each group's rows in blocks of EG_ROWS, each block's outputs in tiles of EG_COLS
- * columns; the (group, block, tile) items go to the OpenMP threads dynamically. Within a
- * tile, EG_NR weight rows at a time, EG_KC elements of K at a time, the register-blocked
- * micro-kernel (EG_MR rows x EG_NR weight rows, 2 x 8 lanes each: 12 ymm accumulators)
- * runs over every EG_MR rows of the block: bf16 weights straight from where they are
- * stored (a shift or a mask per 8 lanes), the quantized ones (and bf16's K tail) decoded
- * once per block into an L1 buffer of fp32. The weights stream from DRAM once per block of
- * rows and stay in L1 for the later row tiles. Every output is one item's, so the split
- * never changes a bit.
+ * columns; the (group, block, tile) items go to the OpenMP threads dynamically. Within an
+ * item, EG_SUB rows at a time (the tile's weights stay in L2 after the first), EG_NR weight
+ * rows at a time, EG_KC elements of K at a time, the register-blocked micro-kernel (EG_MR
+ * rows x EG_NR weight rows, 2 x 8 lanes each: 12 ymm accumulators) runs over every EG_MR
+ * rows: bf16 weights straight from where they are stored (a shift or a mask per 8 lanes),
+ * the quantized ones (and bf16's K tail) decoded once per K block into an L1 buffer of
+ * fp32. The weights stream from DRAM once per item and stay in L1 for the later row tiles.
+ * Every output is one item's, so the split never changes a bit.
  */
 enum { EG_X_BF16 = 0, EG_X_F32 = 1 };
 enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2 };
@@ -321,7 +321,8 @@ enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
 #define EG_NR 2         /* weight rows multiplied together */
 #define EG_MR 3         /* activation rows multiplied together (12 accumulator registers) */
 #define EG_COLS 32      /* output columns per work item (a multiple of EG_NR) */
-#define EG_ROWS 24      /* rows per work item (a multiple of EG_MR: their x block stays in L1) */
+#define EG_SUB 24       /* rows multiplied together (a multiple of EG_MR: x block in L1) */
+#define EG_ROWS 96      /* rows per work item (a multiple of EG_SUB) */
 
 static float e4m3_value[256]; /* e4m3fn byte -> fp32, exact; 0x7f / 0xff -> quiet NaN */
 static const float e2m1_value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -659,18 +660,17 @@ static void eg_row_tiles(const eg_args *a, int64_t rows, int nr, int bf16, const
     }
 }
 
-/* One work item: rows [q0, q0 + rows) of group g times output columns [tile * EG_COLS, ...):
- * per EG_NR weight rows, per EG_KC block of K, every EG_MR x EG_NR register tile of the
- * rows over the block. bf16 weights (vector body) are read where they are stored, the K
- * tail (a partial chunk) and the other kinds decoded into an L1 buffer first. The
- * accumulators carry over from block to block, so the fma chain per lane is unchanged. */
-static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
+/* Rows [q0, q0 + rows) (rows <= EG_SUB) of group g, output row orow0 on, times output
+ * columns [j0, n1): per EG_NR weight rows, per EG_KC block of K, every EG_MR x EG_NR
+ * register tile of the rows over the block. bf16 weights (vector body) are read where they
+ * are stored, the K tail (a partial chunk) and the other kinds decoded into an L1 buffer
+ * first. The accumulators carry over from block to block, so the fma chain per lane is
+ * unchanged. */
+static void eg_rows(const eg_args *a, int64_t g, int64_t q0, int64_t rows, int64_t orow0,
+                    int64_t j0, int64_t n1) {
     float wbuf[EG_NR * EG_KC];
-    float acc[EG_ROWS * EG_NR * EG_LANES];
+    float acc[EG_SUB * EG_NR * EG_LANES];
     const int64_t ldacc = EG_NR * EG_LANES;
-    const int64_t q0 = a->q_start[g] + block * EG_ROWS;
-    const int64_t rows = a->q_start[g + 1] - q0 < EG_ROWS ? a->q_start[g + 1] - q0 : EG_ROWS;
-    const int64_t n1 = tile * EG_COLS + EG_COLS < a->n ? tile * EG_COLS + EG_COLS : a->n;
     const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
     const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
@@ -686,7 +686,7 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
      * direct path streams whole rows (no accumulator round trips between blocks). */
     const int64_t step = direct && rows <= EG_MR ? a->k : EG_KC;
     const int64_t ahead = eg_prefetch_ahead(a->w_row_bytes);
-    for (int64_t j = tile * EG_COLS; j < n1; j += EG_NR) {
+    for (int64_t j = j0; j < n1; j += EG_NR) {
         const int nr = n1 - j < EG_NR ? (int)(n1 - j) : EG_NR;
         memset(acc, 0, sizeof(float) * (size_t)(rows * ldacc));
         for (int64_t kc = 0; kc < a->k; kc += step) {
@@ -708,7 +708,7 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
             }
         }
         for (int64_t r = 0; r < rows; r++) {
-            const int64_t orow = a->out_row0[g] + block * EG_ROWS + r;
+            const int64_t orow = orow0 + r;
             for (int n = 0; n < nr; n++) {
                 float v = eg_lane_sum(acc + r * ldacc + n * EG_LANES);
                 v = a->alpha ? v * alpha : v;
@@ -719,6 +719,18 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
             }
         }
     }
+}
+
+/* One work item: rows [q0, q0 + EG_ROWS) of group g times output columns [tile * EG_COLS,
+ * ...), EG_SUB rows at a time (their x block stays in L1; the tile's weights, read from
+ * DRAM for the first, stay in L2 for the others). */
+static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
+    const int64_t q0 = a->q_start[g] + block * EG_ROWS;
+    const int64_t rows = a->q_start[g + 1] - q0 < EG_ROWS ? a->q_start[g + 1] - q0 : EG_ROWS;
+    const int64_t n1 = tile * EG_COLS + EG_COLS < a->n ? tile * EG_COLS + EG_COLS : a->n;
+    for (int64_t r = 0; r < rows; r += EG_SUB)
+        eg_rows(a, g, q0 + r, rows - r < EG_SUB ? rows - r : EG_SUB,
+                a->out_row0[g] + block * EG_ROWS + r, tile * EG_COLS, n1);
 }
 
 /* out[out_row0[g] + i, :n] = (x[row(q_start[g] + i), :k] @ w_e^T) [* alpha[g]] for every
