@@ -1,4 +1,4 @@
 """What the sm100 kernels share: the config rules (`config`), the weight-pack check
-(`pack_check`), E8M0-scaled weight packs (`e8m0`), the staging input checks and routing
-buffers (`staging`), and for the two CuTe DSL kernels their drop, base class and shared
-constructor arguments (`cutedsl`)."""
+(`pack_check`), E8M0-scaled weight packs (`e8m0`), and for the two CuTe DSL kernels their
+drop, base class and shared constructor arguments (`cutedsl`). The stagers' input checks
+and routing buffers are shared with sm90: `moe_ep.backends.support.staging`."""

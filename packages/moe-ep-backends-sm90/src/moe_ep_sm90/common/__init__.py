@@ -1,3 +1,3 @@
 """What the two sm90 kernels share: the fp8 blockwise config rules (`config`), weight record,
-quantizer and staging helpers (`fp8_blockwise`), the weight-pack check with its
+quantizer and staged-input record (`fp8_blockwise`), the weight-pack check with its
 pre-quantized-pack rules (`fp8_packs`) and the compile-only checks' `CompileResult`."""

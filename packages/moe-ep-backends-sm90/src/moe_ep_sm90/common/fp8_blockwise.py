@@ -6,7 +6,8 @@ Glossary: `n` tokens on this rank, `T` max tokens per rank (the staged buffer), 
 Recipe (DeepSeek-V3 blockwise fp8, `moe_ep.quant.fp8`): e4m3 payload, fp32 scales
 `amax / 448`, activations in 1x128 blocks, weights in 128x128 blocks, `x ~= payload * scale`.
 Each kernel's own layout (`<kernel>/layout.py`) builds on these: the weight record, the
-128x128 weight quantizer, the staged-input record, the input checks and the routing buffers.
+128x128 weight quantizer and the staged-input record (the input checks and routing buffers
+every GPU stager shares are `moe_ep.backends.support.staging`).
 """
 
 from __future__ import annotations
@@ -15,16 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm90.common.config import FP8_BLOCK
 
 __all__ = [
     "Fp8BlockWeights",
     "StagedInputs",
     "aligned",
-    "check_staging_inputs",
     "quantize_weight_blocks",
-    "stage_routing",
 ]
 
 
@@ -76,39 +74,3 @@ class StagedInputs:
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
     num_tokens: int
-
-
-def check_staging_inputs(
-    hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, t: int
-) -> tuple[int, int, int]:
-    """(n, H, k) of `[n, H]` inputs with `[n, k]` ids / weights; `MoeEpUsageError` unless
-    n <= `t` and H is a multiple of 128."""
-    if hidden_states.dim() != 2:
-        raise MoeEpUsageError(f"hidden_states must be [n, H], got {tuple(hidden_states.shape)}")
-    n, h = hidden_states.shape
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != n:
-        raise MoeEpUsageError(f"topk_ids must be [n={n}, k], got {tuple(topk_ids.shape)}")
-    k = topk_ids.shape[1]
-    if tuple(topk_weights.shape) != (n, k):
-        raise MoeEpUsageError(
-            f"topk_weights must be [n, k] = [{n}, {k}], got {tuple(topk_weights.shape)}"
-        )
-    if n > t:
-        raise MoeEpUsageError(f"hidden_states has n={n} rows, more than max_tokens={t}")
-    if h % FP8_BLOCK:
-        raise MoeEpUsageError(
-            f"hidden_states.shape[1] (H) must be a multiple of {FP8_BLOCK}, got {h}"
-        )
-    return n, h, k
-
-
-def stage_routing(
-    topk_ids: torch.Tensor, topk_weights: torch.Tensor, t: int, ids_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[t, k]` ids of `ids_dtype` (-1 padded) and fp32 weights (0 wherever the id is -1)."""
-    n, k = topk_ids.shape
-    ids = torch.full((t, k), -1, dtype=ids_dtype, device=topk_ids.device)
-    weights = torch.zeros((t, k), dtype=torch.float32, device=topk_ids.device)
-    ids[:n] = topk_ids.to(ids_dtype)
-    weights[:n] = torch.where(topk_ids >= 0, topk_weights.float(), 0.0)
-    return ids, weights

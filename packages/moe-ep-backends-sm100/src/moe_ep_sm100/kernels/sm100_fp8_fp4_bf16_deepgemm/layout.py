@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.common.e8m0 import E8M0_BLOCK, e8m0_pack
-from moe_ep_sm100.common.staging import check_staging_inputs, stage_routing
 
 __all__ = [
     "DEEPGEMM_GATE_UP_BLOCK",
@@ -184,7 +184,7 @@ def stage_deepgemm_inputs(
     rows (the bytes the kernel's `SymmBuffer` input views receive)."""
     from moe_ep.quant import quantize_mxfp8
 
-    n, h = check_staging_inputs(
+    n, h, _ = check_staging_inputs(
         hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=128
     )
     dev = hidden_states.device

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep.backends.support.launch_args import ceil_to
+from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.common.e8m0 import e8m0_pack
-from moe_ep_sm100.common.staging import check_staging_inputs, stage_routing
 
 __all__ = [
     "MXFP8_GATE_UP_BLOCK",
@@ -117,7 +117,7 @@ def stage_mxfp8_inputs(
     """Quantize and pad `[n, H]` bf16 inputs into fresh mxfp8 staging buffers of T rows."""
     from moe_ep.quant import quantize_mxfp8
 
-    n, h = check_staging_inputs(
+    n, h, _ = check_staging_inputs(
         hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=_BLOCK
     )
     dev = hidden_states.device

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep.backends.support.launch_args import ceil_to
+from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
 from moe_ep.errors import MoeEpUsageError
-from moe_ep_sm100.common.staging import check_staging_inputs, stage_routing
 
 __all__ = [
     "NVFP4_GATE_UP_BLOCK",
@@ -154,7 +154,7 @@ def stage_nvfp4_inputs(
     """Quantize (static global scale `input_norm_const`) and pad inputs into T-row buffers."""
     from moe_ep.quant import quantize_nvfp4
 
-    n, h = check_staging_inputs(
+    n, h, _ = check_staging_inputs(
         hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=_BLOCK
     )
     dev = hidden_states.device

@@ -16,14 +16,13 @@ from typing import Any
 import torch
 
 from moe_ep.backends.support.launch_args import ceil_to
+from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
 from moe_ep_sm90.common.config import FP8_BLOCK
 from moe_ep_sm90.common.fp8_blockwise import (
     Fp8BlockWeights,
     StagedInputs,
     aligned,
-    check_staging_inputs,
     quantize_weight_blocks,
-    stage_routing,
 )
 from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.config import PULL_GATE_UP_BLOCK
 
@@ -119,7 +118,9 @@ def stage_pull_inputs(
     """
     from moe_ep.quant.fp8 import quantize_fp8_blockwise
 
-    n, h, _ = check_staging_inputs(hidden_states, topk_ids, topk_weights, max_tokens)
+    n, h, _ = check_staging_inputs(
+        hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=FP8_BLOCK
+    )
     dev = hidden_states.device
     cols = h // FP8_BLOCK
     activation = torch.zeros((max_tokens, h), dtype=torch.float8_e4m3fn, device=dev)
@@ -128,5 +129,5 @@ def stage_pull_inputs(
         data, s = quantize_fp8_blockwise(hidden_states, block=(1, FP8_BLOCK), check_finite=False)
         activation[:n] = data
         scales[:n, :cols] = s
-    ids, weights = stage_routing(topk_ids, topk_weights, max_tokens, torch.int64)
+    ids, weights = stage_routing(topk_ids, topk_weights, max_tokens, ids_dtype=torch.int64)
     return StagedInputs(activation, scales, ids, weights, n)

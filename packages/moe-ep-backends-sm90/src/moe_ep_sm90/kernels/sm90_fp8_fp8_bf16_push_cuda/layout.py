@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
+from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
+from moe_ep_sm90.common.config import FP8_BLOCK
 from moe_ep_sm90.common.fp8_blockwise import (
     Fp8BlockWeights,
     StagedInputs,
     aligned,
-    check_staging_inputs,
     quantize_weight_blocks,
-    stage_routing,
 )
 
 __all__ = ["prepare_push_weights", "push_weights_from_pack", "stage_push_inputs"]
@@ -50,8 +50,10 @@ def stage_push_inputs(
     max_tokens: int,
 ) -> StagedInputs:
     """Pad one rank's inputs into fresh push-kernel staging buffers (bf16, int32 ids)."""
-    n, h, _ = check_staging_inputs(hidden_states, topk_ids, topk_weights, max_tokens)
+    n, h, _ = check_staging_inputs(
+        hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=FP8_BLOCK
+    )
     activation = torch.zeros((max_tokens, h), dtype=torch.bfloat16, device=hidden_states.device)
     activation[:n] = hidden_states
-    ids, weights = stage_routing(topk_ids, topk_weights, max_tokens, torch.int32)
+    ids, weights = stage_routing(topk_ids, topk_weights, max_tokens, ids_dtype=torch.int32)
     return StagedInputs(activation, None, ids, weights, n)

@@ -6,6 +6,7 @@
 - `launch_args`: `LaunchGeometry`, `ArgSpec`, the CuTe DSL call arguments, geometry checks.
 - `config_checks`: config validators and `GeometryCheckedConfig`.
 - `package_attrs`: a backend package's lazy `__getattr__` / `__dir__`.
+- `staging`: the stagers' input checks and routing buffers.
 - `pooling`: the ref-counted `WorkspacePool` and the pooled compile-once `PooledKernel`.
 - `cutedsl`: the CuTe DSL mega-kernel lifecycle (`mega_kernel`), its launch pieces
   (`launch_glue`) and the compile-only check's fakes (`compile_fakes`).
