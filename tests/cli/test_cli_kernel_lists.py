@@ -19,6 +19,7 @@ EXPECTED = {
     ("mxfp8", "mxfp8"): "mxfp8",
     ("nvfp4", "nvfp4"): "nvfp4",
     ("fp8", "fp4"): "fp8_fp4",
+    ("fp8", "mxfp4"): "fp8_mxfp4",
 }
 
 

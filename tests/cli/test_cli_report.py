@@ -17,6 +17,7 @@ PORTABLE = {
     "any_mxfp8_mxfp8_bf16_torch",
     "any_nvfp4_nvfp4_bf16_torch",
     "any_fp8_fp4_bf16_torch",
+    "any_fp8_mxfp4_bf16_torch",
 }
 GPU = {
     "sm100_fp8_fp4_bf16_deepgemm": "deep_gemm_mega",

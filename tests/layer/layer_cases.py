@@ -14,6 +14,7 @@ KERNELS = {
     "mxfp8": "any_mxfp8_mxfp8_bf16_torch",
     "nvfp4": "any_nvfp4_nvfp4_bf16_torch",
     "fp8_fp4": "any_fp8_fp4_bf16_torch",
+    "fp8_mxfp4": "any_fp8_mxfp4_bf16_torch",
 }
 
 

@@ -39,7 +39,13 @@ from moe_ep.spawn import free_port
 FORMATS = tuple(KERNELS)
 SEEDS = (0, 1, 2)
 CASE = Case("faults", tokens=24, hidden=128, pad_frac=0.15)  # I=128, E=8, k=4; padded slots
-WEIGHT_BLOCK = {"fp8": (128, 128), "mxfp8": (1, 32), "nvfp4": (1, 16), "fp8_fp4": (1, 32)}
+WEIGHT_BLOCK = {
+    "fp8": (128, 128),
+    "mxfp8": (1, 32),
+    "nvfp4": (1, 16),
+    "fp8_fp4": (1, 32),
+    "fp8_mxfp4": (1, 32),
+}
 """Rows x columns of the weights covered by one scale (the format's weight recipe)."""
 
 

@@ -40,8 +40,9 @@ __all__ = [
     "tolerance_band",
 ]
 
-FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4", "fp8_fp4")
-"""Activation/weight formats, named as in `any_<fmt>_..._torch` (fp8_fp4: act fp8, w fp4)."""
+FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4", "fp8_fp4", "fp8_mxfp4")
+"""Activation/weight formats, named as in `any_<fmt>_..._torch` (fp8_fp4: act fp8, w fp4;
+fp8_mxfp4: the sm90 MXFP4 kernel's `mxfp4_hybrid` recipe, `moe_ep.quant.mxfp4_hybrid`)."""
 
 EPS_BF16 = 2.0**-7
 # Largest spacing of the FC2-input format's grid relative to the value rounded (one flip).
@@ -50,10 +51,11 @@ _ACT_REL_STEP = {
     "fp8": 2.0**-3,
     "mxfp8": 2.0**-3,
     "fp8_fp4": 2.0**-3,
+    "fp8_mxfp4": 2.0**-3,
     "nvfp4": 1.0,
 }
 # Stored mantissa bits of the FC2-input element format (bf16, e4m3, e2m1): `global_bound`.
-_ACT_MANTISSA_BITS = {"bf16": 7, "fp8": 3, "mxfp8": 3, "fp8_fp4": 3, "nvfp4": 1}
+_ACT_MANTISSA_BITS = {"bf16": 7, "fp8": 3, "mxfp8": 3, "fp8_fp4": 3, "fp8_mxfp4": 3, "nvfp4": 1}
 _FLIP_CHUNK = 32
 DEFAULT_ULPS = 4.0
 DEFAULT_ATOL = 1e-6
@@ -73,9 +75,12 @@ class OracleResult:
     fmt: str
 
 
-def _qdq_act(x: torch.Tensor, fmt: str, global_scale: float, fp8_block: int = 128) -> torch.Tensor:
+def _qdq_act(
+    x: torch.Tensor, fmt: str, global_scale: float, fp8_block: int = 128, fc2: bool = False
+) -> torch.Tensor:
     """Quantize-dequantize activations `[m, K]` per token (no global scale folded back);
-    fp8 in 1 x `fp8_block` blocks. NaN / inf are not refused: a block holding one
+    fp8 in 1 x `fp8_block` blocks; fp8_mxfp4 one scale per row for the FC1 input, 1x64
+    blocks for the FC2 input (`fc2`). NaN / inf are not refused: a block holding one
     dequantizes to NaN (bf16: inf -> NaN), the kernels' rule (`moe_ep.quant.nonfinite`), so
     such a token's predicted row is all NaN."""
     x = x.float()
@@ -85,6 +90,12 @@ def _qdq_act(x: torch.Tensor, fmt: str, global_scale: float, fp8_block: int = 12
         sf, b = ("fp32", fp8_block) if fmt == "fp8" else ("ue8m0", 32)
         d, s = quant.quantize_fp8_blockwise(x, block=(1, b), scale_format=sf, check_finite=False)
         return quant.dequantize_fp8_blockwise(d, s, block=(1, b)).double()
+    if fmt == "fp8_mxfp4" and fc2:
+        d, s = quant.quantize_fp8_fc2_hybrid(x, check_finite=False)
+        return quant.dequantize_fp8_blockwise(d, s, block=(1, quant.HYBRID_FC2_BLOCK)).double()
+    if fmt == "fp8_mxfp4":
+        d, s = quant.quantize_fp8_per_token_hybrid(x, check_finite=False)
+        return quant.dequantize_fp8_per_row(d, s).double()
     if fmt == "mxfp8":
         d, s = quant.quantize_mxfp8(x, rule="ceil", check_finite=False)
         return quant.dequantize_mxfp8(d, s).double()
@@ -105,6 +116,9 @@ def _qdq_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor |
         return quant.dequantize_mxfp8(*quant.quantize_mxfp8(w, rule="ceil")).double(), None
     if fmt == "fp8_fp4":
         return quant.dequantize_mxfp4(*quant.quantize_mxfp4(w, rule="ceil")).double(), None
+    if fmt == "fp8_mxfp4":  # the sm90 kernel's exponent range, clamped per expert
+        p, s = quant.clamp_mxfp4_exponent_range(*quant.quantize_mxfp4(w, rule="ceil"))
+        return quant.dequantize_mxfp4(p, s).double(), None
     if fmt == "nvfp4":
         gs = quant.nvfp4_global_scale(w, dim=(-2, -1))
         p, s = quant.quantize_nvfp4(w, norm_const=gs)
@@ -194,7 +208,7 @@ def oracle_forward(
         h = F.silu(g) * u
         if topk_weight_before_fc2:
             h = h * wts[tok, slot][:, None]
-        hq = _qdq_act(h.float(), fmt, hidden_global_scale, fc2_act_block)
+        hq = _qdq_act(h.float(), fmt, hidden_global_scale, fc2_act_block, fc2=True)
         y = hq @ w2q[ex].t()
         scale2 = 1.0 if gs2 is None else 1.0 / float(hidden_global_scale * gs2[ex])
         y_all[tok, slot] = y * scale2

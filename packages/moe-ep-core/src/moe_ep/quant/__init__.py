@@ -51,6 +51,13 @@ from moe_ep.quant.mx import (
     quantize_mxfp4,
     quantize_mxfp8,
 )
+from moe_ep.quant.mxfp4_hybrid import (
+    HUMMING_MAX_RANGE,
+    HYBRID_FC2_BLOCK,
+    clamp_mxfp4_exponent_range,
+    quantize_fp8_fc2_hybrid,
+    quantize_fp8_per_token_hybrid,
+)
 from moe_ep.quant.nonfinite import nonfinite_to_nan
 from moe_ep.quant.nvfp4 import (
     NVFP4_BLOCK,
@@ -65,9 +72,12 @@ __all__ = [
     "FP8_FC2_ACT_BLOCKS",
     "FP8_MAX",
     "GATE_UP_BLOCKS",
+    "HUMMING_MAX_RANGE",
+    "HYBRID_FC2_BLOCK",
     "MX_BLOCK",
     "MX_RULES",
     "NVFP4_BLOCK",
+    "clamp_mxfp4_exponent_range",
     "deinterleave_gate_up",
     "dequantize_fp8_blockwise",
     "dequantize_fp8_per_row",
@@ -88,8 +98,10 @@ __all__ = [
     "nvfp4_global_scale",
     "pack_e2m1",
     "quantize_fp8_blockwise",
+    "quantize_fp8_fc2_hybrid",
     "quantize_fp8_per_row",
     "quantize_fp8_per_tensor",
+    "quantize_fp8_per_token_hybrid",
     "quantize_mxfp4",
     "quantize_mxfp8",
     "quantize_nvfp4",

@@ -14,6 +14,7 @@ __all__ = [
     "Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig",
     "Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig",
     "Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig",
+    "Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig",
     "Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig",
     "Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig",
     "PortableConfig",
@@ -119,3 +120,11 @@ class Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig(PortableConfig):
 @dataclass(frozen=True, kw_only=True)
 class Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig(PortableConfig):
     kernel_name: ClassVar[str] = "any_fp8_fp4_bf16_torch"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig(PortableConfig):
+    """The sm90 MXFP4 x FP8 kernel's recipe (`fp8_scale_mode="mxfp4_hybrid"`): H and I
+    multiples of 128; see `moe_ep.backends.portable.recipes.Fp8Mxfp4Recipe`."""
+
+    kernel_name: ClassVar[str] = "any_fp8_mxfp4_bf16_torch"

@@ -12,6 +12,7 @@ from moe_ep.backends.portable.configs import (
     Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
+    Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
     Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig,
     Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig,
     PortableConfig,
@@ -22,6 +23,7 @@ from moe_ep.backends.portable.recipes import (
     Bf16Recipe,
     Fp8BlockRecipe,
     Fp8Fp4Recipe,
+    Fp8Mxfp4Recipe,
     Mxfp8Recipe,
     Nvfp4Recipe,
     Recipe,
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Bf16TorchKernel",
     "Fp8Fp4TorchKernel",
+    "Fp8Mxfp4TorchKernel",
     "Fp8TorchKernel",
     "Mxfp8TorchKernel",
     "Nvfp4TorchKernel",
@@ -199,3 +202,16 @@ class Fp8Fp4TorchKernel(PortableTorchKernel):
     @classmethod
     def make_recipe(cls, config: KernelConfig) -> Recipe:
         return Fp8Fp4Recipe()
+
+
+@register_mega_kernel("any_fp8_mxfp4_bf16_torch")
+class Fp8Mxfp4TorchKernel(PortableTorchKernel):
+    """fp8 (one fp32 scale per token) x mxfp4 (exponents clamped per expert): the oracle of
+    sm90_fp8_mxfp4_bf16_pull_cutedsl (`mxfp4_hybrid`)."""
+
+    oracle_format = "fp8_mxfp4"
+    config_cls = Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig
+
+    @classmethod
+    def make_recipe(cls, config: KernelConfig) -> Recipe:
+        return Fp8Mxfp4Recipe()

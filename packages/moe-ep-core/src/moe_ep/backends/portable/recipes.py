@@ -20,6 +20,9 @@ Formats (each matches the GPU kernel of the same taxonomy name; see docs/layer.m
             per-expert alpha after each GEMM (static activation global scales from config).
     fp8_fp4 DeepGEMM recipe: activations e4m3 1x128 with UE8M0 (power-of-two) scales,
             weights mxfp4 (e2m1, one E8M0 byte per 32 elements, ceil rule).
+    fp8_mxfp4 the sm90 MXFP4 x FP8 kernel (`mxfp4_hybrid`): activations e4m3 with one fp32
+            scale per token (FC2 input: 1x64 fp32 blocks), weights mxfp4 (ceil rule) with
+            the exponents clamped to 11 binades per expert (`moe_ep.quant.mxfp4_hybrid`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = [
     "Bf16Recipe",
     "Fp8BlockRecipe",
     "Fp8Fp4Recipe",
+    "Fp8Mxfp4Recipe",
     "Mxfp8Recipe",
     "Nvfp4Recipe",
     "PreparedWeights",
@@ -434,6 +438,64 @@ class Fp8Fp4Recipe(Fp8BlockRecipe):
     def _weight(
         self, name: str, w: torch.Tensor, s: torch.Tensor | None
     ) -> tuple[torch.Tensor, StoredWeight | None]:
-        if s is None:
-            w, s = quant.quantize_mxfp4(w)
-        return quant.dequantize_mxfp4(w, s), _stored(w, s, "e8m0", 32)
+        return _mxfp4_weight(w, s, clamp_range=False)
+
+
+def _mxfp4_weight(
+    w: torch.Tensor, s: torch.Tensor | None, *, clamp_range: bool
+) -> tuple[torch.Tensor, StoredWeight | None]:
+    """mxfp4 weights (quantized with the ceil rule unless `s` is given), optionally with the
+    sm90 kernel's per-expert exponent-range clamp -> (dequantized fp32, codes and scales)."""
+    if s is None:
+        w, s = quant.quantize_mxfp4(w)
+    if clamp_range:
+        w, s = quant.clamp_mxfp4_exponent_range(w, s.view(torch.uint8))
+    return quant.dequantize_mxfp4(w, s), _stored(w, s, "e8m0", 32)
+
+
+class Fp8Mxfp4Recipe(Recipe):
+    """The sm90 MXFP4 x FP8 kernel (`mxfp4_hybrid`, `moe_ep.quant.mxfp4_hybrid`): e4m3 FC1
+    input with one fp32 scale per token, e4m3 FC2 input in 1x64 fp32 blocks, mxfp4 weights
+    (ceil rule) with the exponents clamped to 11 binades per expert. H and I multiples of 128."""
+
+    name = "fp8_mxfp4"
+    quantized_weight_dtypes = (torch.uint8,)
+    k_multiple = 128
+    scale_desc = "E8M0 uint8"
+
+    def scale_shape(self, w: torch.Tensor) -> tuple[int, ...]:
+        e, rows, half = (int(d) for d in w.shape)
+        return (e, rows, half * 2 // 32)
+
+    def check_scales(self, weights: MoEWeightPack) -> None:
+        super().check_scales(weights)
+        for name in ("w13_scale", "w2_scale"):
+            s = getattr(weights, name)
+            if s is not None and s.numel() and bool((s.view(torch.uint8) == 255).any()):
+                raise MoeEpUsageError(
+                    f"{name} holds E8M0 byte 255 (NaN); the per-expert exponent clamp needs "
+                    "finite scales"
+                )
+
+    def row_bytes(self, hidden: int) -> int:
+        return hidden + 4
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        data, scale = quant.quantize_fp8_per_token_hybrid(x, check_finite=False)
+        return torch.cat([_bytes(data), _bytes(scale)], dim=1)
+
+    def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
+        data, scale = _split(payload, [hidden, 4])
+        return quant.dequantize_fp8_per_row(
+            data.view(torch.float8_e4m3fn), scale.view(torch.float32)
+        )
+
+    def requantize(self, h: torch.Tensor) -> torch.Tensor:
+        data, scales = quant.quantize_fp8_fc2_hybrid(h, check_finite=False)
+        return quant.dequantize_fp8_blockwise(data, scales, block=(1, quant.HYBRID_FC2_BLOCK))
+
+    def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
+        w13, stored13 = _mxfp4_weight(weights.w13, weights.w13_scale, clamp_range=True)
+        w2, stored2 = _mxfp4_weight(weights.w2, weights.w2_scale, clamp_range=True)
+        w13t, w2t = _layout(w13, w2, torch.float32)
+        return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
