@@ -20,6 +20,7 @@ from cute_fakes import (
     recording_kernel_class,
 )
 
+import moe_ep_sm90.common.pull_drop as pull_drop
 import moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel as pull
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
@@ -33,7 +34,7 @@ WEIGHTS = ("fc1_weight", "fc1_weight_sf", "fc2_weight", "fc2_weight_sf")
 @pytest.fixture
 def gpu(monkeypatch):
     gpu = install_fake_modules(monkeypatch, world_size=WORLD, rank=RANK)
-    kernel_cls = recording_kernel_class(gpu, pull.COMBINE_REGION)
+    kernel_cls = recording_kernel_class(gpu, pull_drop.COMBINE_REGION)
     api = PullKernelApi(
         native_kernel=kernel_cls,
         swap_ab_kernel=kernel_cls,
@@ -197,7 +198,7 @@ def test_peer_offsets_come_from_the_peer_buffers_base(gpu):
 
 
 def test_a_drop_without_the_combine_region_fails_before_allocating(gpu, monkeypatch):
-    monkeypatch.setattr(pull, "COMBINE_REGION", "renamed_in_a_new_drop")
+    monkeypatch.setattr(pull_drop, "COMBINE_REGION", "renamed_in_a_new_drop")
     layer = _layer(FakeRuntime(rank=RANK, world_size=WORLD))
     with pytest.raises(RuntimeError, match=r"renamed_in_a_new_drop.*moe_ep_sm90 must be updated"):
         layer.warmup()

@@ -1,3 +1,6 @@
-"""What the two sm90 kernels share: the fp8 blockwise config rules (`config`), weight record,
+"""What the sm90 kernels share: the fp8 blockwise config rules (`config`), weight record,
 quantizer and staged-input record (`fp8_blockwise`), the weight-pack check with its
-pre-quantized-pack rules (`fp8_packs`) and the compile-only checks' `CompileResult`."""
+pre-quantized-pack rules (`fp8_packs`), the compile-only checks' `CompileResult`, and what
+the pull kernels (fp8, bf16; one drop) share: their launch-geometry knobs (`pull_tiles`),
+their common constructor and call arguments (`pull_args`), the drop, its availability and
+combine region (`pull_drop`)."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from moe_ep.backends.support.launch_args import ArgSpec, LaunchGeometry, kernel_call_args
+from moe_ep.backends.support.launch_args import ArgSpec, LaunchGeometry
 from moe_ep_sm90.common.config import FP8_BLOCK
+from moe_ep_sm90.common.pull_args import pull_call_args, pull_ctor_kwargs
 from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.config import (
     Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
 )
@@ -62,47 +63,19 @@ def kernel_ctor_kwargs(
 ) -> dict[str, Any]:
     """Constructor keyword arguments of the drop's kernel class for this config and geometry.
 
-    Fixed choices (not knobs of our config): blockwise scales, top-k weights applied in FC1
-    (the DeepGEMM compute graph), bf16 combine, token-back by the epilogue warps.
+    The shared ones (`common.pull_args.pull_ctor_kwargs`), then this format's: blockwise
+    scales, bf16 combine, no dispatch dedup.
     """
     return dict(
-        mma_tiler_mnk=config.mma_tiler_mnk,
-        cluster_shape_mnk=config.cluster_shape_mnk,
-        use_2cta_instrs=False,
-        group_hint=max_active_clusters,
-        token_padding_block=config.token_padding_block,
+        **pull_ctor_kwargs(config, g, ab_dtype=ab_dtype, max_active_clusters=max_active_clusters),
         sf_padding_block=api.sf_padding_block,
-        load_balance_mode=config.load_balance_mode,
-        static_expert_shape=(g.experts_per_rank, 2 * g.intermediate_size, g.hidden_size),
-        force_static_sched=True,
-        clc_bundle_size=None,
-        num_sched_stages=None,
-        ab_dtype=ab_dtype,
         sf_vec_size=api.e8m0_sf_vec_size,
         fp8_scale_mode="blockwise",
         fp8_accum_mode=config.accum_mode,
-        pingpong=False,
-        world_size=g.world_size,
-        local_rank=g.rank,
-        num_topk=g.top_k,
-        max_tokens_per_rank=g.max_tokens_per_rank,
-        hidden=g.hidden_size,
-        fc2_in_kernel_topk_reduce=False,
-        apply_topk_in_fc1=True,
-        token_back_mode="epi_warps",
-        epi_flag_batch=(2, 4),
-        flag_batch=1,
-        gate_up_clamp=config.gate_up_clamp,
         dedup_dispatch=False,
         grouped_token_back=False,
         combine_format="bf16",
-        active_dispatch_warps=1,
         compact_pull_buffer=True,
-        fc1_store_offload=True,
-        fc1_early_done_publish=False,
-        fold_producer_warps=True,
-        generate_c=False,
-        tail_split_pairs=False,
     )
 
 
@@ -136,21 +109,13 @@ def call_args(
     stream: Any,
     max_active_clusters: int,
 ) -> dict[str, Any]:
-    """Keyword arguments of the kernel's `__call__` (and of `cute.compile`).
-
-    Args:
-        tensor: builds the cute tensor for one `ArgSpec` (real: from_dlpack of the staged
-            buffer; compile-only: a fake gmem tensor of that shape).
-        pointer: builds the uint8 gmem pointer of `"local_workspace"` / `"shared_workspace"`.
-        peer_map: the drop's `SymBufferHost` for the symmetric workspace.
-        stream: a `cuda.CUstream`.
-    """
-    return kernel_call_args(
+    """Keyword arguments of the kernel's `__call__` (and of `cute.compile`): see
+    `common.pull_args.pull_call_args`."""
+    return pull_call_args(
         tensor_specs(g),
-        tensor,
-        workspaces=(pointer("local_workspace"), pointer("shared_workspace")),
+        tensor=tensor,
+        pointer=pointer,
         peer_map=peer_map,
         stream=stream,
         max_active_clusters=max_active_clusters,
-        extra={"fc1_c": None},
     )

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moe_ep.backends.support.availability import check_availability
-from moe_ep.backends.support.cutedsl.launch_glue import combine_region as _combine_region
 from moe_ep.backends.support.cutedsl.mega_kernel import (
     STAGED,
     CompiledEntry,
@@ -27,6 +25,7 @@ from moe_ep.checks import PackShape
 from moe_ep.contract import RuntimeRequirements
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.common.fp8_packs import check_pack
+from moe_ep_sm90.common.pull_drop import combine_region, pull_availability
 from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.args import (
     build_kernel,
     call_args,
@@ -41,7 +40,7 @@ from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.layout import (
     pull_weights_from_pack,
     stage_pull_inputs,
 )
-from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.upstream import PULL_DROP, load_pull_api
+from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.upstream import load_pull_api
 
 if TYPE_CHECKING:
     import torch
@@ -49,20 +48,6 @@ if TYPE_CHECKING:
     from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = ["Sm90Fp8Fp8Bf16PullCutedslKernel"]
-
-_PACKAGES = (
-    ("cutlass", "nvidia-cutlass-dsl"),
-    ("cuda.bindings", "cuda-bindings"),
-    ("nvshmem", "nvshmem4py-cu13"),
-)
-_FLOORS = (("nvidia-cutlass-dsl", "4.8.0", "the sm90_pull_cutedsl drop (flashinfer-python 0.7.4)"),)
-"""Version floors of the drop's release (its wheel's `Requires-Dist`), refused below."""
-
-
-COMBINE_REGION = "unreduced_expert_output"
-"""The drop kernel's shared-workspace region of per-(token, slot) bf16 combine cells
-`[T, k, H]`, which its separate top-k reduce sums (`fc2_in_kernel_topk_reduce=False`)."""
-
 
 _POOL: WorkspacePool[CompiledEntry] = WorkspacePool(free=free_entry)
 
@@ -90,13 +75,7 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(CutedslMegaKernel):
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
-        return check_availability(
-            capability=(9, 0),
-            arch_label="Hopper, sm_90a",
-            packages=_PACKAGES,
-            floors=_FLOORS,
-            drop=PULL_DROP,
-        )
+        return pull_availability()
 
     @classmethod
     def validate_weights(
@@ -156,9 +135,3 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(CutedslMegaKernel):
                 ("fc2_weight_dequant_scale", g.experts_per_rank),
             )
         }
-
-
-def combine_region(kernel: Any, g: LaunchGeometry) -> tuple[int, int]:
-    """(byte offset, byte count) of the drop kernel's bf16 combine cells `[T, k, H]` in its
-    shared workspace; `RuntimeError` if its region table no longer has them so."""
-    return _combine_region(kernel, COMBINE_REGION, g, owner="moe_ep_sm90")

@@ -1,27 +1,16 @@
 """The pull kernel's upstream bytes: the `sm90_pull_cutedsl` drop
 (`vendor/sm90_pull_cutedsl/src/moe_hopper_fp8/`), reached only through its package
-`__init__` (never its `src/`).
-
-A CuTe DSL drop puts its `src/` first on `sys.path` and imports generic top-level names
-(`common`, `src`, ...), so only one such drop can be active per process; loading one here
-does that, and `load_pull_api` is the single place this package touches the drop's kernel
-classes.
+`__init__` (never its `src/`); `load_pull_api` is the single place this kernel touches the
+drop's kernel classes (the drop reference and loader: `moe_ep_sm90.common.pull_drop`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
-from moe_ep.backends.support import drop_access
-from moe_ep.backends.support.drop_access import DropRef
+from moe_ep_sm90.common.pull_drop import PULL_DROP, drop_src_module
 
 __all__ = ["PULL_DROP", "PullKernelApi", "drop_src_module", "load_pull_api"]
-
-PULL_DROP = DropRef(import_name="moe_ep_drop_sm90_pull", dist="moe-ep-drop-sm90-pull-cutedsl")
-
-drop_src_module = partial(drop_access.drop_src_module, needed_by=__name__)
-"""`drop_src_module(drop, name)`: module `name` of the drop's `src/`, through its shim."""
 
 
 @dataclass(frozen=True)
