@@ -1,0 +1,83 @@
+"""The sm90 MXFP4 x FP8 kernel's weights in its logical ABI (pure torch, CPU or CUDA).
+
+Per leg (FC1 `w13`, FC2 `w2`), from mxfp4 (e2m1 codes, one E8M0 byte per 32 along K; ceil
+rule when quantized here) after `moe_ep.quant.clamp_mxfp4_exponent_range` (11 binades per
+expert, what the kernel's 4-bit offsets hold):
+
+- `codes`: packed e2m1 `[E, N, K/2]` uint8, the clamped codes; FC1 rows gate/up
+  interleaved in blocks of 8 (the kernel's `[pair, {gate, up}, 8]` fold).
+- `offsets`: `[E, N, K/32]` uint8 in 1..12, `byte - min_byte(expert) + 1`: the kernel
+  expands an e2m1 code to the e4m3 value `e2m1 * 2**(offset - 6)` (`mxfp4_cutedsl`'s PRMT
+  lookup adds `offset` to the e4m3 exponent field).
+- `residual64`: `[E]` fp32, `2**(min_byte - 127) * 0.5 * 64`, the per-expert factor the
+  kernel folds into each row's activation scale (`0.5 * 2**6` undoes the `2**-6` above and
+  e2m1's exponent bias), so `e4m3 * residual64` is the dequantized weight exactly, the values
+  of the portable `any_fp8_mxfp4_bf16_torch` recipe.
+
+Not yet: the physical fold of codes and offsets into the kernel's tiles (LDSM order, 16x16
+byte offset blocks per 64x128); never run on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_ep import quant
+
+__all__ = [
+    "HUMMING_COMPENSATION",
+    "MXFP4_GATE_UP_BLOCK",
+    "Mxfp4HybridLeg",
+    "mxfp4_hybrid_leg",
+    "prepare_mxfp4_hybrid_weights",
+]
+
+MXFP4_GATE_UP_BLOCK = 8
+"""FC1 rows gate/up interleaved in blocks of 8 (flashinfer's `MXFP4_GATE_UP_INTERLEAVE`)."""
+
+HUMMING_COMPENSATION = 64.0
+"""`2**6`: the e4m3 expansion's exponent shift, undone in the per-expert residual."""
+
+
+@dataclass(frozen=True)
+class Mxfp4HybridLeg:
+    """One GEMM's weights in the kernel's logical ABI (see the module doc)."""
+
+    codes: torch.Tensor
+    offsets: torch.Tensor
+    residual64: torch.Tensor
+
+
+def mxfp4_hybrid_leg(packed: torch.Tensor, scales: torch.Tensor) -> Mxfp4HybridLeg:
+    """`packed [E, N, K/2]` e2m1 codes and `scales [E, N, K/32]` E8M0 bytes -> the leg."""
+    codes, raised = quant.clamp_mxfp4_exponent_range(packed, scales.view(torch.uint8))
+    e = int(raised.shape[0])
+    low = raised.view(e, -1).amin(dim=1).to(torch.int32)  # max byte - range, by the clamp
+    offsets = (raised.to(torch.int32) - low.view(e, 1, 1) + 1).to(torch.uint8)
+    residual = torch.exp2(low.float() - 127.0) * 0.5 * HUMMING_COMPENSATION
+    return Mxfp4HybridLeg(codes, offsets, residual)
+
+
+def prepare_mxfp4_hybrid_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> tuple[Mxfp4HybridLeg, Mxfp4HybridLeg]:
+    """(FC1, FC2) legs from bf16/fp32 weights (`w13 [E, 2I, H]`, `w2 [E, H, I]`, gate rows
+    then up rows) or, with both scale planes, from a pre-quantized mxfp4 pack (`w13 [E, 2I,
+    H/2]` uint8 codes, `w13_scale [E, 2I, H/32]` E8M0, likewise `w2`)."""
+    legs = []
+    for w, s in ((w13, w13_scale), (w2, w2_scale)):
+        if s is None:
+            w, s = quant.quantize_mxfp4(w)
+        legs.append(mxfp4_hybrid_leg(w, s))
+    fc1, fc2 = legs
+    b = MXFP4_GATE_UP_BLOCK
+    fc1 = Mxfp4HybridLeg(
+        quant.interleave_gate_up(fc1.codes, b), quant.interleave_gate_up(fc1.offsets, b),
+        fc1.residual64,
+    )  # fmt: skip
+    return fc1, fc2

@@ -1,0 +1,108 @@
+"""The sm90 MXFP4 x FP8 kernel's logical weight ABI (`sm90_fp8_mxfp4_bf16_pull_cutedsl.layout`)
+against the drop's own e2m1 -> e4m3 expansion and the portable twin's weights, on CPU.
+
+The drop's conversion (`moe_hopper_fp8/mxfp4_cutedsl.py`, `convert_mxfp4_pair_preprocessed_
+signs`) is PTX: per 4-bit code, `prmt` picks a byte of two lookup words built by
+`mad.lo.u32 lut, offset, MUL, BASE`, and the code's sign bit is or-ed in. Its four constants
+are read from the drop's source here and the PTX is restated for one code (our code), so a
+layout whose offsets or residual disagree with the drop fails.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_ep import quant
+from moe_ep.backends.portable.recipes import Fp8Mxfp4Recipe
+from moe_ep.types import MoEWeightPack
+from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import (
+    MXFP4_GATE_UP_BLOCK,
+    Mxfp4HybridLeg,
+    mxfp4_hybrid_leg,
+    prepare_mxfp4_hybrid_weights,
+)
+
+DROP_FILE = (
+    Path(__file__).resolve().parents[2]
+    / "vendor/sm90_pull_cutedsl/src/moe_hopper_fp8/mxfp4_cutedsl.py"
+)
+
+
+def _drop_luts() -> tuple[tuple[int, int], tuple[int, int]]:
+    if not DROP_FILE.exists():
+        pytest.skip("sm90_pull_cutedsl drop not materialized (uv run tools/vendor.py sync --all)")
+    src = DROP_FILE.read_text()
+    found = {
+        name: (int(mul, 16), int(base, 16))
+        for name, mul, base in re.findall(
+            r"mad\.lo\.u32 (lo_lut[01]), \$6, (0x[0-9a-f]+), (0x[0-9a-f]+);", src
+        )
+    }
+    assert set(found) == {"lo_lut0", "lo_lut1"}, found
+    return found["lo_lut0"], found["lo_lut1"]
+
+
+def _e4m3_byte(code: int, offset: int) -> int:
+    """The drop's PTX for one e2m1 code: lut words = offset * MUL + BASE (mod 2**32); prmt
+    selects byte (code & 7) of {lut1:lut0}; the sign bit 3 moves to bit 7."""
+    (m0, b0), (m1, b1) = _drop_luts()
+    lut0, lut1 = (offset * m0 + b0) % 2**32, (offset * m1 + b1) % 2**32
+    word = lut0 | (lut1 << 32)
+    return ((word >> (8 * (code & 7))) & 0xFF) | ((code & 0x8) << 4)
+
+
+def _kernel_values(leg: Mxfp4HybridLeg) -> torch.Tensor:
+    """What the kernel's operand times its per-expert residual is, element by element."""
+    table = torch.tensor(
+        [[_e4m3_byte(c, o) for c in range(16)] for o in range(16)], dtype=torch.uint8
+    )
+    codes = quant.unpack_e2m1(leg.codes).long()
+    offs = leg.offsets.long().repeat_interleave(32, dim=-1)
+    e4m3 = table[offs, codes].view(torch.float8_e4m3fn).float()
+    return e4m3 * leg.residual64.view(-1, 1, 1)
+
+
+def _wide_weights(seed: int, e: int, n: int, k: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g)
+    binades = torch.randint(0, 21, (e, n, k // 32, 1), generator=g).float()
+    return (w.view(e, n, k // 32, 32) * torch.exp2(-binades)).view(e, n, k).bfloat16()
+
+
+def test_kernel_view_of_the_layout_is_the_portable_twins_weights() -> None:
+    w13, w2 = _wide_weights(0, 2, 256, 128), _wide_weights(1, 2, 128, 128)  # I=128, H=128
+    fc1, fc2 = prepare_mxfp4_hybrid_weights(w13, w2)
+    twin = Fp8Mxfp4Recipe().prepare(MoEWeightPack(w13=w13, w2=w2))
+    got13 = quant.deinterleave_gate_up(_kernel_values(fc1), MXFP4_GATE_UP_BLOCK)
+    assert torch.equal(got13, twin.w13t.transpose(1, 2))
+    assert torch.equal(_kernel_values(fc2), twin.w2t.transpose(1, 2))
+    for leg in (fc1, fc2):  # 4-bit offsets that never reach e4m3's NaN exponent
+        assert int(leg.offsets.min()) == 1 and int(leg.offsets.max()) == 12
+
+
+def test_a_prequantized_pack_gives_the_same_layout() -> None:
+    w13, w2 = _wide_weights(2, 1, 256, 128), _wide_weights(3, 1, 128, 128)
+    p13, s13 = quant.quantize_mxfp4(w13)
+    p2, s2 = quant.quantize_mxfp4(w2)
+    a = prepare_mxfp4_hybrid_weights(w13, w2)
+    b = prepare_mxfp4_hybrid_weights(p13, p2, s13, s2)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.codes, y.codes) and torch.equal(x.offsets, y.offsets)
+        assert torch.equal(x.residual64, y.residual64)
+
+
+def test_fc1_rows_are_gate_up_interleaved_in_eights() -> None:
+    w13 = _wide_weights(4, 1, 256, 128)  # I = 128: gate rows 0..127, up rows 128..255
+    fc1, _ = prepare_mxfp4_hybrid_weights(w13, _wide_weights(5, 1, 128, 128))
+    plain = mxfp4_hybrid_leg(*quant.quantize_mxfp4(w13))
+    got, want = quant.unpack_e2m1(fc1.codes)[0], quant.unpack_e2m1(plain.codes)[0]
+    for pair in range(16):
+        assert torch.equal(got[16 * pair : 16 * pair + 8], want[8 * pair : 8 * pair + 8])
+        assert torch.equal(
+            got[16 * pair + 8 : 16 * pair + 16], want[128 + 8 * pair : 136 + 8 * pair]
+        )
+    assert torch.equal(fc1.offsets[0, 8:16], plain.offsets[0, 128:136])
