@@ -30,6 +30,7 @@ DROP_SRC_NAMES = {
     "common",
     "src",
     "moe_hopper_fp8",
+    "moe_hopper_bf16",
     "moe_nvfp4_swapab",
     "moe_mxfp8_glu",
     "moe_mxfp8_bf16_glu",
@@ -74,7 +75,7 @@ def test_importing_the_packages_stays_light():
         "heavy = [m for m in sys.modules if m.split('.')[0] in "
         "('cutlass', 'nvshmem', 'moe_ep_drop_sm90_pull', 'moe_ep_drop_sm90_push', "
         "'moe_ep_drop_sm90_push_cuda_deps', 'moe_ep_drop_sm100_cutedsl', 'common', "
-        "'moe_hopper_fp8', 'deep_gemm', 'tvm_ffi', 'torch')]\n"
+        "'moe_hopper_fp8', 'moe_hopper_bf16', 'deep_gemm', 'tvm_ffi', 'torch')]\n"
         "print(sorted({m.split('.')[0] for m in heavy}))\n"
     )
     out = subprocess.run(
@@ -84,6 +85,7 @@ def test_importing_the_packages_stays_light():
 
 
 GPU_KERNELS = (
+    "sm90_bf16_bf16_bf16_pull_cutedsl",
     "sm90_fp8_fp8_bf16_pull_cutedsl",
     "sm90_fp8_fp8_bf16_push_cuda",
     "sm100_nvfp4_nvfp4_bf16_cutedsl",

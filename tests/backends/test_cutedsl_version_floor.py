@@ -8,6 +8,9 @@ import importlib.metadata
 import pytest
 
 from moe_ep.backends.support import availability
+from moe_ep_sm90.kernels.sm90_bf16_bf16_bf16_pull_cutedsl.kernel import (
+    Sm90Bf16Bf16Bf16PullCutedslKernel,
+)
 from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel import (
     Sm90Fp8Fp8Bf16PullCutedslKernel,
 )
@@ -20,6 +23,7 @@ from moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.kernel import (
 
 KERNELS = [
     Sm90Fp8Fp8Bf16PullCutedslKernel,
+    Sm90Bf16Bf16Bf16PullCutedslKernel,
     Sm100Nvfp4Nvfp4Bf16CutedslKernel,
     Sm100Mxfp8Mxfp8Bf16CutedslKernel,
 ]

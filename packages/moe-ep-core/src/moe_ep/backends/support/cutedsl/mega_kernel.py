@@ -302,6 +302,7 @@ class CutedslMegaKernel(PooledKernel):
                 specs[name], sym_alloc if name in self.symmetric_staging else local_alloc
             )
             for name in STAGED
+            if name in specs  # a kernel without an activation scale plane (bf16) has none
         }
         staging["topk_idx"].fill_(-1)
         staging.update(self._local_tensors(g, dev))
