@@ -19,8 +19,8 @@ import torch
 from moe_ep import quant
 from moe_ep.backends.portable.recipes import Fp8Mxfp4Recipe
 from moe_ep.types import MoEWeightPack
+from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import (
-    MXFP4_GATE_UP_BLOCK,
     Mxfp4HybridLeg,
     mxfp4_hybrid_leg,
     prepare_mxfp4_hybrid_weights,
@@ -77,7 +77,7 @@ def test_kernel_view_of_the_layout_is_the_portable_twins_weights() -> None:
     w13, w2 = _wide_weights(0, 2, 256, 128), _wide_weights(1, 2, 128, 128)  # I=128, H=128
     fc1, fc2 = prepare_mxfp4_hybrid_weights(w13, w2)
     twin = Fp8Mxfp4Recipe().prepare(MoEWeightPack(w13=w13, w2=w2))
-    got13 = quant.deinterleave_gate_up(_kernel_values(fc1), MXFP4_GATE_UP_BLOCK)
+    got13 = quant.deinterleave_gate_up(_kernel_values(fc1), PULL_GATE_UP_BLOCK)
     assert torch.equal(got13, twin.w13t.transpose(1, 2))
     assert torch.equal(_kernel_values(fc2), twin.w2t.transpose(1, 2))
     for leg in (fc1, fc2):  # 4-bit offsets that never reach e4m3's NaN exponent

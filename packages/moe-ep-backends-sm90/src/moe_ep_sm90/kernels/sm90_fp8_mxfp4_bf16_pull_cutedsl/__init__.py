@@ -4,10 +4,12 @@ mega-MoE, e4m3 activations x mxfp4 weights, `fp8_scale_mode="mxfp4_hybrid"`.
 Upstream bytes: the `sm90_pull_cutedsl` drop, `vendor/sm90_pull_cutedsl/src/moe_hopper_fp8/`
 (`Sm90MegaMoESwapABMxfp4Fp8Kernel`, `kernel_mxfp4_fp8_glu_fc12_swapab.py`, `mxfp4_cutedsl.py`).
 
+- `config`: `Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig` (the fixed contract refused
+  otherwise with `MoeEpUsageError`, H and I multiples of 128).
 - `layout`: the kernel's logical weight ABI (gate/up-interleaved e2m1 codes, 4-bit exponent
   offsets, per-expert residual) from bf16 weights or a pre-quantized mxfp4 pack.
 
-Not written yet: the config, the kernel class (launch, pooling), input staging, the physical
+Not written yet: the kernel class (launch, pooling), input staging, the physical
 fold of codes and offsets into the kernel's LDSM / 16x16-byte layout, the compile-only
 check. Nothing here has run on a GPU.
 """

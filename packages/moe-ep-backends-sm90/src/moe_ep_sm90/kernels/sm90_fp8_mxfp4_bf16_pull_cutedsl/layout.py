@@ -25,17 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep import quant
+from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
 
 __all__ = [
     "HUMMING_COMPENSATION",
-    "MXFP4_GATE_UP_BLOCK",
     "Mxfp4HybridLeg",
     "mxfp4_hybrid_leg",
     "prepare_mxfp4_hybrid_weights",
 ]
-
-MXFP4_GATE_UP_BLOCK = 8
-"""FC1 rows gate/up interleaved in blocks of 8 (flashinfer's `MXFP4_GATE_UP_INTERLEAVE`)."""
 
 HUMMING_COMPENSATION = 64.0
 """`2**6`: the e4m3 expansion's exponent shift, undone in the per-expert residual."""
@@ -75,7 +72,7 @@ def prepare_mxfp4_hybrid_weights(
             w, s = quant.quantize_mxfp4(w)
         legs.append(mxfp4_hybrid_leg(w, s))
     fc1, fc2 = legs
-    b = MXFP4_GATE_UP_BLOCK
+    b = PULL_GATE_UP_BLOCK
     fc1 = Mxfp4HybridLeg(
         quant.interleave_gate_up(fc1.codes, b), quant.interleave_gate_up(fc1.offsets, b),
         fc1.residual64,
