@@ -18,12 +18,14 @@ import torch
 
 from moe_ep import quant
 from moe_ep.backends.portable.recipes import Fp8Mxfp4Recipe
+from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEWeightPack
 from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import (
     Mxfp4HybridLeg,
     mxfp4_hybrid_leg,
     prepare_mxfp4_hybrid_weights,
+    stage_mxfp4_hybrid_inputs,
 )
 
 DROP_FILE = (
@@ -106,3 +108,26 @@ def test_fc1_rows_are_gate_up_interleaved_in_eights() -> None:
             got[16 * pair + 8 : 16 * pair + 16], want[128 + 8 * pair : 136 + 8 * pair]
         )
     assert torch.equal(fc1.offsets[0, 8:16], plain.offsets[0, 128:136])
+
+
+def test_staged_inputs_are_the_portable_twins_payload() -> None:
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(5, 256, generator=g) * 3).bfloat16()
+    ids = torch.tensor([[0, 3], [1, -1], [2, 2], [-1, -1], [7, 4]])
+    wts = torch.rand(5, 2, generator=g)
+    st = stage_mxfp4_hybrid_inputs(x, ids, wts, max_tokens=8)
+    payload = Fp8Mxfp4Recipe().pack(x)  # e4m3 bytes, then the token's fp32 scale
+    assert torch.equal(st.activation[:5].view(torch.uint8), payload[:, :256])
+    assert torch.equal(st.activation_scales[:5], payload[:, 256:].view(torch.float32).expand(5, 4))
+    assert not st.activation[5:].view(torch.uint8).any() and not st.activation_scales[5:].any()
+    assert st.topk_ids.dtype == torch.int64 and st.topk_ids[5:].eq(-1).all()
+    assert torch.equal(st.topk_weights[:5], torch.where(ids >= 0, wts, 0.0))
+    assert st.num_tokens == 5
+
+
+def test_staging_refuses_h_off_128_and_too_many_tokens() -> None:
+    ids, wts = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1)
+    with pytest.raises(MoeEpUsageError, match="multiple of 128"):
+        stage_mxfp4_hybrid_inputs(torch.zeros(2, 192).bfloat16(), ids, wts, max_tokens=4)
+    with pytest.raises(MoeEpUsageError, match="more than max_tokens=1"):
+        stage_mxfp4_hybrid_inputs(torch.zeros(2, 128).bfloat16(), ids, wts, max_tokens=1)

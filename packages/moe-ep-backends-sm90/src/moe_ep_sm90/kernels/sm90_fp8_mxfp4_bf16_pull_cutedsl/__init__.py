@@ -7,9 +7,10 @@ Upstream bytes: the `sm90_pull_cutedsl` drop, `vendor/sm90_pull_cutedsl/src/moe_
 - `config`: `Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig` (the fixed contract refused
   otherwise with `MoeEpUsageError`, H and I multiples of 128).
 - `layout`: the kernel's logical weight ABI (gate/up-interleaved e2m1 codes, 4-bit exponent
-  offsets, per-expert residual) from bf16 weights or a pre-quantized mxfp4 pack.
+  offsets, per-expert residual) from bf16 weights or a pre-quantized mxfp4 pack; input
+  staging (e4m3 with the per-token scale on a 16-byte row).
 
-Not written yet: the kernel class (launch, pooling), input staging, the physical
+Not written yet: the kernel class (launch, pooling), the physical
 fold of codes and offsets into the kernel's LDSM / 16x16-byte layout, the compile-only
 check. Nothing here has run on a GPU.
 """

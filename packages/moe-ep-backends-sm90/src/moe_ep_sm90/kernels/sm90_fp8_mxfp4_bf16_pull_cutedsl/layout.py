@@ -14,6 +14,10 @@ expert, what the kernel's 4-bit offsets hold):
   e2m1's exponent bias), so `e4m3 * residual64` is the dequantized weight exactly, the values
   of the portable `any_fp8_mxfp4_bf16_torch` recipe.
 
+Staged inputs (`stage_mxfp4_hybrid_inputs`): e4m3 activations with the per-token fp32
+scale of `moe_ep.quant.quantize_fp8_per_token_hybrid` replicated over a 16-byte row
+(`[T, 4]`, the drop's `sf_uint32_per_token = 4` for `mxfp4_hybrid`), int64 routing.
+
 Not yet: the physical fold of codes and offsets into the kernel's tiles (LDSM order, 16x16
 byte offset blocks per 64x128); never run on a GPU.
 """
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep import quant
+from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
+from moe_ep_sm90.common.fp8_blockwise import StagedInputs
 from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
 
 __all__ = [
@@ -32,7 +38,11 @@ __all__ = [
     "Mxfp4HybridLeg",
     "mxfp4_hybrid_leg",
     "prepare_mxfp4_hybrid_weights",
+    "stage_mxfp4_hybrid_inputs",
 ]
+
+SCALE_WIRE_COLS = 4
+"""fp32 words per token of the staged scale row: the one scale, replicated (16 bytes)."""
 
 HUMMING_COMPENSATION = 64.0
 """`2**6`: the e4m3 expansion's exponent shift, undone in the per-expert residual."""
@@ -78,3 +88,27 @@ def prepare_mxfp4_hybrid_weights(
         fc1.residual64,
     )  # fmt: skip
     return fc1, fc2
+
+
+def stage_mxfp4_hybrid_inputs(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    max_tokens: int,
+) -> StagedInputs:
+    """Quantize and pad one rank's inputs into fresh staging buffers of T = `max_tokens` rows:
+    `activation [T, H]` e4m3, `activation_scales [T, 4]` fp32 (padding rows zero), routing
+    as `moe_ep.backends.support.staging.stage_routing` (int64 ids)."""
+    n, h, _ = check_staging_inputs(
+        hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=128
+    )
+    dev = hidden_states.device
+    activation = torch.zeros((max_tokens, h), dtype=torch.float8_e4m3fn, device=dev)
+    scales = torch.zeros((max_tokens, SCALE_WIRE_COLS), dtype=torch.float32, device=dev)
+    if n:
+        data, s = quant.quantize_fp8_per_token_hybrid(hidden_states, check_finite=False)
+        activation[:n] = data
+        scales[:n] = s.expand(n, SCALE_WIRE_COLS)
+    ids, weights = stage_routing(topk_ids, topk_weights, max_tokens, ids_dtype=torch.int64)
+    return StagedInputs(activation, scales, ids, weights, n)
