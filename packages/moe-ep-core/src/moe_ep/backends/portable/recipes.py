@@ -462,10 +462,7 @@ class Fp8Mxfp4Recipe(Recipe):
     quantized_weight_dtypes = (torch.uint8,)
     k_multiple = 128
     scale_desc = "E8M0 uint8"
-
-    def scale_shape(self, w: torch.Tensor) -> tuple[int, ...]:
-        e, rows, half = (int(d) for d in w.shape)
-        return (e, rows, half * 2 // 32)
+    scale_shape = Fp8Fp4Recipe.scale_shape  # the same mxfp4 packs: one E8M0 byte per 32
 
     def check_scales(self, weights: MoEWeightPack) -> None:
         super().check_scales(weights)
