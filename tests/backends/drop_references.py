@@ -4,7 +4,8 @@ Each GPU wrapper whose drop ships a reference that runs on CPU is checked agains
 GPU tests' problems (`sm90_gpu_cases.CASES`): the wrapper's own weight preparation and input
 staging (each kernel's `layout` module), laid out
 as the drop's runners hand them to their reference, go through the drop's reference
-(`moe_hopper_fp8.mega_reference_fp8`, `moe_mxfp8_glu.mega_reference_mxfp8`,
+(`moe_hopper_fp8.mega_reference_fp8`, `moe_hopper_bf16.mega_reference_bf16`,
+`moe_mxfp8_glu.mega_reference_mxfp8`,
 `moe_nvfp4_swapab.mega_reference`), its top-k reduce is restated (fp32 sum over the slots in
 slot order, then bf16: `moe_nvfp4_swapab/topk_reduce.py`), and the result is compared with
 the oracle exactly as the GPU test compares the kernel (`compare_to_oracle` against
@@ -35,11 +36,19 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from sm90_gpu_cases import CASES, PULL, SM90_RECIPES, GpuCase, problem_for, sm90_oracle
+from sm90_gpu_cases import (
+    BF16_PULL,
+    CASES,
+    PULL,
+    SM90_RECIPES,
+    GpuCase,
+    problem_for,
+    sm90_oracle,
+)
 
 NVFP4 = "sm100_nvfp4_nvfp4_bf16_cutedsl"
 MXFP8 = "sm100_mxfp8_mxfp8_bf16_cutedsl"
-KERNELS = (PULL, NVFP4, MXFP8)
+KERNELS = (PULL, BF16_PULL, NVFP4, MXFP8)
 """The GPU wrappers whose drop ships a reference that runs on CPU (the push kernel's drop
 has none: its host side is FlashInfer's, not in the drop)."""
 
@@ -162,6 +171,30 @@ def _pull_output(case: GpuCase, world_size: int) -> torch.Tensor:
     return reduce_topk(combine, case.tokens)
 
 
+def _bf16_pull_output(case: GpuCase, world_size: int) -> torch.Tensor:
+    import moe_ep_drop_sm90_pull as drop
+
+    from moe_ep_sm90.kernels.sm90_bf16_bf16_bf16_pull_cutedsl.layout import (
+        prepare_bf16_pull_weights,
+        stage_bf16_pull_inputs,
+    )
+
+    ref = drop.import_src_module("moe_hopper_bf16.mega_reference_bf16")
+    ranks = _rank_inputs(case, world_size, BF16_PULL)
+    t = max(case.tokens, 1)
+    weights = [prepare_bf16_pull_weights(r["w13"], r["w2"]) for r in ranks]
+    staged = [stage_bf16_pull_inputs(r["x"], r["ids"], r["w"], max_tokens=t) for r in ranks]
+    combine = ref.compute_megamoe_reference_bf16(
+        input_activation=torch.stack([s.activation for s in staged]),
+        input_topk_idx=torch.stack([s.topk_ids for s in staged]),
+        input_topk_weights=torch.stack([s.topk_weights for s in staged]),
+        fc1_weight=_k_major([w.w13 for w in weights]),
+        fc2_weight=_k_major([w.w2 for w in weights]),
+        ref_compute_graph="deepgemm",  # the kernel's apply_topk_in_fc1 (common.pull_args)
+    )
+    return reduce_topk(combine, case.tokens)
+
+
 def _plain_scales(swizzled: torch.Tensor, rows: int, cols: int, to_blocked: Any) -> torch.Tensor:
     """`[E, flat]` 128x4-swizzled planes of the wrapper -> `[E, rows, cols]` plain ones, checked
     to be exactly what the drop's `to_blocked` makes of them (the runners' layout)."""
@@ -268,7 +301,12 @@ def _mxfp8_output(case: GpuCase, world_size: int) -> torch.Tensor:
     return reduce_topk(combine, case.tokens)
 
 
-_OUTPUTS = {PULL: _pull_output, NVFP4: _nvfp4_output, MXFP8: _mxfp8_output}
+_OUTPUTS = {
+    PULL: _pull_output,
+    BF16_PULL: _bf16_pull_output,
+    NVFP4: _nvfp4_output,
+    MXFP8: _mxfp8_output,
+}
 
 
 def drop_reference_output(kernel: str, case: GpuCase, world_size: int) -> torch.Tensor:
@@ -279,10 +317,10 @@ def drop_reference_output(kernel: str, case: GpuCase, world_size: int) -> torch.
 
 def _oracle(kernel: str, case: GpuCase, world_size: int, pull_recipe: dict[str, Any]) -> Any:
     """What the GPU test compares `kernel` with (`sm90_reference` is `sm90_oracle` for the
-    pull kernel); `pull_recipe` overrides fields of its `SM90_RECIPES` entry."""
-    if kernel == PULL:
-        recipe = replace(SM90_RECIPES[PULL], **pull_recipe)
-        return sm90_oracle(case, world_size, PULL, recipe=recipe)
+    pull kernels); `pull_recipe` overrides fields of its `SM90_RECIPES` entry."""
+    if kernel in SM90_RECIPES:
+        recipe = replace(SM90_RECIPES[kernel], **pull_recipe)
+        return sm90_oracle(case, world_size, kernel, recipe=recipe)
     from sm100_gpu_cases import sm100_oracle
 
     return sm100_oracle(case, world_size, kernel)
@@ -296,9 +334,10 @@ def conformance_reports(
 ) -> dict[str, dict[str, Any]]:
     """For each (case name, world size) of `runs`: the drop reference's output compared with
     the GPU test's oracle; `{"<case>/ep<ws>": {"ok", "max_ratio", "violations", "report"}}`
-    (JSON-ready). `planted_pull_recipes` (pull kernel only) adds, per run, a comparison with
-    the oracle of a wrong recipe, `"<case>/ep<ws>/<label>"` for `{label: SM90_RECIPES[PULL]
-    fields to change}`. Call it in a process where `kernel`'s drop may be the active one."""
+    (JSON-ready). `planted_pull_recipes` (the sm90 pull kernels only) adds, per run, a
+    comparison with the oracle of a wrong recipe, `"<case>/ep<ws>/<label>"` for
+    `{label: SM90_RECIPES[kernel] fields to change}`. Call it in a process where `kernel`'s
+    drop may be the active one."""
     from moe_ep.oracle import compare_to_oracle
 
     by_name = {c.name: c for c in CASES}

@@ -16,6 +16,7 @@ import torch
 
 PULL = "sm90_fp8_fp8_bf16_pull_cutedsl"
 PUSH = "sm90_fp8_fp8_bf16_push_cuda"
+BF16_PULL = "sm90_bf16_bf16_bf16_pull_cutedsl"
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class Sm90Recipe:
     `Fp8Fc2ActivationScaleK`, in the kernel and in `mega_reference_fp8`), the top-k weight
     applied to the SwiGLU output before that quantization (`apply_topk_in_fc1`). The push
     kernel: the canonical DeepSeek-V3 recipe (gate-then-up rows, 1x128, weight after FC2).
+    The bf16 pull kernel: `fmt="bf16"` (no quantization) with its FC1 output unrounded into
+    SwiGLU (fp32 accumulators) and the top-k weight applied before the FC2 input is rounded
+    to bf16, as its drop's reference's "deepgemm" graph.
     With these the oracle computes with the kernel's own weight values bit for bit, so the
     problems use ordinary random weights; `test_drop_reference_conformance.py` checks the
     pull recipe against the drop's own reference."""
@@ -56,19 +60,28 @@ class Sm90Recipe:
     fc1_gate_up_interleave: int | None
     fc2_act_block: int = 128
     topk_weight_before_fc2: bool = False
+    fmt: str = "fp8"
+    fc1_output_high_precision: bool = False
 
     def oracle_kwargs(self) -> dict[str, Any]:
-        """The `oracle_forward` (and portable fp8 config) keywords of this recipe."""
-        return {
-            "fc1_gate_up_interleave": self.fc1_gate_up_interleave,
-            "fc2_act_block": self.fc2_act_block,
-            "topk_weight_before_fc2": self.topk_weight_before_fc2,
-        }
+        """The `oracle_forward` (and portable fp8 config) keywords of this recipe, `fmt`
+        aside; each format's own (fp8: FC1 grouping, FC2-input block; bf16: whether the FC1
+        output stays unrounded)."""
+        kwargs: dict[str, Any] = {"topk_weight_before_fc2": self.topk_weight_before_fc2}
+        if self.fmt == "fp8":
+            kwargs["fc1_gate_up_interleave"] = self.fc1_gate_up_interleave
+            kwargs["fc2_act_block"] = self.fc2_act_block
+        else:
+            kwargs["fc1_output_high_precision"] = self.fc1_output_high_precision
+        return kwargs
 
 
 SM90_RECIPES = {
     PULL: Sm90Recipe(fc1_gate_up_interleave=8, fc2_act_block=64, topk_weight_before_fc2=True),
     PUSH: Sm90Recipe(None),
+    BF16_PULL: Sm90Recipe(
+        None, topk_weight_before_fc2=True, fmt="bf16", fc1_output_high_precision=True
+    ),
 }
 
 
@@ -133,7 +146,7 @@ def sm90_oracle(
     p = problem_for(case, world_size, kernel)
     r = SM90_RECIPES[kernel] if recipe is None else recipe
     return oracle_forward(
-        p["x"], p["ids"], p["w"], p["w13"], p["w2"], fmt="fp8", **r.oracle_kwargs()
+        p["x"], p["ids"], p["w"], p["w13"], p["w2"], fmt=r.fmt, **r.oracle_kwargs()
     )
 
 
@@ -195,20 +208,28 @@ def sm90_reference(case: GpuCase, world_size: int, kernel: str) -> Any:
 
 
 def cpu_twin(kernel: str) -> Any:
-    """The portable fp8 config that quantizes exactly as sm90 `kernel` does (runs on CPU)."""
+    """The portable fp8 config that quantizes exactly as sm90 `kernel` does (runs on CPU).
+    The bf16 pull kernel has none yet: the portable bf16 kernel rounds its FC1 output to
+    bf16, the fused kernel does not (`Sm90Recipe.fc1_output_high_precision`)."""
     from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
 
-    return Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(**SM90_RECIPES[kernel].oracle_kwargs())
+    recipe = SM90_RECIPES[kernel]
+    if recipe.fmt != "fp8":
+        raise ValueError(f"{kernel}: no portable config computes as it does (see SM90_RECIPES)")
+    return Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(**recipe.oracle_kwargs())
 
 
 def backend_for(case: GpuCase, kernel: str) -> Any:
     """What the layer is built with: the sm90 configs with `top_k` (so `warmup()` compiles
     / builds ahead), other kernels by name."""
     from moe_ep_sm90 import (
+        Sm90_Bf16_Bf16_Bf16_PullCutedsl_MegaMoeConfig,
         Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
         Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
     )
 
+    if kernel == BF16_PULL:
+        return Sm90_Bf16_Bf16_Bf16_PullCutedsl_MegaMoeConfig(top_k=case.topk)
     if kernel == PULL:
         return Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig(top_k=case.topk)
     if kernel == PUSH:

@@ -282,3 +282,36 @@ def test_padded_slots_combine_cells_are_zeroed_before_each_launch(gpu):
     ids = entry.staging["topk_idx"][:3]
     assert (seen["cells"][:3][ids < 0] == 0).all() and (seen["cells"][:3][ids >= 0] == 3).all()
     layer.destroy()
+
+
+# -- the kernel's oracle recipe ------------------------------------------------------------
+def test_the_oracle_keeps_the_fc1_output_unrounded_only_when_asked():
+    from moe_ep.oracle import oracle_forward
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, H, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, E, (6, K), generator=g)
+    w = torch.rand(6, K, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 16, torch.randn(E, H, I, generator=g) / 11
+    rounded = oracle_forward(x, ids, w, w13, w2, fmt="bf16")
+    fused = oracle_forward(x, ids, w, w13, w2, fmt="bf16", fc1_output_high_precision=True)
+    assert not torch.equal(rounded.exact, fused.exact)
+    # the fused recipe by hand: fp64 GEMMs of the bf16 values, the FC1 output unrounded
+    xb, w13b, w2b = x.double(), w13.to(torch.bfloat16).double(), w2.to(torch.bfloat16).double()
+    want = torch.zeros(6, H, dtype=torch.float64)
+    for t in range(6):
+        for j in range(K):
+            gu = w13b[ids[t, j]] @ xb[t]
+            h = torch.nn.functional.silu(gu[:I]) * gu[I:]
+            hq = h.float().to(torch.bfloat16).double()
+            want[t] += w[t, j].double() * (w2b[ids[t, j]] @ hq)
+    assert torch.allclose(fused.exact, want, rtol=1e-12, atol=1e-12)
+    for fmt, value in (("fp8", True), ("bf16", 1)):
+        with pytest.raises(MoeEpUsageError, match=r"fc1_output_high_precision=.* fmt='bf16'"):
+            oracle_forward(x, ids, w, w13, w2, fmt=fmt, fc1_output_high_precision=value)
+
+
+def test_the_gpu_tests_build_the_layer_with_this_config():
+    from sm90_gpu_cases import BF16_PULL, CASES, backend_for
+
+    assert backend_for(CASES[0], BF16_PULL) == Config(top_k=CASES[0].topk)

@@ -12,6 +12,11 @@ requantization flips, which the tolerance band covers. The push kernel's bf16 in
 band width on their own, so its runs are compared with `push_reference` (the drop's steps)
 inside the oracle's band (`sm90_gpu_cases.sm90_reference`). The same problems, oracle calls and
 worker run on CPU against each kernel's portable twin in `test_sm90_gpu_cases.py`.
+
+The bf16 pull kernel quantizes nothing; its oracle keeps the FC1 output unrounded into
+SwiGLU and weights the SwiGLU output before its bf16 rounding (`SM90_RECIPES[BF16_PULL]`),
+the recipe its drop's own reference passes on CPU at these sizes, EP1 and EP2
+(`test_drop_reference_conformance.py`). It has no portable twin yet.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import pytest
 import torch
 from backend_hw import require_capability
 from gpu_jobs import EP1_JOBS, Job, ep1_jobs
-from sm90_gpu_cases import CASES, PULL, PUSH, GpuCase, problem_for, sm90_reports
+from sm90_gpu_cases import BF16_PULL, CASES, PULL, PUSH, GpuCase, problem_for, sm90_reports
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -80,6 +85,21 @@ def test_pull_matches_oracle_multirank(case):
     _check(case, min(n, 4), PULL)
 
 
+@pytest.mark.parametrize("name", list(EP1_JOBS))
+def test_bf16_pull_matches_oracle_ep1(name):
+    _check_ep1(name, BF16_PULL)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+def test_bf16_pull_matches_oracle_multirank(case):
+    require_capability((9, 0), "Hopper (sm_90)")
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2+ Hopper GPUs, {n} visible")
+    _check(case, min(n, 4), BF16_PULL)
+
+
 def _require_push_build() -> None:
     from moe_ep_sm90 import env
 
@@ -120,3 +140,25 @@ def test_pull_staging_on_gpu_matches_cpu_bytes():
     assert torch.equal(gpu.activation_scales.cpu(), cpu.activation_scales)
     assert torch.equal(gpu.topk_ids.cpu(), cpu.topk_ids)
     assert torch.equal(gpu.topk_weights.cpu(), cpu.topk_weights)
+
+
+def test_bf16_pull_staging_on_gpu_matches_cpu_bytes():
+    require_capability((9, 0), "Hopper (sm_90)")
+    from moe_ep_sm90.kernels.sm90_bf16_bf16_bf16_pull_cutedsl.layout import (
+        prepare_bf16_pull_weights,
+        stage_bf16_pull_inputs,
+    )
+
+    p = problem_for(GpuCase("staging", pad_frac=0.2), 1, BF16_PULL)
+    cpu = stage_bf16_pull_inputs(p["x"], p["ids"], p["w"], max_tokens=128)
+    gpu = stage_bf16_pull_inputs(p["x"].cuda(), p["ids"].cuda(), p["w"].cuda(), max_tokens=128)
+    for got, want in zip(
+        (gpu.activation, gpu.topk_ids, gpu.topk_weights),
+        (cpu.activation, cpu.topk_ids, cpu.topk_weights),
+        strict=True,
+    ):
+        assert torch.equal(got.cpu(), want)
+    w_cpu = prepare_bf16_pull_weights(p["w13"], p["w2"])
+    w_gpu = prepare_bf16_pull_weights(p["w13"].cuda(), p["w2"].cuda())
+    assert w_gpu.w13.stride() == w_cpu.w13.stride() and w_gpu.w2.stride() == w_cpu.w2.stride()
+    assert torch.equal(w_gpu.w13.cpu(), w_cpu.w13) and torch.equal(w_gpu.w2.cpu(), w_cpu.w2)

@@ -5,8 +5,9 @@ and ALL experts' weights, and computes in float64 what every kernel approximates
 the activations and weights with the format's recipe (`moe_ep.quant`), `[g; u] = w13 @ x`,
 `h = silu(g) * u` (optional clamp), requantize h, `y = w2 @ h`, `out = sum_k w_k * y_k`.
 For the bf16 format the FC1 output `[g; u]` is rounded to bf16 first (a bf16 GEMM's output,
-as in unfused bf16 MoE pipelines); the quantized formats keep it in high precision, as the
-fused GPU kernels do (fp32 accumulators feed SwiGLU).
+as in unfused bf16 MoE pipelines; `fc1_output_high_precision` keeps it, as the fused sm90
+bf16 pull kernel does); the quantized formats keep it in high precision, as the fused GPU
+kernels do (fp32 accumulators feed SwiGLU).
 It loops over experts (not the kernels' grouping) and shares no code with the portable
 backend beyond `moe_ep.quant`.
 
@@ -140,6 +141,7 @@ def oracle_forward(
     fc1_gate_up_interleave: int | None = None,
     topk_weight_before_fc2: bool = False,
     fc2_act_block: int = 128,
+    fc1_output_high_precision: bool = False,
 ) -> OracleResult:
     """Reference forward on global inputs.
 
@@ -161,7 +163,18 @@ def oracle_forward(
         fc2_act_block: fmt "fp8" only, one of `quant.FP8_FC2_ACT_BLOCKS`: the FC2 input is
             quantized in 1 x `fc2_act_block` blocks (128 DeepSeek-V3 and the sm90 push
             kernel, 64 the sm90 pull kernel); the FC1 input stays 1x128.
+        fc1_output_high_precision: fmt "bf16" only: keep the FC1 output `[g; u]` unrounded
+            into SwiGLU, as a fused bf16 kernel does (fp32 accumulators feed SwiGLU: the sm90
+            bf16 pull kernel and its drop's `mega_reference_bf16`); the other formats
+            always do.
     """
+    if fc1_output_high_precision is not False and (
+        fc1_output_high_precision is not True or fmt != "bf16"
+    ):
+        raise MoeEpUsageError(
+            f"fc1_output_high_precision={fc1_output_high_precision!r} applies to fmt='bf16' "
+            f"only (a bool), got fmt={fmt!r} (the other formats never round the FC1 output)"
+        )
     if type(fc2_act_block) is not int or fc2_act_block not in quant.FP8_FC2_ACT_BLOCKS:
         raise MoeEpUsageError(
             f"fc2_act_block must be one of {quant.FP8_FC2_ACT_BLOCKS}, got {fc2_act_block!r}"
@@ -199,7 +212,7 @@ def oracle_forward(
         gu = xq[tok] @ w13q[ex].t()
         if gs13 is not None:
             gu = gu / (act_global_scale * gs13[ex])
-        if fmt == "bf16":  # a bf16 GEMM writes its bf16 output (as unfused bf16 MoE does)
+        if fmt == "bf16" and not fc1_output_high_precision:  # as unfused bf16 MoE does
             gu = gu.to(torch.bfloat16).double()
         g, u = gu[:, :inter], gu[:, inter:]
         if swiglu_clamp is not None:
