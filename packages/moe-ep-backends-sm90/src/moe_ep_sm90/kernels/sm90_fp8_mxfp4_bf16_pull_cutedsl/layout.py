@@ -35,6 +35,7 @@ from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
 
 __all__ = [
     "HUMMING_COMPENSATION",
+    "SCALE_WIRE_COLS",
     "Mxfp4HybridLeg",
     "mxfp4_hybrid_leg",
     "prepare_mxfp4_hybrid_weights",
