@@ -3,4 +3,5 @@ quantizer and staged-input record (`fp8_blockwise`), the weight-pack check with 
 pre-quantized-pack rules (`fp8_packs`), the compile-only checks' `CompileResult`, and what
 the pull kernels (fp8, bf16; one drop) share: their launch-geometry knobs (`pull_tiles`),
 their common constructor and call arguments (`pull_args`), the drop, its availability and
-combine region (`pull_drop`)."""
+combine region (`pull_drop`), their kernel base class (`pull_kernel`) and compile-only
+check (`pull_compile`)."""

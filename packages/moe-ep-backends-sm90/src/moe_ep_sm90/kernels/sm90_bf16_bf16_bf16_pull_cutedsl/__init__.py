@@ -8,7 +8,8 @@ loaded in `upstream`. Never run on a GPU (see `kernel`).
 - `config`: `Sm90_Bf16_Bf16_Bf16_PullCutedsl_MegaMoeConfig`.
 - `kernel`: `Sm90Bf16Bf16Bf16PullCutedslKernel` (core's CuTe DSL base plus the drop's hooks).
 - `layout`: weight preparation from bf16/fp32 weights, input staging.
-- `args`: the drop kernel's constructor and call arguments (`build_kernel`, `call_args`).
+- `args`: the drop kernel's tensor arguments and constructor (`tensor_specs`, `build_kernel`;
+  the call arguments are `common.pull_args.pull_call_args` of them).
 - `compile`: the compile-only check (`python -m moe_ep_sm90.compile_check bf16-pull`).
 - `upstream`: the drop's bf16 kernel classes.
 

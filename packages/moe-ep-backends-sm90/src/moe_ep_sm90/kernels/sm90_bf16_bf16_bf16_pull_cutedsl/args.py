@@ -4,17 +4,16 @@ cutlass at module import time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from moe_ep.backends.support.launch_args import ArgSpec, LaunchGeometry
-from moe_ep_sm90.common.pull_args import pull_call_args, pull_ctor_kwargs
+from moe_ep_sm90.common.pull_args import pull_ctor_kwargs
 from moe_ep_sm90.kernels.sm90_bf16_bf16_bf16_pull_cutedsl.config import (
     Sm90_Bf16_Bf16_Bf16_PullCutedsl_MegaMoeConfig,
 )
 from moe_ep_sm90.kernels.sm90_bf16_bf16_bf16_pull_cutedsl.upstream import Bf16PullKernelApi
 
-__all__ = ["build_kernel", "call_args", "tensor_specs"]
+__all__ = ["build_kernel", "tensor_specs"]
 
 
 def tensor_specs(g: LaunchGeometry) -> tuple[ArgSpec, ...]:
@@ -51,24 +50,3 @@ def build_kernel(
         **pull_ctor_kwargs(config, g, ab_dtype=cutlass.BFloat16, max_active_clusters=clusters)
     )
     return kernel, clusters
-
-
-def call_args(
-    g: LaunchGeometry,
-    *,
-    tensor: Callable[[ArgSpec], Any],
-    pointer: Callable[[str], Any],
-    peer_map: Any,
-    stream: Any,
-    max_active_clusters: int,
-) -> dict[str, Any]:
-    """Keyword arguments of the kernel's `__call__` (and of `cute.compile`): see
-    `common.pull_args.pull_call_args`."""
-    return pull_call_args(
-        tensor_specs(g),
-        tensor=tensor,
-        pointer=pointer,
-        peer_map=peer_map,
-        stream=stream,
-        max_active_clusters=max_active_clusters,
-    )

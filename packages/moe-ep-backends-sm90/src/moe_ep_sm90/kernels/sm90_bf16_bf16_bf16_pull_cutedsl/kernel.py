@@ -15,20 +15,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from moe_ep.backends.support.cutedsl.mega_kernel import (
     STAGED,
     CompiledEntry,
-    CutedslMegaKernel,
     StagedBuffers,
     free_entry,
-    raw_workspace_pointers,
 )
 from moe_ep.backends.support.launch_args import ArgSpec, LaunchGeometry, check_pack_geometry
 from moe_ep.backends.support.pooling.workspace_pool import WorkspacePool
 from moe_ep.checks import PackShape, check_weight_pack
 from moe_ep.contract import RuntimeRequirements
 from moe_ep.registry import register_mega_kernel
-from moe_ep_sm90.common.pull_drop import combine_region, pull_availability
+from moe_ep_sm90.common.pull_kernel import Sm90PullCutedslKernel
 from moe_ep_sm90.kernels.sm90_bf16_bf16_bf16_pull_cutedsl.args import (
     build_kernel,
-    call_args,
     tensor_specs,
 )
 from moe_ep_sm90.kernels.sm90_bf16_bf16_bf16_pull_cutedsl.config import (
@@ -51,7 +48,7 @@ _POOL: WorkspacePool[CompiledEntry] = WorkspacePool(free=free_entry)
 
 
 @register_mega_kernel("sm90_bf16_bf16_bf16_pull_cutedsl")
-class Sm90Bf16Bf16Bf16PullCutedslKernel(CutedslMegaKernel):
+class Sm90Bf16Bf16Bf16PullCutedslKernel(Sm90PullCutedslKernel):
     """Fused dispatch (peers pull bf16 tokens over NVLink) + FC1 + SwiGLU + FC2 + combine.
 
     Weights are laid out once in `__init__` (`layout.prepare_bf16_pull_weights`: FC1
@@ -70,10 +67,6 @@ class Sm90Bf16Bf16Bf16PullCutedslKernel(CutedslMegaKernel):
     # Peers pull the activation and routing and write their combine results into the
     # output; there is no activation scale plane.
     symmetric_staging: ClassVar[tuple[str, ...]] = tuple(n for n in STAGED if n != "activation_sf")
-
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        return pull_availability()
 
     @classmethod
     def validate_weights(
@@ -101,14 +94,6 @@ class Sm90Bf16Bf16Bf16PullCutedslKernel(CutedslMegaKernel):
         return stage_bf16_pull_inputs(
             tensors.hidden_states, tensors.topk_ids, tensors.topk_weights, max_tokens=max_tokens
         )
-
-    def _call_args(
-        self, g: LaunchGeometry, workspaces: tuple[torch.Tensor, torch.Tensor], common: Any
-    ) -> dict[str, Any]:
-        return call_args(g, pointer=raw_workspace_pointers(workspaces), **common)
-
-    def _combine_region(self, kernel: Any, g: LaunchGeometry) -> tuple[int, int]:
-        return combine_region(kernel, g)
 
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
         """The two bf16 weight tensors (no scale planes)."""

@@ -7,7 +7,8 @@ Upstream bytes: the `sm90_pull_cutedsl` drop, `vendor/sm90_pull_cutedsl/src/moe_
 - `config`: `Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig`.
 - `kernel`: `Sm90Fp8Fp8Bf16PullCutedslKernel` (core's CuTe DSL base plus the drop's hooks).
 - `layout`: weight preparation (bf16 weights or a fitting pre-quantized pack), input staging.
-- `args`: the drop kernel's constructor and call arguments (`build_kernel`, `call_args`).
+- `args`: the drop kernel's tensor arguments and constructor (`tensor_specs`, `build_kernel`;
+  the call arguments are `common.pull_args.pull_call_args` of them).
 - `compile`: the compile-only check (`python -m moe_ep_sm90.compile_check pull`).
 - `upstream`: the drop reference and its kernel classes.
 """

@@ -1,29 +1,24 @@
-"""The pull kernel's constructor and call arguments, built from shapes in one place.
+"""The pull kernel's constructor and tensor arguments, built from shapes in one place.
 
-`kernel_ctor_kwargs` and `call_args` are used by both the GPU launch path (real tensors
-through `from_dlpack`) and the compile-only check (fake gmem tensors), so the two cannot
-drift apart when the drop changes. Nothing here imports cutlass at module import time.
+`build_kernel` and `tensor_specs` (with `common.pull_args.pull_call_args`) are used by both
+the GPU launch path (real tensors through `from_dlpack`) and the compile-only check (fake
+gmem tensors), so the two cannot drift apart when the drop changes. Nothing here imports
+cutlass at module import time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from moe_ep.backends.support.launch_args import ArgSpec, LaunchGeometry
 from moe_ep_sm90.common.config import FP8_BLOCK
-from moe_ep_sm90.common.pull_args import pull_call_args, pull_ctor_kwargs
+from moe_ep_sm90.common.pull_args import pull_ctor_kwargs
 from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.config import (
     Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
 )
 from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.upstream import PullKernelApi
 
-__all__ = [
-    "build_kernel",
-    "call_args",
-    "kernel_ctor_kwargs",
-    "tensor_specs",
-]
+__all__ = ["build_kernel", "kernel_ctor_kwargs", "tensor_specs"]
 
 
 def tensor_specs(g: LaunchGeometry) -> tuple[ArgSpec, ...]:
@@ -98,24 +93,3 @@ def build_kernel(
         )
     )
     return kernel, clusters
-
-
-def call_args(
-    g: LaunchGeometry,
-    *,
-    tensor: Callable[[ArgSpec], Any],
-    pointer: Callable[[str], Any],
-    peer_map: Any,
-    stream: Any,
-    max_active_clusters: int,
-) -> dict[str, Any]:
-    """Keyword arguments of the kernel's `__call__` (and of `cute.compile`): see
-    `common.pull_args.pull_call_args`."""
-    return pull_call_args(
-        tensor_specs(g),
-        tensor=tensor,
-        pointer=pointer,
-        peer_map=peer_map,
-        stream=stream,
-        max_active_clusters=max_active_clusters,
-    )

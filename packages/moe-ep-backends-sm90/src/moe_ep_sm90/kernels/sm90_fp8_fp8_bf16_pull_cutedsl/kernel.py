@@ -14,10 +14,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from moe_ep.backends.support.cutedsl.mega_kernel import (
     STAGED,
     CompiledEntry,
-    CutedslMegaKernel,
     StagedBuffers,
     free_entry,
-    raw_workspace_pointers,
 )
 from moe_ep.backends.support.launch_args import ArgSpec, LaunchGeometry
 from moe_ep.backends.support.pooling.workspace_pool import WorkspacePool
@@ -25,10 +23,9 @@ from moe_ep.checks import PackShape
 from moe_ep.contract import RuntimeRequirements
 from moe_ep.registry import register_mega_kernel
 from moe_ep_sm90.common.fp8_packs import check_pack
-from moe_ep_sm90.common.pull_drop import combine_region, pull_availability
+from moe_ep_sm90.common.pull_kernel import Sm90PullCutedslKernel
 from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.args import (
     build_kernel,
-    call_args,
     tensor_specs,
 )
 from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.config import (
@@ -53,7 +50,7 @@ _POOL: WorkspacePool[CompiledEntry] = WorkspacePool(free=free_entry)
 
 
 @register_mega_kernel("sm90_fp8_fp8_bf16_pull_cutedsl", deprecated_aliases=("sm90_pull_fp8",))
-class Sm90Fp8Fp8Bf16PullCutedslKernel(CutedslMegaKernel):
+class Sm90Fp8Fp8Bf16PullCutedslKernel(Sm90PullCutedslKernel):
     """Fused dispatch (peers pull tokens over NVLink) + FC1 + SwiGLU + FC2 + combine, fp8.
 
     Weights are quantized once in `__init__` (`layout.prepare_pull_weights`, blockwise
@@ -72,10 +69,6 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(CutedslMegaKernel):
     pool: ClassVar[WorkspacePool[CompiledEntry]] = _POOL
     # The output too is on the symmetric heap: peers write their combine results into it.
     symmetric_staging: ClassVar[tuple[str, ...]] = STAGED
-
-    @classmethod
-    def availability(cls) -> tuple[bool, str]:
-        return pull_availability()
 
     @classmethod
     def validate_weights(
@@ -113,14 +106,6 @@ class Sm90Fp8Fp8Bf16PullCutedslKernel(CutedslMegaKernel):
         return stage_pull_inputs(
             tensors.hidden_states, tensors.topk_ids, tensors.topk_weights, max_tokens=max_tokens
         )
-
-    def _call_args(
-        self, g: LaunchGeometry, workspaces: tuple[torch.Tensor, torch.Tensor], common: Any
-    ) -> dict[str, Any]:
-        return call_args(g, pointer=raw_workspace_pointers(workspaces), **common)
-
-    def _combine_region(self, kernel: Any, g: LaunchGeometry) -> tuple[int, int]:
-        return combine_region(kernel, g)
 
     def _local_tensors(self, g: LaunchGeometry, device: torch.device) -> dict[str, torch.Tensor]:
         """The four unit dequant scales (the blockwise scales carry the values)."""
