@@ -70,34 +70,21 @@ def _check(case: GpuCase, world_size: int, kernel: str) -> None:
     assert report.ok, f"{case.name}: {report}"
 
 
+@pytest.mark.parametrize("kernel", [PULL, BF16_PULL])
 @pytest.mark.parametrize("name", list(EP1_JOBS))
-def test_pull_matches_oracle_ep1(name):
-    _check_ep1(name, PULL)
+def test_pull_matches_oracle_ep1(name, kernel):
+    _check_ep1(name, kernel)
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("kernel", [PULL, BF16_PULL])
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
-def test_pull_matches_oracle_multirank(case):
+def test_pull_matches_oracle_multirank(case, kernel):
     require_capability((9, 0), "Hopper (sm_90)")
     n = torch.cuda.device_count()
     if n < 2:
         pytest.skip(f"needs 2+ Hopper GPUs, {n} visible")
-    _check(case, min(n, 4), PULL)
-
-
-@pytest.mark.parametrize("name", list(EP1_JOBS))
-def test_bf16_pull_matches_oracle_ep1(name):
-    _check_ep1(name, BF16_PULL)
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
-def test_bf16_pull_matches_oracle_multirank(case):
-    require_capability((9, 0), "Hopper (sm_90)")
-    n = torch.cuda.device_count()
-    if n < 2:
-        pytest.skip(f"needs 2+ Hopper GPUs, {n} visible")
-    _check(case, min(n, 4), BF16_PULL)
+    _check(case, min(n, 4), kernel)
 
 
 def _require_push_build() -> None:
