@@ -31,6 +31,7 @@ _CUTLASS_DTYPES = {
     "float32": "Float32",
     "int64": "Int64",
     "bfloat16": "BFloat16",
+    "uint8": "Uint8",  # the MXFP4 kernel's packed weights and offsets
 }
 
 

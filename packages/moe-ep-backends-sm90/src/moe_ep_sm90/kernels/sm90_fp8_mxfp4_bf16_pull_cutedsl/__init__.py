@@ -9,7 +9,7 @@ Upstream bytes: the `sm90_pull_cutedsl` drop, `vendor/sm90_pull_cutedsl/src/moe_
 - `layout`: the kernel's logical weight ABI (gate/up-interleaved e2m1 codes, 4-bit exponent
   offsets, per-expert residual) from bf16 weights or a pre-quantized mxfp4 pack; input
   staging (e4m3 with the per-token scale on a 16-byte row).
-- `args`: the drop kernel's constructor and call arguments (`build_kernel`, `call_args`).
+- `args`: the drop kernel's constructor arguments and tensor ABI (`build_kernel`, `tensor_specs`).
 - `compile`: the compile-only check (`python -m moe_ep_sm90.compile_check mxfp4-pull`).
 - `upstream`: the drop's kernel class and ABI constants.
 

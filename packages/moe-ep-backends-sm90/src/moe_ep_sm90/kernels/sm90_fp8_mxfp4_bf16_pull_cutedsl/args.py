@@ -1,5 +1,6 @@
-"""The MXFP4 x FP8 pull kernel's constructor and call arguments, built from shapes in one place
-(`common.pull_args` plus this format's). Nothing here imports cutlass at module import time.
+"""The MXFP4 x FP8 pull kernel's constructor arguments and tensor ABI, built from shapes in one
+place (`common.pull_args` plus this format's; `common.pull_compile` makes the call arguments
+from `tensor_specs`). Nothing here imports cutlass at module import time.
 
 The tensor shapes follow the drop's ABI as read (`megamoe_kernel_fp8.__call__`,
 `kernel_mxfp4_fp8_glu_fc12_swapab`: packed weights in an 8-bit shell with K halved, offsets
@@ -9,11 +10,10 @@ The tensor shapes follow the drop's ABI as read (`megamoe_kernel_fp8.__call__`,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from moe_ep.backends.support.launch_args import ArgSpec, LaunchGeometry
-from moe_ep_sm90.common.pull_args import pull_call_args, pull_ctor_kwargs
+from moe_ep_sm90.common.pull_args import pull_ctor_kwargs
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.config import (
     MXFP4_K_TILE,
     Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig,
@@ -21,7 +21,7 @@ from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.config import (
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import SCALE_WIRE_COLS
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.upstream import Mxfp4KernelApi
 
-__all__ = ["build_kernel", "call_args", "kernel_ctor_kwargs", "tensor_specs"]
+__all__ = ["build_kernel", "kernel_ctor_kwargs", "tensor_specs"]
 
 _FOLD_M = 64  # weight rows per offset fold block (the drop's MXFP4_FOLD_M)
 _FOLD_BYTES = 16  # a fold block is 16 x 16 bytes
@@ -90,23 +90,3 @@ def build_kernel(
         **kernel_ctor_kwargs(config, g, api=api, max_active_clusters=clusters)
     )
     return kernel, clusters
-
-
-def call_args(
-    g: LaunchGeometry,
-    *,
-    tensor: Callable[[ArgSpec], Any],
-    pointer: Callable[[str], Any],
-    peer_map: Any,
-    stream: Any,
-    max_active_clusters: int,
-) -> dict[str, Any]:
-    """Keyword arguments of the kernel's `__call__` (and of `cute.compile`)."""
-    return pull_call_args(
-        tensor_specs(g),
-        tensor=tensor,
-        pointer=pointer,
-        peer_map=peer_map,
-        stream=stream,
-        max_active_clusters=max_active_clusters,
-    )
