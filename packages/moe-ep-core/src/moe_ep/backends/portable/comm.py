@@ -4,7 +4,7 @@ Send order on the home rank is (destination rank, token, slot); every destinatio
 its pairs in (source rank, token, slot) order and regroups them by local expert with a stable
 sort, so an expert always sees its rows in global (token, slot) order whatever the world size.
 The combine returns one row per (token, slot) and sums on the home rank in slot order.
-A group of one rank runs the same steps with no collective: its all-to-all is a local copy.
+A group of one rank runs the same steps with no collective: its all-to-all hands the rows on as they are.
 """
 
 from __future__ import annotations
@@ -149,18 +149,18 @@ def _a2a(
     group: object,
     what: str,
     rank: int,
-) -> None:
-    """One uneven `all_to_all_single`, waited for within the runtime's timeout.
+) -> torch.Tensor:
+    """One uneven `all_to_all_single`, waited for within the runtime's timeout; returns the
+    received rows: `out`, or on a group of one rank (one split) `inp` itself, as the rows
+    are already here (no collective, no copy).
 
     A failure while posting is this rank's own (it is re-raised as it is, after telling
     the peers waiting for this rank through the fault board); a failure of the collective
     itself, or a peer's report, raises the verdict every survivor raises (`MoeEpPeerError`
-    / `MoeEpTimeoutError` naming the failed ranks). On a group of one rank (one split) the
-    rows are already here: a copy, no collective.
+    / `MoeEpTimeoutError` naming the failed ranks).
     """
     if len(in_splits) == 1:
-        out.copy_(inp)
-        return
+        return inp
     label = f"moe-ep forward ({what})"
     try:
         pg: Any = group
@@ -169,6 +169,7 @@ def _a2a(
         report_local_failure(group, exc, what=f"{label} on rank {rank}")
         raise
     bounded_wait(group, work, what=label)
+    return out
 
 
 def exchange(
@@ -189,18 +190,20 @@ def exchange(
     counts = torch.tensor([plan.row_counts, plan.pair_counts], dtype=torch.int64).t().contiguous()
     recv_counts = torch.empty_like(counts)
     counts, recv_counts = counts.to(dev), recv_counts.to(dev)
-    _a2a(recv_counts, counts, [1] * world_size, [1] * world_size, group, "dispatch counts", rank)
+    recv_counts = _a2a(
+        recv_counts, counts, [1] * world_size, [1] * world_size, group, "dispatch counts", rank
+    )
     rc = recv_counts.cpu()
     recv_rows_n, recv_pairs_n = rc[:, 0].tolist(), rc[:, 1].tolist()
     ws_ = workspace or Workspace()
     rows = ws_.get("recv_rows", (sum(recv_rows_n), int(payload.shape[1])), payload.dtype, dev)
-    _a2a(rows, payload, recv_rows_n, plan.row_counts, group, "dispatch payload", rank)
+    rows = _a2a(rows, payload, recv_rows_n, plan.row_counts, group, "dispatch payload", rank)
     send_meta = plan.pair_meta
     if pair_weight is not None:  # fp32 bits ride along as int32
         bits = pair_weight.to(torch.float32).contiguous().view(torch.int32)
         send_meta = torch.cat([send_meta, bits[:, None]], dim=1)
     meta = send_meta.new_empty((sum(recv_pairs_n), int(send_meta.shape[1])))
-    _a2a(meta, send_meta, recv_pairs_n, plan.pair_counts, group, "dispatch metadata", rank)
+    meta = _a2a(meta, send_meta, recv_pairs_n, plan.pair_counts, group, "dispatch metadata", rank)
     src = torch.repeat_interleave(
         torch.arange(world_size, device=dev), torch.tensor(recv_pairs_n, device=dev)
     )
@@ -222,7 +225,7 @@ def return_rows(
     """Send `y [P_recv, H]` (received pair order) back; returns `[P, H]` in send order."""
     shape = (sum(plan.pair_counts), int(y.shape[1]))
     out = (workspace or Workspace()).get("returned", shape, y.dtype, y.device)
-    _a2a(
+    returned = _a2a(
         out.view(torch.uint8),
         y.contiguous().view(torch.uint8),
         plan.pair_counts,
@@ -231,7 +234,7 @@ def return_rows(
         "combine",
         rank,
     )
-    return out
+    return returned.view(y.dtype)
 
 
 COMBINE_BYTES = 1 << 20
@@ -244,12 +247,11 @@ def combine(
     topk_weights: torch.Tensor,
     output: torch.Tensor,
     *,
-    rows: torch.Tensor | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """`output[t] = bf16(sum_j w[t, j] * y[t, j])`, fp32, slots in increasing order.
 
-    `y_home [P, H]` holds pair p's row at `p` (send order), or at `rows[p]` when given.
+    `y_home [P, H]` holds pair p's row at `p` (send order).
     Padded slots have no pair: their term is exactly +0 and reads no row (so an inf / NaN
     in another token's row stays there); a token with no valid slot gets exact zeros.
 
@@ -264,9 +266,8 @@ def combine(
     dev = output.device
     if y_home.shape[0] == 0 or n == 0:
         return output.zero_()
-    where = torch.arange(int(plan.pair_token.numel()), device=dev) if rows is None else rows
     pos = torch.full((n, k), -1, dtype=torch.int64, device=dev)  # -1: padded, reads no row
-    pos[plan.pair_token, plan.pair_slot] = where
+    pos[plan.pair_token, plan.pair_slot] = torch.arange(int(plan.pair_token.numel()), device=dev)
     if not cpu_fused.combine(y_home, pos, topk_weights, output):
         _combine_eager(y_home, pos, topk_weights.unsqueeze(2), output, workspace or Workspace())
     return output
