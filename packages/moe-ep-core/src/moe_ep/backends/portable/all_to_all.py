@@ -3,7 +3,8 @@
 Quantize each token on its home rank with the format's recipe, send it to the ranks owning
 its experts with uneven `all_to_all_single`s (`comm`), dequantize on arrival; the finalize
 returns one row per pair the same way and sums them on the home rank. On a group of one rank
-the same path runs with no collective (`comm`: an all-to-all of one rank hands its rows on, no copy).
+the same path runs with no collective and no copy (`comm`: an all-to-all of one rank hands
+its rows on).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Send order on the home rank is (destination rank, token, slot); every destinatio
 its pairs in (source rank, token, slot) order and regroups them by local expert with a stable
 sort, so an expert always sees its rows in global (token, slot) order whatever the world size.
 The combine returns one row per (token, slot) and sums on the home rank in slot order.
-A group of one rank runs the same steps with no collective: its all-to-all hands the rows on as they are.
+A group of one rank runs the same steps with no collective: its all-to-all hands the rows on
+as they are.
 """
 
 from __future__ import annotations
