@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
+from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm90.common.fp8_blockwise import StagedInputs, aligned
 from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
 
@@ -63,8 +64,6 @@ def stage_bf16_pull_inputs(
         topk_weights: `[n, k]` fp32.
         max_tokens: T, rows of the staged buffers (the kernel runs the whole buffer).
     """
-    from moe_ep.errors import MoeEpUsageError
-
     n, h, _ = check_staging_inputs(
         hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=_ACT_BLOCK
     )
