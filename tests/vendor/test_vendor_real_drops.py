@@ -30,6 +30,10 @@ from moe_ep.errors import MoeEpUnavailableError
 DROPS = {
     "sm100_cutedsl_megamoe": ("moe_ep_drop_sm100_cutedsl", "moe-ep-drop-sm100-cutedsl-megamoe"),
     "sm90_pull_cutedsl": ("moe_ep_drop_sm90_pull", "moe-ep-drop-sm90-pull-cutedsl"),
+    "sm90_pull_nvfp4": (
+        "moe_ep_drop_sm90_pull_nvfp4",
+        "moe-ep-drop-sm90-pull-nvfp4",
+    ),
     "sm90_push_cuda": ("moe_ep_drop_sm90_push", "moe-ep-drop-sm90-push-cuda"),
     "sm90_push_cuda_deps": ("moe_ep_drop_sm90_push_cuda_deps", "moe-ep-drop-sm90-push-cuda-deps"),
 }
@@ -77,6 +81,7 @@ def test_sync_all_is_a_no_op_then_verify_all(materialized: None) -> None:
     assert lock_counts == {
         "sm100_cutedsl_megamoe": 65,
         "sm90_pull_cutedsl": 76,
+        "sm90_pull_nvfp4": 3,  # FlashInfer's shim/nvfp4_{kernels,conversion,policy}.py
         "sm90_push_cuda": 7,
         "sm90_push_cuda_deps": 204,  # the nvcc -M closure of the push drop's includes
     }
@@ -169,7 +174,7 @@ def test_shims_and_build_hooks_are_generated_from_one_template(drop: str) -> Non
     meta = load_meta(d)
     lock = json.loads((d / "vendor.lock.json").read_text())
     python_tree = any(
-        f["path"].count("/") == 1 and f["path"].endswith("/__init__.py") for f in lock["files"]
+        f["path"].count("/") == 1 and f["path"].endswith(".py") for f in lock["files"]
     )
     want = templates.shim_files(drop, package, meta.description, python_tree)
     shim = d / "shim" / package
@@ -200,6 +205,37 @@ except MoeEpUsageError as exc:
     )
     assert proc.returncode == 0, proc.stderr
     assert "refused:" in proc.stdout and "moe_ep_drop_sm90_pull is already active" in proc.stdout
+
+
+def test_a_drop_with_disjoint_names_activates_beside_the_one_it_imports(
+    materialized: None,
+) -> None:
+    """The nvfp4 drop's namespace package `shim` imports the pull drop's `moe_hopper_fp8`:
+    both active at once, every module through the verified loader; a drop sharing names with
+    an active one (sm100 beside the pull drop) is still refused."""
+    code = """
+import sys
+import moe_ep_drop_sm90_pull as pull, moe_ep_drop_sm90_pull_nvfp4 as nvfp4
+import moe_ep_drop_sm100_cutedsl as sm100
+from moe_ep.errors import MoeEpUsageError
+assert nvfp4.top_level_packages() == ("shim",), nvfp4.top_level_packages()
+pull.activate()
+mod = nvfp4.import_src_module("shim.nvfp4_policy")
+assert str(nvfp4.src_dir()) in mod.__file__, mod.__file__
+assert type(mod.__loader__).__name__ == "VerifiedSourceLoader", mod.__loader__
+assert sys.path[:2] == [str(nvfp4.src_dir()), str(pull.src_dir())], sys.path[:2]
+try:
+    sm100.activate()
+except MoeEpUsageError as exc:
+    print("refused:", exc)
+"""
+    shims = os.pathsep.join(str(REPO / "vendor" / d / "shim") for d in DROPS)
+    env = {**os.environ, "PYTHONPATH": shims}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "refused:" in proc.stdout and "(common, moe_nvfp4_swapab, src)" in proc.stdout
 
 
 @pytest.mark.parametrize("drop", sorted(DROPS))

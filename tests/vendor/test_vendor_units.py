@@ -63,7 +63,9 @@ def test_globs(path: str, include: list[str], exclude: list[str], expected: bool
     assert select(path, include, exclude) is expected
 
 
-@pytest.mark.parametrize("drop", ["sm100_cutedsl_megamoe", "sm90_pull_cutedsl", "sm90_push_cuda"])
+@pytest.mark.parametrize(
+    "drop", ["sm100_cutedsl_megamoe", "sm90_pull_cutedsl", "sm90_pull_nvfp4", "sm90_push_cuda"]
+)
 def test_real_vendor_md_round_trips(drop: str) -> None:
     meta = load_meta(REPO / "vendor" / drop)
     again = parse_meta(render_meta(meta))

@@ -129,8 +129,9 @@ import_src_module = _TREE.import_src_module
 
 
 def is_python_tree(paths: Iterable[str]) -> bool:
-    """True when the tree has a top-level Python package (`<name>/__init__.py`)."""
-    return any(p.count("/") == 1 and p.endswith("/__init__.py") for p in paths)
+    """True when a top-level directory of the tree holds Python modules: a package
+    (`<name>/__init__.py`) or a namespace package (`<name>/<module>.py`, no `__init__.py`)."""
+    return any(p.count("/") == 1 and p.endswith(".py") for p in paths)
 
 
 def render_shim(name: str, package: str, description: str, python_tree: bool) -> str:

@@ -230,14 +230,11 @@ class UpstreamTree:
         return sorted(p for p in root.glob(pattern) if p.relative_to(root).as_posix() in files)
 
     def top_level_packages(self) -> tuple[str, ...]:
-        """Names of the top-level Python packages in the tree (e.g. `common`, `src`)."""
+        """Names of the top-level Python packages in the tree (e.g. `common`, `src`), namespace
+        packages (a directory of modules without `__init__.py`) included."""
         files = self._tree()[1]
         return tuple(
-            sorted(
-                p[: -len("/__init__.py")]
-                for p in files
-                if p.count("/") == 1 and p.endswith("/__init__.py")
-            )
+            sorted({p.split("/")[0] for p in files if p.count("/") == 1 and p.endswith(".py")})
         )
 
     def active_src(self) -> Path | None:
@@ -249,13 +246,16 @@ class UpstreamTree:
         idempotent.
 
         Warning:
-            The CuTe DSL drops share top-level names (`common`, `src`, ...), so only one drop
-            may be active per process, and activation cannot be undone.
+            The CuTe DSL drops share top-level names (`common`, `src`, ...), so of drops that
+            share one only one may be active per process, and activation cannot be undone. A
+            drop whose names no active drop holds (a module set that imports another drop's
+            packages) activates beside it.
 
         Raises:
             DropUnavailableError: the tree is missing or does not match the lock.
-            MoeEpUsageError: another drop is active, a top-level name is already imported
-                (not through this shim, so not verified), or this drop is not a Python tree.
+            MoeEpUsageError: an active drop holds one of this drop's top-level names, a
+                top-level name is already imported (not through this shim, so not
+                verified), or this drop is not a Python tree.
         """
         root, files = self._tree()
         if self._active is not None:
@@ -264,14 +264,18 @@ class UpstreamTree:
             raise MoeEpUsageError(
                 f"drop {self._drop!r} is not a Python tree; use src_dir() / source_files() instead"
             )
+        mine = set(self.top_level_packages())
         for name, module in list(sys.modules.items()):
             other = getattr(module, "active_src", None)
             if name.startswith("moe_ep_drop_") and "." not in name and callable(other) and other():
-                raise MoeEpUsageError(
-                    f"drop {self._drop!r} cannot activate: {name} is already active in this "
-                    "process (the drops share top-level package names; use one drop per process)"
-                )
-        for name in self.top_level_packages():
+                shared = mine & set(module.top_level_packages())
+                if shared:
+                    raise MoeEpUsageError(
+                        f"drop {self._drop!r} cannot activate: {name} is already active in this "
+                        f"process and holds the same top-level package names "
+                        f"({', '.join(sorted(shared))}); use one of these drops per process"
+                    )
+        for name in sorted(mine):
             if name in sys.modules:
                 origin = getattr(sys.modules[name], "__file__", None)
                 raise MoeEpUsageError(
