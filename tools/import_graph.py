@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the plain data, the errors and the kernel contract: what every other module speaks
     (
         "moe_ep.errors",
+        "moe_ep.compat",
         "moe_ep.types",
         "moe_ep.contract",
         "moe_ep.checks",

@@ -31,7 +31,7 @@ def sm100_oracle(case: GpuCase, world_size: int, kernel: str) -> Any:
     p = problem_for(case, world_size, kernel)
     return oracle_forward(
         p["x"], p["ids"], p["w"], p["w13"], p["w2"], fmt=FORMATS[kernel],
-        topk_weight_before_fc2=True,
+        apply_routing_weights_before_fc2=True,
     )  # fmt: skip
 
 
@@ -43,8 +43,8 @@ def cpu_twin(kernel: str) -> Any:
     )
 
     if kernel == NVFP4:
-        return Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig(topk_weight_before_fc2=True)
-    return Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig(topk_weight_before_fc2=True)
+        return Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig(apply_routing_weights_before_fc2=True)
+    return Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig(apply_routing_weights_before_fc2=True)
 
 
 def sm100_backend(case: GpuCase, kernel: str) -> Any:

@@ -67,7 +67,7 @@ class Sm90Recipe:
         """The `oracle_forward` (and portable fp8 config) keywords of this recipe, `fmt`
         aside; each format's own (fp8: FC1 grouping, FC2-input block; bf16: whether the FC1
         output stays unrounded)."""
-        kwargs: dict[str, Any] = {"topk_weight_before_fc2": self.topk_weight_before_fc2}
+        kwargs: dict[str, Any] = {"apply_routing_weights_before_fc2": self.topk_weight_before_fc2}
         if self.fmt == "fp8":
             kwargs["fc1_gate_up_interleave"] = self.fc1_gate_up_interleave
             kwargs["fc2_act_block"] = self.fc2_act_block

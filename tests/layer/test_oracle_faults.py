@@ -147,7 +147,7 @@ def _oracle(fmt: str, seed: int, before_fc2: bool = False) -> OracleResult:
         p = _problem(seed)
         _ORACLES[key] = oracle_forward(
             p["x"], p["ids"], p["topk_weights"], p["w13"], p["w2"], fmt=fmt,
-            topk_weight_before_fc2=before_fc2,
+            apply_routing_weights_before_fc2=before_fc2,
         )  # fmt: skip
     return _ORACLES[key]
 
@@ -408,7 +408,7 @@ def test_topk_weight_before_fc2_passes_against_the_same_order(
     boot: BootstrapConfig, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for run in _runs(boot, fmt, monkeypatch):
-        out = run.forward(config={"topk_weight_before_fc2": True})
+        out = run.forward(config={"apply_routing_weights_before_fc2": True})
         report = compare_to_oracle(out, _oracle(fmt, run.seed, before_fc2=True))
         assert report.ok, f"{fmt} seed {run.seed}: {report}"
 

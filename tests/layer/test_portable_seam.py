@@ -35,7 +35,7 @@ FORMATS = tuple(KERNELS)
 RANDOM = Case("random", seed=21)
 SKEWED = Case("skewed_padded", routing="skewed", pad_frac=0.25, seed=22)
 EMPTY_RANK = Case("empty_rank", first_rank_empty=True, pad_frac=0.1, seed=23)
-BEFORE_FC2 = Case("before_fc2", seed=24, config=(("topk_weight_before_fc2", True),))
+BEFORE_FC2 = Case("before_fc2", seed=24, config=(("apply_routing_weights_before_fc2", True),))
 CLAMP = Case("clamp", seed=25, config=(("swiglu_clamp", 0.75),))
 NODEDUP = Case("nodedup", routing="skewed", seed=26, config=(("dedup", False),))
 
@@ -186,7 +186,7 @@ def _forward(rt: Any, case: Case, fmt: str, parts: str) -> torch.Tensor:
     prepared = recipe.prepare(MoEWeightPack(p["w13"][es], p["w2"][es]))
     if parts == "gather+torch":
         pf: Any = AllGatherPrepareFinalize(
-            recipe, rt, el, case.hidden, config.topk_weight_before_fc2
+            recipe, rt, el, case.hidden, config.apply_routing_weights_before_fc2
         )
     else:
         pf = AllToAllPrepareFinalize(
@@ -195,7 +195,7 @@ def _forward(rt: Any, case: Case, fmt: str, parts: str) -> torch.Tensor:
             num_local_experts=el,
             hidden_size=case.hidden,
             dedup=config.dedup,
-            topk_weight_before_fc2=config.topk_weight_before_fc2,
+            topk_weight_before_fc2=config.apply_routing_weights_before_fc2,
         )
     if parts == "a2a+naive":
         experts: Any = NaiveExperts(recipe, config.swiglu_clamp)
@@ -241,7 +241,7 @@ def _oracle(case: Case, fmt: str, world_size: int) -> OracleResult:
     return oracle_forward(
         p["x"], p["ids"], p["topk_weights"], p["w13"], p["w2"], fmt=fmt,
         swiglu_clamp=cfg.get("swiglu_clamp"),
-        topk_weight_before_fc2=cfg.get("topk_weight_before_fc2", False),
+        apply_routing_weights_before_fc2=cfg.get("apply_routing_weights_before_fc2"),
     )  # fmt: skip
 
 

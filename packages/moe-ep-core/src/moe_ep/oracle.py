@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_ep import quant
+from moe_ep.compat.renames import either_name
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
@@ -139,9 +140,10 @@ def oracle_forward(
     act_global_scale: float = 1.0,
     hidden_global_scale: float = 1.0,
     fc1_gate_up_interleave: int | None = None,
-    topk_weight_before_fc2: bool = False,
+    apply_routing_weights_before_fc2: bool | None = None,
     fc2_act_block: int = 128,
     fc1_output_high_precision: bool = False,
+    topk_weight_before_fc2: bool | None = None,
 ) -> OracleResult:
     """Reference forward on global inputs.
 
@@ -157,9 +159,10 @@ def oracle_forward(
             order; b in `quant.GATE_UP_BLOCKS` interleaves gate/up rows in blocks of b first
             and de-interleaves the dequantized values (changes only formats whose weight
             blocks span rows, i.e. fp8 128x128; the sm90 pull kernel's FC1 with b=8).
-        topk_weight_before_fc2: multiply each pair's SwiGLU output by its top-k weight
-            before the FC2 input is quantized, and sum the FC2 outputs unweighted (the sm100
-            kernels' and DeepGEMM's order; the portable config knob of the same name).
+        apply_routing_weights_before_fc2: True multiplies each pair's SwiGLU output by its
+            top-k weight before the FC2 input is quantized, and sums the FC2 outputs
+            unweighted (the sm100 kernels' and DeepGEMM's order; the portable config knob of
+            the same name); None = False. `topk_weight_before_fc2` is its deprecated alias.
         fc2_act_block: fmt "fp8" only, one of `quant.FP8_FC2_ACT_BLOCKS`: the FC2 input is
             quantized in 1 x `fc2_act_block` blocks (128 DeepSeek-V3 and the sm90 push
             kernel, 64 the sm90 pull kernel); the FC1 input stays 1x128.
@@ -168,6 +171,15 @@ def oracle_forward(
             bf16 pull kernel and its drop's `mega_reference_bf16`); the other formats
             always do.
     """
+    before_fc2 = either_name(
+        "oracle_forward",
+        "apply_routing_weights_before_fc2",
+        apply_routing_weights_before_fc2,
+        "topk_weight_before_fc2",
+        topk_weight_before_fc2,
+        default=False,
+        deprecated=True,
+    )
     if fc1_output_high_precision is not False and (
         fc1_output_high_precision is not True or fmt != "bf16"
     ):
@@ -219,7 +231,7 @@ def oracle_forward(
             g = g.clamp(max=swiglu_clamp)
             u = u.clamp(-swiglu_clamp, swiglu_clamp)
         h = F.silu(g) * u
-        if topk_weight_before_fc2:
+        if before_fc2:
             h = h * wts[tok, slot][:, None]
         hq = _qdq_act(h.float(), fmt, hidden_global_scale, fc2_act_block, fc2=True)
         y = hq @ w2q[ex].t()
@@ -232,7 +244,7 @@ def oracle_forward(
             flip[c : c + _FLIP_CHUNK] = (aw2 * step[c : c + _FLIP_CHUNK, None, :]).amax(dim=-1)
         flip_all[tok, slot] = flip.double() * scale2
     flips = torch.zeros((t, hdim), dtype=torch.float64)
-    weight = torch.ones_like(wts) if topk_weight_before_fc2 else wts  # applied already
+    weight = torch.ones_like(wts) if before_fc2 else wts  # applied already
     for j in range(ids.shape[1]):
         term = weight[:, j : j + 1] * y_all[:, j]
         exact += term

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import ClassVar
 
+from moe_ep.compat.renames import either_name
 from moe_ep.contract import KernelConfig
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.quant import FP8_FC2_ACT_BLOCKS, GATE_UP_BLOCKS
@@ -48,17 +49,32 @@ class PortableConfig(KernelConfig):
     """If set, SwiGLU clamps the gate to `<= c` and the up projection to `[-c, c]`."""
     dedup: bool = True
     """Send a token once per destination rank (not once per top-k slot routed there)."""
-    topk_weight_before_fc2: bool = False
-    """Multiply each pair's SwiGLU output by its top-k weight before the FC2 input is
+    apply_routing_weights_before_fc2: bool | None = None
+    """True: multiply each pair's SwiGLU output by its top-k weight before the FC2 input is
     quantized (and sum the FC2 outputs unweighted), as the sm100 CuTe DSL kernels
-    (`apply_topk_in_fc1`) and DeepGEMM's mega-MoE do; False keeps the public math (the
-    weight applied in the fp32 top-k sum). Same value, different rounding."""
+    (`apply_topk_in_fc1`) and DeepGEMM's mega-MoE do; False (None = not given) keeps the
+    public math (the weight applied in the fp32 top-k sum). Same value, different rounding.
+    flashinfer 0.7.4's name; a bool once constructed."""
+    topk_weight_before_fc2: InitVar[bool | None] = None
+    """Deprecated alias of `apply_routing_weights_before_fc2` (warns; both with different
+    values are refused)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, topk_weight_before_fc2: bool | None) -> None:
         if self.swiglu_clamp is not None:
             check_positive_float("swiglu_clamp", self.swiglu_clamp)
         check_bool("dedup", self.dedup)
-        check_bool("topk_weight_before_fc2", self.topk_weight_before_fc2)
+        before_fc2 = either_name(
+            type(self).__name__,
+            "apply_routing_weights_before_fc2",
+            self.apply_routing_weights_before_fc2,
+            "topk_weight_before_fc2",
+            topk_weight_before_fc2,
+            default=False,
+            deprecated=True,
+            stacklevel=4 if type(self).__post_init__ is PortableConfig.__post_init__ else 5,
+        )
+        check_bool("apply_routing_weights_before_fc2", before_fc2)
+        object.__setattr__(self, "apply_routing_weights_before_fc2", before_fc2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,8 +98,8 @@ class Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(PortableConfig):
     `moe_ep.quant.FP8_FC2_ACT_BLOCKS`: 128 (DeepSeek-V3, the sm90 push kernel) or 64 (the
     sm90 pull kernel, its drop's `Fp8Fc2ActivationScaleK`). The FC1 input stays 1x128."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def __post_init__(self, topk_weight_before_fc2: bool | None) -> None:
+        super().__post_init__(topk_weight_before_fc2)
         if type(self.fc2_act_block) is not int or self.fc2_act_block not in FP8_FC2_ACT_BLOCKS:
             raise MoeEpUsageError(
                 f"fc2_act_block must be one of {FP8_FC2_ACT_BLOCKS}, got "
@@ -111,8 +127,8 @@ class Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig(PortableConfig):
     hidden_global_scale: float = 1.0
     """Static nvfp4 global scale of the FC2 input (the SwiGLU output)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def __post_init__(self, topk_weight_before_fc2: bool | None) -> None:
+        super().__post_init__(topk_weight_before_fc2)
         check_positive_float("act_global_scale", self.act_global_scale)
         check_positive_float("hidden_global_scale", self.hidden_global_scale)
 

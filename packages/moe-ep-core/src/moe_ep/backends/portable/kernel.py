@@ -122,7 +122,7 @@ class PortableTorchKernel(MegaKernel):
                 num_local_experts=self.e_local,
                 hidden_size=fleet.hidden_size,
                 dedup=self.pconfig.dedup,
-                topk_weight_before_fc2=self.pconfig.topk_weight_before_fc2,
+                topk_weight_before_fc2=bool(self.pconfig.apply_routing_weights_before_fc2),
             ),
             TorchExperts(self.recipe, self.pconfig.swiglu_clamp),
         )

@@ -1,0 +1,1 @@
+"""Compatibility with other libraries' spellings of moe-ep's options (`renames`)."""
