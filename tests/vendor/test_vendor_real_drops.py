@@ -29,6 +29,10 @@ from moe_ep.errors import MoeEpUnavailableError
 
 DROPS = {
     "sm100_cutedsl_megamoe": ("moe_ep_drop_sm100_cutedsl", "moe-ep-drop-sm100-cutedsl-megamoe"),
+    "sm100_next_cutedsl_megamoe": (
+        "moe_ep_drop_sm100_next_cutedsl",
+        "moe-ep-drop-sm100-next-cutedsl-megamoe",
+    ),
     "sm90_pull_cutedsl": ("moe_ep_drop_sm90_pull", "moe-ep-drop-sm90-pull-cutedsl"),
     "sm90_pull_nvfp4": (
         "moe_ep_drop_sm90_pull_nvfp4",
@@ -80,6 +84,7 @@ def test_sync_all_is_a_no_op_then_verify_all(materialized: None) -> None:
     # counts of the 0.7.4 wheel's src/ trees (85 / 98 / 16 files in all, src/ only here)
     assert lock_counts == {
         "sm100_cutedsl_megamoe": 65,
+        "sm100_next_cutedsl_megamoe": 46,
         "sm90_pull_cutedsl": 76,
         "sm90_pull_nvfp4": 3,  # FlashInfer's shim/nvfp4_{kernels,conversion,policy}.py
         "sm90_push_cuda": 7,

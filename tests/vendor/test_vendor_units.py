@@ -64,7 +64,14 @@ def test_globs(path: str, include: list[str], exclude: list[str], expected: bool
 
 
 @pytest.mark.parametrize(
-    "drop", ["sm100_cutedsl_megamoe", "sm90_pull_cutedsl", "sm90_pull_nvfp4", "sm90_push_cuda"]
+    "drop",
+    [
+        "sm100_cutedsl_megamoe",
+        "sm100_next_cutedsl_megamoe",
+        "sm90_pull_cutedsl",
+        "sm90_pull_nvfp4",
+        "sm90_push_cuda",
+    ],
 )
 def test_real_vendor_md_round_trips(drop: str) -> None:
     meta = load_meta(REPO / "vendor" / drop)

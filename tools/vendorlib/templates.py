@@ -76,7 +76,7 @@ class UpstreamTreeHook(BuildHookInterface):
 '''
 
 _SHIM_INIT = '''\
-"""Shim of the vendored drop `@@NAME@@`: the only code that touches its upstream tree.
+"""Shim of the vendored drop `@@NAME@@`:@@BREAK@@the only code that touches its upstream tree.
 
 @@DESCRIPTION@@
 
@@ -136,8 +136,11 @@ def is_python_tree(paths: Iterable[str]) -> bool:
 
 def render_shim(name: str, package: str, description: str, python_tree: bool) -> str:
     """The shim `__init__.py` for a drop."""
+    # The summary line breaks only where a long drop name would take it past 100 columns.
+    summary = _SHIM_INIT.split("\n", 1)[0].replace("@@NAME@@", name).replace("@@BREAK@@", " ")
     return (
-        _SHIM_INIT.replace("@@NAME@@", name)
+        _SHIM_INIT.replace("@@BREAK@@", " " if len(summary) <= 100 else "\n")
+        .replace("@@NAME@@", name)
         .replace("@@PKG@@", package)
         .replace("@@DESCRIPTION@@", textwrap.fill(description.rstrip(".") + ".", width=96))
         .replace("@@PYTHON_TREE@@", "True" if python_tree else "False")
