@@ -6,6 +6,11 @@ activation scale per token), swap-AB only, `generate_c=False`, bf16 combine, no 
 FC2 reduce, H and I multiples of 128 (its K128 stages and 64x128 offset folds). The drop's
 optional `fc2_tail_n8` / `fc1_ready_mode="k256"` protocols (qualified for one geometry each,
 `mxfp4_policy.resolve_mxfp4_optimizations`) are not offered: the kernel runs their defaults.
+
+`gate_up_clamp` is honoured, with upstream's default: flashinfer 0.7.4's config of this
+kernel sets 10.0 (its "canonical MXFP4 tuning/benchmark contract"; `None` turns it off), and
+the value is compiled into the drop's kernel (`gate <= c`, `-c <= up <= c` before SwiGLU,
+as the portable twin's `swiglu_clamp`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig(PullTileConfig):
     shape_multiple: ClassVar[int] = MXFP4_K_TILE
     shape_multiple_why: ClassVar[str] = "the MXFP4 kernel's K128 stages and 64x128 offset folds"
 
+    gate_up_clamp: float | None = 10.0
+    """SwiGLU clamp compiled into the kernel (upstream's default 10.0; None = no clamp)."""
     swap_ab: bool = True
     mma_tiler_mnk: tuple[int, int, int] = (128, 64, 128)
     fp8_scale_mode: str = "mxfp4_hybrid"

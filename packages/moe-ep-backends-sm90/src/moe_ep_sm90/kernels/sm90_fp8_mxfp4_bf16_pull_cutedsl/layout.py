@@ -18,8 +18,9 @@ Staged inputs (`stage_mxfp4_hybrid_inputs`): e4m3 activations with the per-token
 scale of `moe_ep.quant.quantize_fp8_per_token_hybrid` replicated over a 16-byte row
 (`[T, 4]`, the drop's `sf_uint32_per_token = 4` for `mxfp4_hybrid`), int64 routing.
 
-Not yet: the physical fold of codes and offsets into the kernel's tiles (LDSM order, 16x16
-byte offset blocks per 64x128); never run on a GPU.
+What the kernel reads (`Mxfp4PullLeg`, `mxfp4_pull_legs`): each leg's codes and offsets
+folded into its physical tiles (`tile_fold`), the codes as the K-major view `[E, K/2, N]`,
+the residual in the weight dequant-scale slot. Never run on a GPU.
 """
 
 from __future__ import annotations
@@ -30,14 +31,20 @@ import torch
 
 from moe_ep import quant
 from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
-from moe_ep_sm90.common.fp8_blockwise import StagedInputs
+from moe_ep_sm90.common.fp8_blockwise import StagedInputs, aligned
 from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
+from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import (
+    fold_codes,
+    fold_offsets,
+)
 
 __all__ = [
     "HUMMING_COMPENSATION",
     "SCALE_WIRE_COLS",
     "Mxfp4HybridLeg",
+    "Mxfp4PullLeg",
     "mxfp4_hybrid_leg",
+    "mxfp4_pull_legs",
     "prepare_mxfp4_hybrid_weights",
     "stage_mxfp4_hybrid_inputs",
 ]
@@ -89,6 +96,35 @@ def prepare_mxfp4_hybrid_weights(
         fc1.residual64,
     )  # fmt: skip
     return fc1, fc2
+
+
+@dataclass(frozen=True)
+class Mxfp4PullLeg:
+    """One GEMM's weights as the kernel takes them: `weight` the K-major view `[E, K/2, N]`
+    (stride 1 on dim 1) of the physical codes `[E, N, K/2]` uint8, `offsets`
+    `[E, N/64, K/128, 16, 16]` uint8 (`tile_fold`), `scale` `[E]` fp32, the residual64."""
+
+    weight: torch.Tensor
+    offsets: torch.Tensor
+    scale: torch.Tensor
+
+
+def mxfp4_pull_legs(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> tuple[Mxfp4PullLeg, Mxfp4PullLeg]:
+    """(FC1, FC2) in the kernel's physical form, from the arguments of
+    `prepare_mxfp4_hybrid_weights` (bf16/fp32 weights, or a pre-quantized mxfp4 pack)."""
+    return tuple(  # type: ignore[return-value]
+        Mxfp4PullLeg(
+            weight=aligned(fold_codes(leg.codes)).permute(0, 2, 1),
+            offsets=aligned(fold_offsets(leg.offsets)),
+            scale=aligned(leg.residual64.float()),
+        )
+        for leg in prepare_mxfp4_hybrid_weights(w13, w2, w13_scale, w2_scale)
+    )
 
 
 def stage_mxfp4_hybrid_inputs(

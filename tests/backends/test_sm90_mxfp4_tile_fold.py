@@ -1,0 +1,205 @@
+"""The MXFP4 kernel's physical weight tiles (`sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold`)
+against a thread-by-thread restatement of what the drop's mainloop reads, on CPU.
+
+The reference (`kernel_view`) is written from the layouts' definitions, not from our code:
+- the e4m3 WGMMA A fragment (PTX ISA, wgmma `.m64nNk32` A in registers; CuTe's
+  `ALayout` of the RS atoms): thread `lane` of warp `w` holds, in value i (0..15), row
+  `16w + lane/4 + 8 * (i/4 % 2)`, column `4 * (lane % 4) + i % 4 + 16 * (i / 8)`;
+- `ldmatrix` through `make_tiled_copy_A` loads the packed bytes into that fragment as if
+  they were e4m3 of K64 per K128 stage (the drop's `make_packed_a_ldsm_views`), and the
+  registers are re-read as e2m1 with the nested K mode of its `packed_layout`: fragment
+  k-block `2 kk + h` is nibbles `16h .. 16h + 15` of the 16 bytes loaded for `kk`;
+- each pair of 32-bit words is converted by the drop's own PTX text of
+  `convert_mxfp4_pair_preprocessed_signs`, interpreted here instruction by instruction,
+  with the row offsets read through the drop's expanded offset layout
+  (`make_expanded_offset_view`) from the stage the cp.async producer fills.
+Its output times the per-expert residual must be the portable twin's weight, bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_ep import quant
+from moe_ep.backends.portable.recipes import Fp8Mxfp4Recipe
+from moe_ep.types import MoEWeightPack
+from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
+from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import (
+    prepare_mxfp4_hybrid_weights,
+)
+from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import (
+    fold_codes,
+    fold_offsets,
+    unfold_codes,
+    unfold_offsets,
+)
+
+DROP_FILE = (
+    Path(__file__).resolve().parents[2]
+    / "vendor/sm90_pull_cutedsl/src/moe_hopper_fp8/mxfp4_cutedsl.py"
+)
+_M32 = 0xFFFFFFFF
+
+
+def _drop_ptx() -> list[tuple[str, list[str]]]:
+    """The instructions of the drop's pair converter, as (opcode, operands)."""
+    if not DROP_FILE.exists():
+        pytest.skip("sm90_pull_cutedsl drop not materialized (uv run tools/vendor.py sync --all)")
+    src = DROP_FILE.read_text()
+    func = src.split("def convert_mxfp4_pair_preprocessed_signs", 1)[1]
+    body = func.split('"{\\n"', 1)[1].split('"}"', 1)[0]  # the asm string's lines
+    lines = re.findall(r'"\s*([a-z][a-z0-9.]*) ([^;]*);', body)
+    return [(op, [a.strip() for a in args.split(",")]) for op, args in lines if op != ".reg"]
+
+
+def _prmt(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """PTX `prmt.b32 d, a, b, c` (default mode): byte j of d is byte `c[4j+2:4j]` of {b, a},
+    replicated from its sign bit when `c[4j+3]` is set."""
+    pool = a | (b << 32)
+    out = torch.zeros_like(a)
+    for j in range(4):
+        sel = (c >> (4 * j)) & 0xF
+        byte = (pool >> (8 * (sel & 7))) & 0xFF
+        byte = torch.where((sel & 8) != 0, torch.where(byte >= 0x80, 0xFF, 0), byte)
+        out |= byte << (8 * j)
+    return out
+
+
+def _run_ptx(ins: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the drop's converter on int64 tensors of u32 words: inputs $4..$7, outputs $0..$3."""
+    regs: dict[str, torch.Tensor] = {f"${4 + j}": v for j, v in enumerate(ins)}
+
+    def val(x: str) -> torch.Tensor | int:
+        return int(x, 16) if x.startswith("0x") else (int(x) if x.isdigit() else regs[x])
+
+    for op, args in _drop_ptx():
+        d, *src = args
+        v = [val(s) for s in src]
+        if op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "or.b32":
+            r = v[0] | v[1]
+        elif op == "shr.u32":
+            r = v[0] >> v[1]
+        elif op == "shl.b32":
+            r = v[0] << v[1]
+        elif op == "mad.lo.u32":
+            r = v[0] * v[1] + v[2]
+        elif op == "prmt.b32":
+            r = _prmt(*v)  # type: ignore[arg-type]
+        else:
+            raise AssertionError(f"PTX op {op} not modelled")
+        regs[d] = torch.as_tensor(r) & _M32
+    return [regs[f"${j}"] for j in range(4)]
+
+
+def kernel_view(physical: torch.Tensor, folded: torch.Tensor, residual64: torch.Tensor):
+    """`[E, N, K]` fp32: what the kernel's WGMMA multiplies, times the epilogue's residual,
+    from the physical bytes `[E, N, K/2]` and folded offsets `[E, N/64, K/128, 16, 16]`."""
+    e, n, half = (int(d) for d in physical.shape)
+    k = 2 * half
+    out = torch.full((e, n, k), float("nan"))
+    # every (expert, 64-row atom, warp, lane, K128 stage): index grids, value i last
+    ex, m64, w, lane, kt = torch.meshgrid(
+        torch.arange(e), torch.arange(n // 64), torch.arange(4), torch.arange(32),
+        torch.arange(k // 128), indexing="ij",
+    )  # fmt: skip
+    ex, m64, w, lane, kt = (t.reshape(-1, 1) for t in (ex, m64, w, lane, kt))
+    i = torch.arange(16).view(1, 16)
+    row = 64 * m64 + 16 * w + lane // 4 + 8 * ((i // 4) % 2)  # the A fragment's row of value i
+    col = 4 * (lane % 4) + i % 4 + 16 * (i // 8)
+    for kk in range(2):  # ldmatrix: the packed K64 bytes as an e4m3 A operand of two K32 blocks
+        loaded = physical[ex, row, 64 * kt + 32 * kk + col].long()  # [threads, 16] bytes
+        nibbles = torch.stack((loaded & 0xF, loaded >> 4), dim=-1).reshape(-1, 32)
+        for h in range(2):
+            kb = 2 * kk + h  # this fragment k-block (K32 group) of the stage
+            fp4 = nibbles[:, 16 * h : 16 * h + 16]
+            words = [sum(fp4[:, 8 * wd + t] << (4 * t) for t in range(8)) for wd in range(2)]
+            # the expanded offset view: byte (r % 16) * 16 + (r // 16 % 4) * 4 + kb of the
+            # stage's block r // 64, which cp.async filled from folded[e, m64, kt, row, :]
+            r = row[:, [0, 4]] % 64
+            idx = (r % 16) * 16 + (r // 16 % 4) * 4 + kb
+            offs = folded[ex, m64, kt, idx // 16, idx % 16].long()
+            got = _run_ptx([words[0], words[1], offs[:, 0], offs[:, 1]])
+            fp8 = torch.stack([(got[j // 4] >> (8 * (j % 4))) & 0xFF for j in range(16)], dim=-1)
+            values = fp8.to(torch.uint8).view(torch.float8_e4m3fn).float()
+            out[ex, row, 128 * kt + 32 * kb + col] = values * residual64[ex]
+    return out
+
+
+def _wide_weights(seed: int, e: int, n: int, k: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, n, k, generator=g)
+    binades = torch.randint(0, 21, (e, n, k // 32, 1), generator=g).float()
+    return (w.view(e, n, k // 32, 32) * torch.exp2(-binades)).view(e, n, k).bfloat16()
+
+
+def _legs(seed: int, e: int = 2, i: int = 128, h: int = 256):
+    w13, w2 = _wide_weights(seed, e, 2 * i, h), _wide_weights(seed + 1, e, h, i)
+    return w13, w2, prepare_mxfp4_hybrid_weights(w13, w2)
+
+
+def test_the_kernels_reading_of_the_folded_tiles_is_the_portable_twins_weights() -> None:
+    w13, w2, (fc1, fc2) = _legs(0)
+    twin = Fp8Mxfp4Recipe().prepare(MoEWeightPack(w13=w13, w2=w2))
+    views = [
+        kernel_view(fold_codes(leg.codes), fold_offsets(leg.offsets), leg.residual64)
+        for leg in (fc1, fc2)
+    ]
+    assert torch.equal(quant.deinterleave_gate_up(views[0], PULL_GATE_UP_BLOCK), twin.w13t.mT)
+    assert torch.equal(views[1], twin.w2t.mT)
+
+
+def test_the_reference_has_teeth_the_logical_order_does_not_pass() -> None:
+    # The logical codes fed straight in, folded codes with the sign permutation skipped, or
+    # unfolded offsets, do not give the weights: the test above can fail.
+    _, _, (_, fc2) = _legs(2, e=1)
+    want = kernel_view(fold_codes(fc2.codes), fold_offsets(fc2.offsets), fc2.residual64)
+    raw = kernel_view(fc2.codes, fold_offsets(fc2.offsets), fc2.residual64)
+    unsigned = kernel_view(_swapped_only(fc2.codes), fold_offsets(fc2.offsets), fc2.residual64)
+    flat = kernel_view(fold_codes(fc2.codes), _unfolded_as_folded(fc2.offsets), fc2.residual64)
+    for bad in (raw, unsigned, flat):
+        assert not torch.equal(bad, want)
+
+
+def _swapped_only(packed: torch.Tensor) -> torch.Tensor:
+    """The physical grid positions of `fold_codes` with each code keeping its own sign."""
+    from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl import tile_fold
+
+    codes = quant.unpack_e2m1(packed)
+    return quant.pack_e2m1(tile_fold._swap_row_col_bits(codes, to_physical=True).contiguous())
+
+
+def _unfolded_as_folded(offsets: torch.Tensor) -> torch.Tensor:
+    """Offsets in row-major order poured into the folded shape (no fold)."""
+    e, n, g = (int(d) for d in offsets.shape)
+    return offsets.contiguous().view(e, n // 64, g // 4, 16, 16)
+
+
+def test_fold_and_unfold_are_inverse_bijections() -> None:
+    g = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (3, 128, 96), generator=g, dtype=torch.uint8)
+    phys = fold_codes(packed)
+    assert phys.shape == packed.shape and phys.dtype == torch.uint8
+    assert torch.equal(unfold_codes(phys), packed)
+    assert torch.equal(fold_codes(unfold_codes(packed)), packed)
+    assert not torch.equal(phys, packed)
+    assert torch.equal(torch.sort(quant.unpack_e2m1(phys).flatten() & 7).values,
+                       torch.sort(quant.unpack_e2m1(packed).flatten() & 7).values)  # fmt: skip
+    offs = torch.randint(1, 13, (3, 128, 8), generator=g, dtype=torch.uint8)
+    folded = fold_offsets(offs)
+    assert folded.shape == (3, 2, 2, 16, 16) and torch.equal(unfold_offsets(folded), offs)
+    # one element by the formula of the module doc
+    n = 64 + 37  # row block 1, row 37 = 16 * 2 + 5 in it; K32 group 3 of K128 block 0
+    assert folded[1, 1, 0, 5, 4 * 2 + 3] == offs[1, n, 3]
+
+
+def test_fold_refuses_shapes_off_its_blocks() -> None:
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        fold_codes(torch.zeros(1, 24, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="N % 64 == 0 and K % 128 == 0"):
+        fold_offsets(torch.zeros(1, 64, 2, dtype=torch.uint8))
