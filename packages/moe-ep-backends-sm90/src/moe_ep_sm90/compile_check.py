@@ -1,7 +1,8 @@
 """Compile-only checks (no GPU) of the sm90 kernels, one command line for all:
 the pull kernels with CuTe DSL (`kernels/sm90_fp8_fp8_bf16_pull_cutedsl/compile.py`, `pull`;
 `kernels/sm90_bf16_bf16_bf16_pull_cutedsl/compile.py`, `bf16-pull`;
-`kernels/sm90_fp8_mxfp4_bf16_pull_cutedsl/compile.py`, `mxfp4-pull`), the push units with
+`kernels/sm90_fp8_mxfp4_bf16_pull_cutedsl/compile.py`, `mxfp4-pull`;
+`kernels/sm90_fp8_nvfp4_bf16_pull_cutedsl/compile.py`, `nvfp4-pull`), the push units with
 nvcc (`kernels/sm90_fp8_fp8_bf16_push_cuda/compile.py`). Run in a fresh
 process (the drop owns generic top-level module names, and the CuTe DSL reads the target
 arch from the environment at import):
@@ -9,6 +10,7 @@ arch from the environment at import):
     CUTE_DSL_ARCH=sm_90a python -m moe_ep_sm90.compile_check pull --arch sm_90a
     CUTE_DSL_ARCH=sm_90a python -m moe_ep_sm90.compile_check bf16-pull --arch sm_90a
     CUTE_DSL_ARCH=sm_90a python -m moe_ep_sm90.compile_check mxfp4-pull --arch sm_90a
+    CUTE_DSL_ARCH=sm_90a python -m moe_ep_sm90.compile_check nvfp4-pull --arch sm_90a
     python -m moe_ep_sm90.compile_check push-a2a      # or push-binding (~60 s)
 
 Exit code 0 and a JSON line with the compile time on success.
@@ -34,7 +36,8 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_ep_sm90.compile_check")
     parser.add_argument(
-        "kernel", choices=["pull", "bf16-pull", "mxfp4-pull", "push-a2a", "push-binding"]
+        "kernel",
+        choices=["pull", "bf16-pull", "mxfp4-pull", "nvfp4-pull", "push-a2a", "push-binding"],
     )
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--swap-ab", action="store_true", help="compile the swap-AB layout")
@@ -68,6 +71,17 @@ def main(argv: list[str] | None = None) -> int:
 
             result = compile_mxfp4_pull(
                 Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig(), arch=args.arch
+            )
+        elif args.kernel == "nvfp4-pull":  # swap-AB only: --swap-ab changes nothing
+            from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.compile import (
+                compile_nvfp4_pull,
+            )
+            from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.config import (
+                Sm90_Fp8_Nvfp4_Bf16_PullCutedsl_MegaMoeConfig,
+            )
+
+            result = compile_nvfp4_pull(
+                Sm90_Fp8_Nvfp4_Bf16_PullCutedsl_MegaMoeConfig(), arch=args.arch
             )
         elif args.kernel == "pull":
             from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.compile import compile_pull

@@ -1,0 +1,18 @@
+"""`sm90_fp8_nvfp4_bf16_pull_cutedsl` (in progress, not registered): Hopper pull-style CuTe DSL
+mega-MoE, e4m3 activations (one fp32 scale per token, `mxfp4_hybrid`) x nvfp4 weights.
+
+Upstream bytes: FlashInfer's `Sm90MegaMoESwapABNvfp4Fp8Kernel`, the `sm90_pull_nvfp4` drop
+(`vendor/sm90_pull_nvfp4/src/shim/nvfp4_{kernels,conversion,policy}.py`), over the
+`sm90_pull_cutedsl` drop's MXFP4 kernel (`vendor/sm90_pull_cutedsl/src/moe_hopper_fp8/`).
+
+- `config`: `Sm90_Fp8_Nvfp4_Bf16_PullCutedsl_MegaMoeConfig` (the MXFP4 config's fixed
+  contract and rules, plus `nvfp4_kperm` and `nvfp4_fc1_k256_overlap`).
+- `args`: the drop kernel's constructor arguments and tensor ABI (`build_kernel`,
+  `tensor_specs`; the MXFP4 kernel's with the NVFP4 scale planes and knobs).
+- `compile`: the compile-only check (`python -m moe_ep_sm90.compile_check nvfp4-pull`).
+- `upstream`: both drops, loaded in order; the kernel class, its conversion layout, the
+  availability (`nvfp4_availability`).
+
+Not written yet: weight preparation, input staging, the kernel class (launch, pooling), GPU
+tests. Nothing here has run on a GPU.
+"""
