@@ -21,18 +21,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from benchlib import OUT_DIR, plots
-from benchlib.machine import this_machine
+from benchlib import OUT_DIR
 from benchlib.options import (
     add_plot_options,
     benchmark_parser,
     positive_int,
     positive_multiple_of,
 )
-from benchlib.progress import Steps
-from benchlib.tables import console, titled_table
-from benchlib.targets import Target, status
 
+from moe_ep.bench import plots
+from moe_ep.bench.limits import bare_all_to_all
+from moe_ep.bench.machine import this_machine
+from moe_ep.bench.progress import Steps
+from moe_ep.bench.tables import console, titled_table
+from moe_ep.bench.targets import Target, status
 from moe_ep.spawn import spawn_local
 
 WORLD_SIZE = 2
@@ -100,13 +102,8 @@ def worker(rank: int, world_size: int, args: dict[str, int]) -> dict[str, float]
         most = torch.tensor([sent], dtype=torch.int64)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=rt.group)  # same size on every rank
         sent = int(most)
-        chunk = -(-sent // world_size)
-        src = torch.zeros(chunk * world_size, dtype=torch.uint8)
-        dst = torch.empty_like(src)
         say(f"bare all_to_all_single of {sent / 2**20:.1f} MiB, {reps} reps")
-        t_bare = _min_time(
-            lambda: dist.all_to_all_single(dst, src, group=rt.group), reps, rt.barrier
-        )
+        t_bare = _min_time(bare_all_to_all(rt.group, sent, world_size), reps, rt.barrier)
         return {"bytes": float(sent), "comm": t_comm, "sum": t_sum, "bare": t_bare}
     finally:
         rt.release()

@@ -61,16 +61,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from benchlib import OUT_DIR, baseline_kernel, moe_peers, plots
-from benchlib.machine import this_machine
+from benchlib import OUT_DIR, baseline_kernel, moe_peers
 from benchlib.options import add_plot_options, benchmark_parser, moe_shape, positive_int, shape_text
-from benchlib.progress import Steps
-from benchlib.tables import console, titled_table
-from benchlib.targets import Target, row_status, status
 from rich.console import Console
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
 from moe_ep.backends.portable import comm, cpu_fused, experts
+from moe_ep.bench import limits, plots
+from moe_ep.bench.machine import this_machine
+from moe_ep.bench.progress import Steps
+from moe_ep.bench.tables import console, titled_table
+from moe_ep.bench.targets import Target, row_status, status
 from moe_ep.spawn import free_port
 
 PREFILL = {"T": 4096, "H": 2048, "I": 1024, "E": 16, "k": 4}
@@ -107,21 +108,8 @@ def problem(shape: dict[str, int]) -> dict[str, torch.Tensor]:
 
 
 def naive_forward(p: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The textbook loop with the layer's math: per expert gather, gate / up / down matmuls,
-    SwiGLU in fp32 (rounded once to bf16), weighted fp32 index_add."""
-    x, ids, w = p["x"], p["ids"], p["w"]
-    inter = p["w2"].shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for e in range(p["w13"].shape[0]):
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        xe = x[tok]
-        gate = xe @ p["w13"][e, :inter].t()
-        up = xe @ p["w13"][e, inter:].t()
-        y = (F.silu(gate.float()) * up.float()).bfloat16() @ p["w2"][e].t()
-        out.index_add_(0, tok, y.float() * w[tok, slot].unsqueeze(1))
-    return out.bfloat16()
+    """The naive per-expert loop (`moe_ep.bench.limits.naive_forward`) on `problem`'s dict."""
+    return limits.naive_forward(p["x"], p["ids"], p["w"], p["w13"], p["w2"])
 
 
 def naive_bf16_forward(p: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -191,19 +179,12 @@ def time_shape(shape: dict[str, int], reps: int) -> dict[str, float | bool]:
     p = problem(shape)
     layer = make_layer(p, shape)
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
-    pairs = shape["T"] * shape["k"]
-    h, i = shape["H"], shape["I"]
-    xd = torch.randn(pairs, h).bfloat16()
-    hd = torch.randn(pairs, i).bfloat16()
-    w13d = p["w13"][0].t()  # the same K-major weight layout the layer uses
-    w2d = p["w2"][0].t()
-    gu_d = torch.empty(pairs, 2 * i, dtype=torch.bfloat16)
-    y_d = torch.empty(pairs, h, dtype=torch.bfloat16)
+    dense = limits.dense_gemms(shape["T"] * shape["k"], shape["H"], shape["I"], torch.bfloat16)
     t_layer, t_eager, t_dense, t_naive, t_naive16 = best_of(
         [
             lambda: layer(tensors),
             lambda: eager_epilogues(lambda: layer(tensors)),
-            lambda: (torch.mm(xd, w13d, out=gu_d), torch.mm(hd, w2d, out=y_d)),
+            dense,
             lambda: naive_forward(p),
             lambda: naive_bf16_forward(p),
         ],
@@ -285,16 +266,12 @@ def stages(shape: dict[str, int], reps: int) -> dict[str, float]:
     finally:
         layer.destroy()
         torch.set_num_threads(threads)
-    xd = torch.randn(shape["T"] * shape["k"], shape["H"]).bfloat16()
-    hd = torch.randn(shape["T"] * shape["k"], shape["I"]).bfloat16()
-    gu = torch.empty(xd.shape[0], 2 * shape["I"], dtype=torch.bfloat16)
-    y = torch.empty_like(xd)
+    dense = limits.dense_gemms(shape["T"] * shape["k"], shape["H"], shape["I"], torch.bfloat16)
     torch.set_num_threads(1)
     try:
         for _ in range(reps):
             start = time.thread_time()
-            torch.mm(xd, p["w13"][0].t(), out=gu)
-            torch.mm(hd, p["w2"][0].t(), out=y)
+            dense()
             best["dense"] = min(best.get("dense", float("inf")), time.thread_time() - start)
     finally:
         torch.set_num_threads(threads)

@@ -17,19 +17,20 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from benchlib import OUT_DIR, plots
-from benchlib.machine import this_machine
+from benchlib import OUT_DIR
 from benchlib.options import (
     add_plot_options,
     benchmark_parser,
     positive_int,
     positive_multiple_of,
 )
-from benchlib.progress import Steps
-from benchlib.tables import console, titled_table
-from benchlib.targets import status
 
 import moe_ep.quant as q
+from moe_ep.bench import plots
+from moe_ep.bench.machine import this_machine
+from moe_ep.bench.progress import Steps
+from moe_ep.bench.tables import console, titled_table
+from moe_ep.bench.targets import status
 
 Roundtrip = Callable[[torch.Tensor], torch.Tensor]
 OUTLIER_EVERY = 128

@@ -1,13 +1,9 @@
-"""Helpers shared by the benchmark scripts in `benchmarks/`: one copy of each.
+"""Helpers of the benchmark scripts in `benchmarks/` that `moe_ep.bench` does not hold (the
+machine description, targets, progress, tables, plots, timing and limits live there: one
+copy of each, shared with `moe-ep bench`).
 
-- `machine`: the description of this machine that titles every table and plot;
-- `targets`: targets as the runbook states them and the status column (ok / over target /
-  under target / n/a);
-- `progress`: numbered progress, a bar on a terminal and plain lines otherwise;
-- `plots`: figure styling, ratio bars with labelled target lines, legends off the data;
 - `options`: argparse value types with messages naming the option and the rule;
-- `bandwidth`: the machine's streaming read bandwidth;
-- `hf_moe`: transformers' MoE experts block as a peer (optional `bench` group);
+- `baseline_kernel`: the fused CPU library built from another `cpu_fused.c`;
 - `moe_peers`: `layer_speed.py --sections peers crossover` (issue 16).
 
 The scripts run as `python benchmarks/<name>.py`, which puts this folder's parent on

@@ -6,23 +6,24 @@ from __future__ import annotations
 
 import ctypes
 import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from benchlib import hf_moe, plots
-from benchlib.bandwidth import read_bandwidth
 from benchlib.baseline_kernel import with_library
 from benchlib.options import shape_text
-from benchlib.tables import titled_table
-from benchlib.targets import Target, row_status, status
 from moe_ep import MoEEpTensors, MoEWeightPack
 from moe_ep.backends.portable import experts, recipes
 from moe_ep.backends.portable.comm import Workspace
+from moe_ep.bench import hf_peer as hf_moe
+from moe_ep.bench import plots, targets
+from moe_ep.bench.limits import dense_gemms, read_bandwidth
+from moe_ep.bench.tables import titled_table
+from moe_ep.bench.targets import Target, row_status, status
+from moe_ep.bench.timing import Samples, round_robin
 
 Shape = dict[str, int]
 PEER_SHAPES: dict[str, Shape] = {
@@ -42,43 +43,15 @@ QUANT_KERNELS = {
     "nvfp4": "any_nvfp4_nvfp4_bf16_torch",
     "fp8_fp4": "any_fp8_fp4_bf16_torch",
 }
-# The targets of issue 16 (docs/runbook.md, Benchmarks)
-VS_LIMIT = Target("<=", 1.5, applies_to=DECODE_TARGETED)
-PEER_OVER_LAYER_DECODE = Target(">=", 2.0, applies_to=DECODE_TARGETED)
-PEER_OVER_LAYER = Target(">=", 1.0)
-VS_DENSE = {"T=512": Target("<=", 1.2, applies_to="T=512"), "prefill": Target("<=", 1.1)}
-QUANT_VS_LIMIT = Target("<=", 2.0)
+# The targets of issue 16 (docs/runbook.md, Benchmarks): one copy, in moe_ep.bench.targets
+VS_LIMIT = targets.VS_LIMIT
+PEER_OVER_LAYER_DECODE = targets.PEER_OVER_LAYER_DECODE
+PEER_OVER_LAYER = targets.PEER_OVER_LAYER
+VS_DENSE = {"T=512": targets.VS_DENSE_MID, "prefill": targets.VS_DENSE_PREFILL}
+QUANT_VS_LIMIT = targets.QUANT_VS_LIMIT
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BASELINE = "layer baseline"
 """The layer on the --baseline-kernel library (timed only when one is given)."""
-
-
-@dataclass
-class Samples:
-    """Seconds of each timed run of one thing."""
-
-    runs: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.runs)
-
-    def spread(self) -> str:
-        """min-max over the runs, as a text."""
-        return f"{min(self.runs) * 1e3:.1f}-{max(self.runs) * 1e3:.1f}"
-
-
-def round_robin(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, Samples]:
-    """Every fn once to warm up, then `reps` rounds of each in turn (load drift hits all)."""
-    for fn in fns.values():
-        fn()
-    out = {name: Samples() for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            out[name].runs.append(time.perf_counter() - start)
-    return out
 
 
 def bandwidth(reps: int) -> float:
@@ -132,18 +105,10 @@ def time_peer_shape(
     layer = make_layer(p, shape)
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
     pairs, h, i = shape["T"] * shape["k"], shape["H"], shape["I"]
-    xd, hd = torch.randn(pairs, h).bfloat16(), torch.randn(pairs, i).bfloat16()
-    w13d, w2d = p["w13"][0].t(), p["w2"][0].t()
-    gu_d = torch.empty(pairs, 2 * i, dtype=torch.bfloat16)
-    y_d = torch.empty(pairs, h, dtype=torch.bfloat16)
-    # fp32 too: where the CPU has no bf16 GEMM kernels torch's bf16 mm is a slow fallback,
-    # and the machine's dense limit for these FLOPs is its fp32 GEMM
-    xf, hf, w13f, w2f = (t.float() for t in (xd, hd, w13d, w2d))
-    gu_f, y_f = gu_d.float(), y_d.float()
     fns: dict[str, Callable[[], object]] = {
         "layer": lambda: layer(tensors),  # type: ignore[operator]
-        "dense": lambda: (torch.mm(xd, w13d, out=gu_d), torch.mm(hd, w2d, out=y_d)),
-        "dense fp32": lambda: (torch.mm(xf, w13f, out=gu_f), torch.mm(hf, w2f, out=y_f)),
+        "dense": dense_gemms(pairs, h, i, torch.bfloat16),
+        "dense fp32": dense_gemms(pairs, h, i, torch.float32),
         "naive": lambda: naive(p),
     }
     if baseline is not None:

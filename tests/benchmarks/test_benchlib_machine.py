@@ -1,4 +1,4 @@
-"""`benchlib.machine`: the line that titles every benchmark table and plot."""
+"""`moe_ep.bench.machine`: the line that titles every benchmark table and plot."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import platform
 
 import pytest
 import torch
-from benchlib.machine import Machine, cpu_model, this_machine
+
+from moe_ep.bench.machine import Machine, cpu_model, this_machine
 
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel

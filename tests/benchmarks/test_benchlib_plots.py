@@ -1,4 +1,4 @@
-"""`benchlib.plots`: ratios against labelled target lines, values on the bars, legends and
+"""`moe_ep.bench.plots`: ratios against labelled target lines, values on the bars, legends and
 labels outside the data, titles with the shape and the machine."""
 
 from __future__ import annotations
@@ -6,14 +6,15 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from benchlib import plots
-from benchlib.targets import NA, OK, OVER, UNDER, Target
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import LineCollection
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.text import Annotation
+
+from moe_ep.bench import plots
+from moe_ep.bench.targets import NA, OK, OVER, UNDER, Target
 
 LAYER = Target("<=", 1.3, applies_to="prefill")
 NAIVE = Target(">", 1.0)

@@ -1,4 +1,4 @@
-"""`benchlib.progress`: off a terminal, progress is plain numbered lines as each step
+"""`moe_ep.bench.progress`: off a terminal, progress is plain numbered lines as each step
 starts."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import io
 
 import pytest
-from benchlib.progress import Steps
+
+from moe_ep.bench.progress import Steps
 
 
 def test_plain_numbered_lines_when_not_a_terminal() -> None:

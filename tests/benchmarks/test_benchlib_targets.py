@@ -1,11 +1,12 @@
-"""`benchlib.targets`: the status column reads each target as docs/runbook.md writes it."""
+"""`moe_ep.bench.targets`: the status column reads each target as docs/runbook.md writes it."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from benchlib.targets import NA, OK, OVER, UNDER, Target, row_status, status
+
+from moe_ep.bench.targets import NA, OK, OVER, UNDER, Target, row_status, status
 
 LAYER = Target("<=", 1.3, applies_to="prefill")
 RATE = Target(">=", 0.80, unit="%")

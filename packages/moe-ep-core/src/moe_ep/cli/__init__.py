@@ -1,10 +1,12 @@
-"""The `moe-ep` command line: `info`, `kernels`, `demo`, `run` (also `python -m moe_ep.cli`).
+"""The `moe-ep` command line: `info`, `kernels`, `demo`, `run`, `bench` (also
+`python -m moe_ep.cli`).
 
 Usage:
   moe-ep [--debug] info       torch, CUDA, devices, dist backends, backends, resolved device
   moe-ep kernels [--json]     every canonical kernel with availability on this machine
   moe-ep demo                 every portable format (+ the best GPU kernel) vs the oracle
   moe-ep run --kernel NAME .. one kernel on any shape, optionally checked (`run --help`)
+  moe-ep bench [--quick] ..   the layer vs measured limits and peers (`bench --help`)
 
 Every failure prints one `moe-ep: error: ...` line (with `--debug` or MOE_EP_DEBUG=1, the
 traceback above it) and exits with its kind's code: 0 success; 1 a check failed; 2 usage
@@ -57,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="environment report; exit 2 if a variable is malformed")
     kernels = sub.add_parser("kernels", help="list kernels and their availability")
     kernels.add_argument("--json", action="store_true", help="print a JSON list")
-    from moe_ep.cli import jobs
+    from moe_ep.cli import bench, jobs
 
     jobs.add_parsers(sub)
+    bench.add_parser(sub)
     return parser
 
 
@@ -76,6 +79,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print_kernels(as_json=args.json)
         return EXIT_OK
+    if args.command == "bench":
+        from moe_ep.cli import bench
+
+        return bench.run(args)
     from moe_ep.cli import jobs
 
     return jobs.run_command(args)

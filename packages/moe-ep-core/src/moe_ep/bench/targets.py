@@ -84,3 +84,41 @@ def row_status(checks: Iterable[tuple[str, float | None, Target | None]]) -> str
     return "; ".join(
         f"{kind}: " + ", ".join(name for name, s in missed if s == kind) for kind in kinds
     )
+
+
+# The targets docs/runbook.md states for the portable layer at EP1 (issue 16; `moe-ep
+# bench` and `benchmarks/layer_speed.py --sections peers` judge by the same objects).
+DECODE_T64 = (64, 2048, 1024, 64, 8)
+MID_T512 = (512, 2048, 768, 64, 8)
+PREFILL_T4096 = (4096, 2048, 1024, 16, 4)
+VS_LIMIT = Target("<=", 1.5, applies_to="decode T=64")
+QUANT_VS_LIMIT = Target("<=", 2.0)
+PEER_OVER_LAYER_DECODE = Target(">=", 2.0, applies_to="decode T=64")
+PEER_OVER_LAYER = Target(">=", 1.0)
+VS_DENSE_MID = Target("<=", 1.2, applies_to="T=512")
+VS_DENSE_PREFILL = Target("<=", 1.1)
+NAIVE_OVER_LAYER = Target(">", 1.0)
+
+
+def layer_targets(
+    dims: tuple[int, int, int, int, int], weight: str, world_size: int, routing: str
+) -> dict[str, Target]:
+    """The stated targets of one measured row, by ratio name (`vs_bandwidth`, `vs_dense`,
+    `peer_over_layer`, `naive_over_layer`): `dims` (T, H, I, E, k), the kernel's weight
+    format tag; targets are stated for EP1 with uniform routing only."""
+    if world_size != 1 or routing != "uniform":
+        return {}
+    out: dict[str, Target] = {}
+    if weight != "bf16":
+        if dims == DECODE_T64:
+            out["vs_bandwidth"] = QUANT_VS_LIMIT
+        return out
+    out["peer_over_layer"] = PEER_OVER_LAYER_DECODE if dims == DECODE_T64 else PEER_OVER_LAYER
+    out["naive_over_layer"] = NAIVE_OVER_LAYER
+    if dims == DECODE_T64:
+        out["vs_bandwidth"] = VS_LIMIT
+    if dims == MID_T512:
+        out["vs_dense"] = VS_DENSE_MID
+    if dims == PREFILL_T4096:
+        out["vs_dense"] = VS_DENSE_PREFILL
+    return out

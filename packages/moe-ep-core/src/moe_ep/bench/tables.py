@@ -24,5 +24,7 @@ def titled_table(
     (numbers, targets, status)."""
     table = Table(title=f"{what}\n{shape}\n{machine}", caption=caption)
     for j, col in enumerate(columns):
-        table.add_column(col, justify="left" if j == 0 else "right", no_wrap=col == "status")
+        table.add_column(
+            col, justify="left" if j == 0 else "right", no_wrap=col in ("status", "kernel")
+        )
     return table

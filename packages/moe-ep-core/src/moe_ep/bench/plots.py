@@ -17,7 +17,7 @@ from matplotlib.patches import Patch
 from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, PercentFormatter
 
-from .targets import NA, OK, OVER, UNDER, Target, status
+from moe_ep.bench.targets import NA, OK, OVER, UNDER, Target, status
 
 STATUS_COLORS = {OK: "#2a9d8f", OVER: "#e76f51", UNDER: "#e76f51", NA: "#8d99ae"}
 SERIES_COLORS = ("#457b9d", "#f4a261", "#8d99ae", "#2a9d8f")

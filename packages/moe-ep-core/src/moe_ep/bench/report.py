@@ -1,0 +1,179 @@
+"""The bench's terminal table and its PNG plots (one per shape family)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from moe_ep.bench.results import BenchRow
+from moe_ep.bench.tables import titled_table
+
+COLUMNS = (
+    "shape",
+    "T/rank",
+    "EP",
+    "routing",
+    "kernel",
+    "median",
+    "tokens/s",
+    "TFLOP/s",
+    "/dense",
+    "/bw limit",
+    "/all_to_all",
+    "naive/layer",
+    "peer/layer",
+    "status",
+)
+CAPTION = (
+    "median of the timed runs after warm-up (a run's time: the slowest rank's); /dense: "
+    "layer / the faster of bf16 and fp32 dense GEMMs of the same useful FLOPs; /bw limit: "
+    "layer / (active experts' stored weight bytes / read bandwidth); /all_to_all: layer / a "
+    "bare all_to_all_single of the bytes the busiest rank moves; naive: the per-expert loop; "
+    "peer: transformers' fastest experts implementation (EP1); targets (docs/runbook.md) at "
+    "EP1, uniform routing, on the shapes they name; n/a: no target stated"
+)
+
+
+def _x(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def _si(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "n/a"
+    for bound, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= bound:
+            return f"{v / bound:.1f}{suffix}{unit}"
+    return f"{v:.1f}{unit}"
+
+
+def _family_of(row: BenchRow) -> str:
+    return f"{row.shape.family} {row.shape.dims()}"
+
+
+def table(rows: Sequence[BenchRow], machine: str, what: str) -> Any:
+    """The rich table of `rows` with a status column."""
+    t = titled_table("moe-ep bench: forward time vs limits and peers", what, machine, COLUMNS)
+    t.caption = CAPTION
+    for r in rows:
+        ratio = r.ratios()
+        med = r.median
+        t.add_row(
+            _family_of(r),
+            str(r.shape.tokens),
+            str(r.world_size),
+            r.routing,
+            r.kernel,
+            "skipped" if med is None else f"{med * 1e3:.2f} ms",
+            _si(r.tokens_per_s()),
+            "n/a" if r.tflops() is None else f"{r.tflops():.3f}",
+            _x(ratio["vs_dense"]),
+            _x(ratio["vs_bandwidth"]),
+            _x(ratio["vs_all_to_all"]),
+            _x(ratio["naive_over_layer"]),
+            _x(ratio["peer_over_layer"]),
+            r.status() if not r.skipped else f"skipped: {r.skipped}",
+        )
+    return t
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_").lower()
+
+
+PANELS = (
+    ("median", "median forward time (ms, lower is better)", "ms"),
+    ("vs_bandwidth", "layer / bandwidth limit (lower is better)", "ratio"),
+    ("vs_dense", "layer / dense GEMMs of equal FLOPs (lower is better)", "ratio"),
+)
+
+
+def _value(row: BenchRow, key: str) -> float:
+    v = row.median if key == "median" else row.ratios()[key]
+    if v is None:
+        return float("nan")
+    return v * 1e3 if key == "median" else v
+
+
+def plot_families(rows: Sequence[BenchRow], machine: str, out_dir: Path) -> list[Path]:
+    """One PNG per shape family: per world size (columns) the median time, layer /
+    bandwidth limit and layer / dense against tokens per rank (rows of panels, x log), one
+    line per kernel (solid uniform, dashed skewed routing), a dashed black line at each
+    stated target. Returns the paths."""
+    from matplotlib import colormaps
+    from matplotlib.lines import Line2D
+
+    from moe_ep.bench import plots
+
+    families: dict[str, list[BenchRow]] = {}
+    for r in rows:
+        if r.median is not None:
+            families.setdefault(_family_of(r), []).append(r)
+    paths = []
+    for fam, frows in families.items():
+        sizes = sorted({r.world_size for r in frows})
+        n = len(sizes)
+        fig, axes = plots.figure(len(PANELS), n, width=4.6 * n + 3.5, height=10)
+        what = "moe-ep bench: time and ratios against tokens per rank"
+        plots.title(fig, what, fam, machine)
+        kernels = list(dict.fromkeys(r.kernel for r in frows))
+        for c, ws in enumerate(sizes):
+            here = [r for r in frows if r.world_size == ws]
+            for p, (key, title, unit) in enumerate(PANELS):
+                ax = axes[p * n + c]
+                for j, kernel in enumerate(kernels):
+                    color = colormaps["tab10"](j % 10)
+                    marker = "osD^v<>"[j % 7]
+                    for routing, style in (("uniform", "-"), ("skewed", "--")):
+                        pts = sorted(
+                            ((r.shape.tokens, r) for r in here
+                             if r.kernel == kernel and r.routing == routing),
+                            key=lambda tr: tr[0],
+                        )  # fmt: skip
+                        if pts:
+                            ax.plot(
+                                [t for t, _ in pts],
+                                [_value(r, key) for _, r in pts],
+                                style,
+                                marker=marker,
+                                color=color,
+                                label=f"{kernel} ({routing})",
+                            )
+                if key != "median":
+                    _target_lines(ax, here, key)
+                ax.set_xscale("log", base=2)
+                ticks = sorted({r.shape.tokens for r in here})
+                ax.set_xticks(ticks, [str(t) for t in ticks])
+                ax.set_yscale("log")
+                ax.set_xlabel("tokens per rank")
+                ax.set_ylabel(unit)
+                ax.grid(alpha=0.3)
+                ax.set_title(f"EP{ws}: {title}", fontsize=9)
+        handles, labels = axes[0].get_legend_handles_labels()
+        handles.append(Line2D([], [], color="black", linestyle="--", linewidth=1))
+        labels.append("target (EP1, uniform)")
+        fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
+        paths.append(plots.save(fig, out_dir / f"bench_{_slug(fam)}.png"))
+    return paths
+
+
+def _target_lines(ax: Any, rows: Sequence[BenchRow], key: str) -> None:
+    """A dashed line at each stated target of ratio `key`, labelled with the tokens it
+    judges."""
+    seen = set()
+    for r in rows:
+        t = r.targets.get(key)
+        if t is None or (t, r.shape.tokens) in seen:
+            continue
+        seen.add((t, r.shape.tokens))
+        ax.axhline(t.bound, color="black", linestyle="--", linewidth=1)
+        ax.annotate(
+            f"target {t.label()} (T={r.shape.tokens}, EP1 uniform)",
+            xy=(0.01, t.bound),
+            xycoords=ax.get_yaxis_transform(),
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize=7,
+        )
