@@ -127,6 +127,25 @@ def test_weights_the_kernel_cannot_take_are_refused():
         assert (shape.hidden_size, shape.intermediate_size) == (H, I)
 
 
+def test_the_layer_refuses_what_the_kernel_cannot_run_before_joining_the_group(monkeypatch):
+    import moe_ep.runtime
+    from moe_ep import BootstrapConfig, MoEEpLayer
+
+    monkeypatch.setattr(KERNEL, "availability", classmethod(lambda c: (True, "")))
+    monkeypatch.setattr(moe_ep.runtime, "acquire", lambda *a, **k: pytest.fail("joined"))
+    wide = FleetParams(num_experts=64, max_tokens_per_rank=T, hidden_size=H)
+    el = 64 // WORLD
+    many = MoEWeightPack(w13=torch.zeros(el, 2 * I, H), w2=torch.zeros(el, H, I))
+    cases = [
+        (_fleet(), _weights(i=64), Config(), r"multiples of 128, got H=256, I=64"),
+        (_fleet(), _weights(), Config(top_k=5), r"top_k \(5\) must be <= num_experts \(4\)"),
+        (wide, many, Config(top_k=33), r"top_k must be <= 32.*got 33"),
+    ]
+    for fleet, weights, config, match in cases:
+        with pytest.raises(MoeEpUsageError, match=match):
+            MoEEpLayer(BootstrapConfig(world_size=WORLD, rank=RANK), fleet, weights, config)
+
+
 # -- availability ----------------------------------------------------------------------
 def test_availability_says_why_not_here():
     ok, why = KERNEL.availability()

@@ -10,7 +10,10 @@ import pytest
 from moe_ep import BootstrapConfig
 from moe_ep.errors import MoeEpUsageError
 
-POSITIONAL = ("world_size", "rank", "stream", "auto_bootstrap", "process_group")
+# flashinfer-python 0.7.4's positional fields, in its order (tests/compat checks its wheel)
+POSITIONAL = (
+    "world_size", "rank", "stream", "auto_bootstrap", "nccl_comm", "process_group", "tcp_store",
+)  # fmt: skip
 
 
 def test_public_name_is_the_config_class() -> None:
@@ -21,7 +24,7 @@ def test_public_name_is_the_config_class() -> None:
 
 def test_positional_binding_of_the_original_fields() -> None:
     group = object()
-    cfg = BootstrapConfig(4, 3, 7, False, group)
+    cfg = BootstrapConfig(4, 3, 7, False, None, group)
     assert (cfg.world_size, cfg.rank, cfg.stream, cfg.auto_bootstrap) == (4, 3, 7, False)
     assert cfg.process_group is group
     assert (cfg.device, cfg.init_method, cfg.timeout_s) == (None, None, None)
@@ -33,9 +36,9 @@ def test_only_the_original_fields_are_positional() -> None:
     assert positional == POSITIONAL
     later = [f.name for f in fields if f.kw_only]
     assert "device" in later and later == [f.name for f in fields[len(POSITIONAL) :]]
-    # a sixth positional argument has nowhere to go, whatever fields get added later
+    # an eighth positional argument has nowhere to go, whatever fields get added later
     with pytest.raises(TypeError):
-        BootstrapConfig(4, 3, 0, True, None, 1)  # type: ignore[call-arg]
+        BootstrapConfig(4, 3, 0, True, None, None, None, 1)  # type: ignore[call-arg]
 
 
 def test_keyword_only_fields_bind_by_name() -> None:

@@ -39,8 +39,13 @@ class BootstrapConfig:
             `MoEEpLayer` refuses a non-zero stream on a CPU rank. Never run on a GPU.
         auto_bootstrap: initialise torch.distributed when no group exists; False makes
             `moe_ep.runtime.acquire` require a host-initialised group or `process_group`.
+        nccl_comm: flashinfer.moe_ep's field for adopting a raw `ncclComm_t`; moe-ep cannot
+            (it runs its collectives over a torch group), so only None is accepted: pass
+            the torch group over the same ranks as `process_group`.
         process_group: the host's EP `torch.distributed.ProcessGroup` (reused, never
             destroyed by moe-ep); None = the default group.
+        tcp_store: flashinfer.moe_ep's store for its NIXL transport; only None is accepted
+            (moe-ep rendezvous through `init_method` / env:// or the host's group).
         device: keyword-only. CUDA ordinal to bind; None = `LOCAL_RANK`, else `rank`
             (see `moe_ep.device.resolve_local_device`). Hosts such as vLLM pass
             `torch.cuda.current_device()`.
@@ -50,9 +55,11 @@ class BootstrapConfig:
         timeout_s: keyword-only. Seconds any bootstrap, barrier or teardown wait may take;
             None = MOE_EP_TIMEOUT_S, else 120.
 
-    Fields after `process_group` are keyword-only, and every field added later will be too,
-    so positional construction `BootstrapConfig(world_size, rank, stream, auto_bootstrap,
-    process_group)` never changes meaning.
+    The positional fields are flashinfer-python 0.7.4's `flashinfer.moe_ep.BootstrapConfig`,
+    in its order (`world_size, rank, stream, auto_bootstrap, nccl_comm, process_group,
+    tcp_store`), so a host written against it constructs this one unchanged; the rest are
+    keyword-only, and every field added later will be too. (Before, `process_group` was the
+    fifth positional: passed there it now lands in `nccl_comm`, which refuses it and says so.)
 
     Raises:
         MoeEpUsageError (a ValueError): a field of the wrong type or out of range; the
@@ -63,7 +70,9 @@ class BootstrapConfig:
     rank: int
     stream: int = 0
     auto_bootstrap: bool = True
+    nccl_comm: int | None = None
     process_group: Any = None
+    tcp_store: Any = None
     _: KW_ONLY
     device: int | None = None
     init_method: str | None = None
@@ -84,6 +93,24 @@ class BootstrapConfig:
             raise MoeEpUsageError(
                 f"BootstrapConfig.auto_bootstrap must be a bool, got {self.auto_bootstrap!r} "
                 f"({type(self.auto_bootstrap).__name__})"
+            )
+        if self.nccl_comm is not None:
+            moved = (
+                ""
+                if isinstance(self.nccl_comm, numbers.Integral)
+                else "; a process group given as the fifth positional argument (moe-ep's order "
+                "before flashinfer's) goes in process_group=, by keyword"
+            )
+            raise MoeEpUsageError(
+                f"BootstrapConfig.nccl_comm must be None: moe-ep cannot adopt a raw ncclComm_t "
+                f"(got {self.nccl_comm!r}); pass the torch ProcessGroup over the same ranks as "
+                f"process_group{moved}"
+            )
+        if self.tcp_store is not None:
+            raise MoeEpUsageError(
+                f"BootstrapConfig.tcp_store must be None: moe-ep has no NIXL transport and "
+                f"rendezvous through init_method / env:// or the host's group (got "
+                f"{type(self.tcp_store).__name__})"
             )
         if self.process_group is not None and isinstance(
             self.process_group, str | bytes | numbers.Number | Mapping

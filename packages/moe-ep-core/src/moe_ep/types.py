@@ -7,9 +7,11 @@ in the fleet, `E_local = E / world_size` experts on this rank, `k` top-k.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from moe_ep.compat.renames import either_name
 from moe_ep.errors import MoeEpUsageError
 
 __all__ = ["FleetParams", "MoEEpTensors", "MoEWeightPack"]
@@ -20,9 +22,23 @@ def _positive_int(name: str, value: object, example: str) -> None:
         raise MoeEpUsageError(f"{name} must be an int >= 1, got {value!r} (e.g. {example})")
 
 
-@dataclass(frozen=True)
+_SPLIT_FIELDS = (
+    ("dtype_bytes", 2, "the hidden states are bf16 (flashinfer's split-transport size)"),
+    ("algorithm", None, "a flashinfer split-transport field; moe-ep runs fused kernels only"),
+    ("layout", None, "a flashinfer split-transport field; moe-ep runs fused kernels only"),
+    ("tuning_live_tokens", None, "moe-ep has no offline-tuned token buckets"),
+)
+"""flashinfer 0.7.4 `FleetParams` fields moe-ep has no use for: each takes one value."""
+
+
+@dataclass(frozen=True, init=False)
 class FleetParams:
     """Shape of the whole MoE fleet, identical on every rank.
+
+    Constructed as flashinfer-python 0.7.4's `flashinfer.moe_ep.FleetParams(num_experts,
+    max_tokens_per_rank, token_hidden_size, dtype_bytes=2, algorithm, layout,
+    tuning_live_tokens)`; `hidden_size=` (keyword) is moe-ep's name of `token_hidden_size`
+    and reads it back. The split-transport fields are refused unless left unset.
 
     Experts are sharded contiguously: rank r owns experts `[r*E_local, (r+1)*E_local)`.
     """
@@ -31,13 +47,61 @@ class FleetParams:
     """E, the number of experts over all ranks; must be divisible by the world size."""
     max_tokens_per_rank: int
     """Upper bound on `n` for one forward on any rank (buffers may be sized from it)."""
-    hidden_size: int
-    """H."""
+    token_hidden_size: int
+    """H (flashinfer's name; `hidden_size` reads it too)."""
+
+    dtype_bytes: int = 2
+    """flashinfer's split-transport element size: only 2 (bf16 hidden states)."""
+    algorithm: object = None
+    """flashinfer's split-transport algorithm: only None (moe-ep has fused kernels only)."""
+    layout: object = None
+    """flashinfer's split-transport receive layout: only None."""
+    tuning_live_tokens: int | None = None
+    """flashinfer's offline-tuning bucket: only None (moe-ep has no tuned buckets)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        max_tokens_per_rank: int,
+        token_hidden_size: int | None = None,
+        dtype_bytes: int = 2,
+        algorithm: object = None,
+        layout: object = None,
+        tuning_live_tokens: int | None = None,
+        *,
+        hidden_size: int | None = None,
+    ) -> None:
+        hidden = either_name(
+            "FleetParams", "token_hidden_size", token_hidden_size, "hidden_size", hidden_size,
+            default=None,
+        )  # fmt: skip
+        given = {
+            "num_experts": num_experts,
+            "max_tokens_per_rank": max_tokens_per_rank,
+            "token_hidden_size": hidden,
+            "dtype_bytes": dtype_bytes,
+            "algorithm": algorithm,
+            "layout": layout,
+            "tuning_live_tokens": tuning_live_tokens,
+        }
+        for name, value in given.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    @property
+    def hidden_size(self) -> int:
+        """H: moe-ep's name of `token_hidden_size`."""
+        return self.token_hidden_size
 
     def __post_init__(self) -> None:
         _positive_int("num_experts", self.num_experts, "256")
         _positive_int("max_tokens_per_rank", self.max_tokens_per_rank, "4096")
-        _positive_int("hidden_size", self.hidden_size, "7168")
+        _positive_int("token_hidden_size", self.token_hidden_size, "7168; or hidden_size=")
+        for name, only, why in _SPLIT_FIELDS:
+            if getattr(self, name) != only:
+                raise MoeEpUsageError(
+                    f"FleetParams.{name} must be {only!r}, got {getattr(self, name)!r}: {why}"
+                )
 
     def experts_per_rank(self, world_size: int) -> int:
         """E_local for `world_size`; `MoeEpUsageError` unless E % world_size == 0."""
@@ -142,12 +206,44 @@ class MoEEpTensors:
         are accepted and upcast exactly to fp32 by the layer; other dtypes are refused.
     output: optional `[n, H]` bf16 buffer on the same device to write into; allocated
         by the layer when None.
+
+    The fields are flashinfer-python 0.7.4's `flashinfer.moe_ep.MoEEpTensors`, in its order;
+    those moe-ep does not have (`UNSUPPORTED_FIELDS`: pre-quantized activations, per-call
+    alphas and scales, receive counters, the split path's runtime token bound) must be None.
     """
 
     hidden_states: torch.Tensor
     topk_ids: torch.Tensor
     topk_weights: torch.Tensor
+    scales: torch.Tensor | None = None
+    fc1_alpha: torch.Tensor | None = None
+    fc2_alpha: torch.Tensor | None = None
+    fc1_norm_const: torch.Tensor | None = None
+    fc1_activation_per_token_scale: torch.Tensor | None = None
+    recv_count: torch.Tensor | None = None
+    num_tokens_per_expert: torch.Tensor | None = None
     output: torch.Tensor | None = None
+    runtime_max_tokens_per_rank: int | None = None
+
+    UNSUPPORTED_FIELDS: ClassVar[tuple[str, ...]] = (
+        "scales",
+        "fc1_alpha",
+        "fc2_alpha",
+        "fc1_norm_const",
+        "fc1_activation_per_token_scale",
+        "recv_count",
+        "num_tokens_per_expert",
+        "runtime_max_tokens_per_rank",
+    )
+
+    def __post_init__(self) -> None:
+        for name in self.UNSUPPORTED_FIELDS:
+            if getattr(self, name) is not None:
+                raise MoeEpUsageError(
+                    f"MoEEpTensors.{name} must be None: moe-ep takes bf16 hidden states and "
+                    f"quantizes them itself, its weight scales come with the MoEWeightPack, and "
+                    f"it fills no receive counters (a flashinfer.moe_ep field it cannot honour)"
+                )
 
     @property
     def num_tokens(self) -> int:

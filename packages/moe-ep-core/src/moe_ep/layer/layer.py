@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from moe_ep.checks import validate_forward
+from moe_ep.compat.flashinfer import layer_backend
 from moe_ep.config import BootstrapConfig
 from moe_ep.contract import KernelConfig, MegaKernel, caller_validated_weights
 from moe_ep.device import resolve_local_device
@@ -85,8 +86,12 @@ class MoEEpLayer:
             on every rank.
         weights: `MoEWeightPack` of this rank's `E_local` experts (rank r owns experts
             `[r*E_local, (r+1)*E_local)`).
-        backend: a kernel name such as `"any_bf16_bf16_bf16_torch"` (default config) or a
-            kernel config object (e.g. `Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(dedup=False)`).
+        fleet_knobs: flashinfer.moe_ep's transport knobs: must be empty (moe-ep has no
+            split transport). A kernel name or config here is the backend (moe-ep's own
+            order, `MoEEpLayer(bootstrap, fleet, weights, backend)`).
+        backend: a kernel name such as `"any_bf16_bf16_bf16_torch"` (default config), a
+            kernel config object (e.g. `Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(dedup=False)`),
+            or flashinfer's `MegaConfig(megakernel=<either>)` (`moe_ep.compat.flashinfer`).
 
     Bad input on one rank raises `MoeEpUsageError` on that rank before any collective; at
     world size > 1 that rank also writes its reason into the store, so the peers waiting
@@ -110,7 +115,8 @@ class MoEEpLayer:
         bootstrap: BootstrapConfig,
         fleet_params: FleetParams,
         weights: MoEWeightPack,
-        backend: str | KernelConfig,
+        fleet_knobs: Sequence[object] | KernelConfig = (),
+        backend: str | KernelConfig | object = None,
     ) -> None:
         if not isinstance(bootstrap, BootstrapConfig):
             raise MoeEpUsageError(
@@ -125,7 +131,7 @@ class MoEEpLayer:
                 f"weights must be a moe_ep.MoEWeightPack, got {type(weights).__name__}"
             )
         _check_stream(bootstrap)
-        kernel_cls, config = resolve_backend(backend)
+        kernel_cls, config = resolve_backend(layer_backend(fleet_knobs, backend))
         ok, reason = kernel_cls.availability()
         if not ok:
             raise MoeEpUnavailableError(f"kernel {kernel_cls.kernel_name!r}: {reason}")
