@@ -20,6 +20,7 @@ EXPECTED = {
     ("nvfp4", "nvfp4"): "nvfp4",
     ("fp8", "fp4"): "fp8_fp4",
     ("fp8", "mxfp4"): "fp8_mxfp4",
+    ("fp8", "nvfp4"): "fp8_nvfp4",
 }
 
 
@@ -30,7 +31,7 @@ def test_the_registered_portable_kernels_cover_every_oracle_format() -> None:
     assert jobs.oracle_format("sm90_fp8_fp8_bf16_push_cuda") == "fp8"
     assert jobs.oracle_format("sm100_fp8_fp4_bf16_deepgemm") == "fp8_fp4"
     with pytest.raises(MoeEpUsageError, match="no oracle format"):
-        jobs.oracle_format("sm100_fp8_nvfp4_bf16_cutedsl")
+        jobs.oracle_format("sm100_bf16_mxfp8_bf16_cutedsl")
 
 
 def test_a_newly_registered_portable_kernel_is_listed_and_checked(
@@ -39,10 +40,10 @@ def test_a_newly_registered_portable_kernel_is_listed_and_checked(
     """A portable kernel that only the registry knows (no edit of the CLI) is run by `demo`
     and gives its (act, weight) tags an oracle format."""
     real_infos, real_get = moe_ep.registry.available_kernels, moe_ep.registry.get_kernel
-    name = "any_fp8_nvfp4_bf16_torch"
+    name = "any_bf16_mxfp8_bf16_torch"
 
     class NewKernel:
-        oracle_format = "nvfp4"
+        oracle_format = "mxfp8"
 
     extra = KernelInfo(name=name, available=True, reason="", taxonomy=parse_kernel_name(name))
 
@@ -55,4 +56,4 @@ def test_a_newly_registered_portable_kernel_is_listed_and_checked(
     )
     assert name in jobs.portable_kernels()
     assert name in jobs._demo_kernels()
-    assert jobs.oracle_format("sm100_fp8_nvfp4_bf16_cutedsl") == "nvfp4"
+    assert jobs.oracle_format("sm100_bf16_mxfp8_bf16_cutedsl") == "mxfp8"

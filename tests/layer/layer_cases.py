@@ -15,6 +15,7 @@ KERNELS = {
     "nvfp4": "any_nvfp4_nvfp4_bf16_torch",
     "fp8_fp4": "any_fp8_fp4_bf16_torch",
     "fp8_mxfp4": "any_fp8_mxfp4_bf16_torch",
+    "fp8_nvfp4": "any_fp8_nvfp4_bf16_torch",
 }
 
 

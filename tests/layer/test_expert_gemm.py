@@ -20,6 +20,7 @@ from moe_ep.backends.portable.recipes import (
     Bf16Recipe,
     Fp8BlockRecipe,
     Fp8Fp4Recipe,
+    Fp8Nvfp4Recipe,
     Mxfp8Recipe,
     Nvfp4Recipe,
     PreparedWeights,
@@ -256,6 +257,7 @@ QUANTIZED: dict[str, Recipe] = {
     "mxfp8": Mxfp8Recipe(),
     "nvfp4": Nvfp4Recipe(act_global_scale=3.0, hidden_global_scale=0.5),
     "fp8_fp4": Fp8Fp4Recipe(),
+    "fp8_nvfp4": Fp8Nvfp4Recipe(),  # e4m3 operand codes, no scales, alpha 8 * G
 }
 
 
@@ -304,6 +306,7 @@ CASES: dict[str, tuple[Recipe, int, int]] = {  # recipe, H, I
     "mxfp8": (Mxfp8Recipe(), 64, 32),
     "nvfp4": (Nvfp4Recipe(act_global_scale=2.0, hidden_global_scale=4.0), 64, 32),
     "fp8_fp4": (Fp8Fp4Recipe(), 64, 32),
+    "fp8_nvfp4": (Fp8Nvfp4Recipe(), 128, 64),
 }
 
 

@@ -45,6 +45,7 @@ WEIGHT_BLOCK = {
     "nvfp4": (1, 16),
     "fp8_fp4": (1, 32),
     "fp8_mxfp4": (1, 32),
+    "fp8_nvfp4": (1, 16),
 }
 """Rows x columns of the weights covered by one scale (the format's weight recipe)."""
 
@@ -303,7 +304,11 @@ FAULTS: dict[str, Callable[[Run], torch.Tensor]] = {
 NOT_APPLICABLE = {
     **{(f, name): "no scales" for f in ("bf16",) for name in FAULTS if "scale" in name},
     **{
-        (f, name): "no alpha" for f in FORMATS if f != "nvfp4" for name in FAULTS if "alpha" in name
+        (f, name): "no alpha"
+        for f in FORMATS
+        if f not in ("nvfp4", "fp8_nvfp4")
+        for name in FAULTS
+        if "alpha" in name
     },
 }
 INVISIBLE = {
@@ -311,6 +316,9 @@ INVISIBLE = {
     ("nvfp4", "scale_x2_one_block"): "16 weights of one output column: inside the e2m1 band",
 }
 """(format, fault) pairs the oracle cannot see (docs/layer.md says why)."""
+PARTLY_VISIBLE = {("fp8_nvfp4", "scale_x2_one_block"): {0, 1}}
+"""(format, fault) pairs the oracle sees on some seeds only -> the seeds that catch it
+(docs/layer.md says why)."""
 
 
 def _cases() -> list[Any]:
@@ -336,6 +344,10 @@ def test_every_fault_is_caught(
     reports = _reports(boot, fmt, fault, monkeypatch)
     if (fmt, fault) in INVISIBLE:  # documented as unseen: keep the docs honest
         assert all(r.ok for _, r in reports), reports
+        return
+    if (fmt, fault) in PARTLY_VISIBLE:
+        caught = {seed for seed, r in reports if not r.ok}
+        assert caught == PARTLY_VISIBLE[fmt, fault], reports
         return
     missed = [f"seed {seed}: {r}" for seed, r in reports if r.ok]
     assert not missed, f"{fmt} {fault} passed the oracle:\n" + "\n".join(missed)

@@ -42,9 +42,10 @@ __all__ = [
     "tolerance_band",
 ]
 
-FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4", "fp8_fp4", "fp8_mxfp4")
+FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4", "fp8_fp4", "fp8_mxfp4", "fp8_nvfp4")
 """Activation/weight formats, named as in `any_<fmt>_..._torch` (fp8_fp4: act fp8, w fp4;
-fp8_mxfp4: the sm90 MXFP4 kernel's `mxfp4_hybrid` recipe, `moe_ep.quant.mxfp4_hybrid`)."""
+fp8_mxfp4: the sm90 MXFP4 kernel's `mxfp4_hybrid` recipe, `moe_ep.quant.mxfp4_hybrid`;
+fp8_nvfp4: the sm90 NVFP4 kernel's, the same activations, `moe_ep.quant.nvfp4_hopper`)."""
 
 EPS_BF16 = 2.0**-7
 # Largest spacing of the FC2-input format's grid relative to the value rounded (one flip).
@@ -54,10 +55,13 @@ _ACT_REL_STEP = {
     "mxfp8": 2.0**-3,
     "fp8_fp4": 2.0**-3,
     "fp8_mxfp4": 2.0**-3,
+    "fp8_nvfp4": 2.0**-3,
     "nvfp4": 1.0,
 }
 # Stored mantissa bits of the FC2-input element format (bf16, e4m3, e2m1): `global_bound`.
-_ACT_MANTISSA_BITS = {"bf16": 7, "fp8": 3, "mxfp8": 3, "fp8_fp4": 3, "fp8_mxfp4": 3, "nvfp4": 1}
+_ACT_MANTISSA_BITS = {
+    "bf16": 7, "fp8": 3, "mxfp8": 3, "fp8_fp4": 3, "fp8_mxfp4": 3, "fp8_nvfp4": 3, "nvfp4": 1,
+}  # fmt: skip
 _FLIP_CHUNK = 32
 DEFAULT_ULPS = 4.0
 DEFAULT_ATOL = 1e-6
@@ -81,8 +85,8 @@ def _qdq_act(
     x: torch.Tensor, fmt: str, global_scale: float, fp8_block: int = 128, fc2: bool = False
 ) -> torch.Tensor:
     """Quantize-dequantize activations `[m, K]` per token (no global scale folded back);
-    fp8 in 1 x `fp8_block` blocks; fp8_mxfp4 one scale per row for the FC1 input, 1x64
-    blocks for the FC2 input (`fc2`). NaN / inf are not refused: a block holding one
+    fp8 in 1 x `fp8_block` blocks; fp8_mxfp4 and fp8_nvfp4 one scale per row for the FC1
+    input, 1x64 blocks for the FC2 input (`fc2`). NaN / inf are not refused: a block holding one
     dequantizes to NaN (bf16: inf -> NaN), the kernels' rule (`moe_ep.quant.nonfinite`), so
     such a token's predicted row is all NaN."""
     x = x.float()
@@ -92,10 +96,10 @@ def _qdq_act(
         sf, b = ("fp32", fp8_block) if fmt == "fp8" else ("ue8m0", 32)
         d, s = quant.quantize_fp8_blockwise(x, block=(1, b), scale_format=sf, check_finite=False)
         return quant.dequantize_fp8_blockwise(d, s, block=(1, b)).double()
-    if fmt == "fp8_mxfp4" and fc2:
+    if fmt in ("fp8_mxfp4", "fp8_nvfp4") and fc2:
         d, s = quant.quantize_fp8_fc2_hybrid(x, check_finite=False)
         return quant.dequantize_fp8_blockwise(d, s, block=(1, quant.HYBRID_FC2_BLOCK)).double()
-    if fmt == "fp8_mxfp4":
+    if fmt in ("fp8_mxfp4", "fp8_nvfp4"):
         d, s = quant.quantize_fp8_per_token_hybrid(x, check_finite=False)
         return quant.dequantize_fp8_per_row(d, s).double()
     if fmt == "mxfp8":
@@ -121,6 +125,10 @@ def _qdq_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor |
     if fmt == "fp8_mxfp4":  # the sm90 kernel's exponent range, clamped per expert
         p, s = quant.clamp_mxfp4_exponent_range(*quant.quantize_mxfp4(w, rule="ceil"))
         return quant.dequantize_mxfp4(p, s).double(), None
+    if fmt == "fp8_nvfp4":  # the sm90 kernel's e4m3 operand times its 8 * G per expert
+        g = quant.nvfp4_decode_scale(w, dim=(-2, -1))
+        op = quant.nvfp4_e4m3_operand(*quant.quantize_nvfp4_decode_scaled(w, decode_scale=g))
+        return op.double() * (g.double() * quant.NVFP4_EPILOGUE_COMPENSATION), None
     if fmt == "nvfp4":
         gs = quant.nvfp4_global_scale(w, dim=(-2, -1))
         p, s = quant.quantize_nvfp4(w, norm_const=gs)

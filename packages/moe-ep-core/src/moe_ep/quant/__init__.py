@@ -66,6 +66,12 @@ from moe_ep.quant.nvfp4 import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
+from moe_ep.quant.nvfp4_hopper import (
+    NVFP4_EPILOGUE_COMPENSATION,
+    nvfp4_decode_scale,
+    nvfp4_e4m3_operand,
+    quantize_nvfp4_decode_scaled,
+)
 
 __all__ = [
     "E2M1_VALUES",
@@ -77,6 +83,7 @@ __all__ = [
     "MX_BLOCK",
     "MX_RULES",
     "NVFP4_BLOCK",
+    "NVFP4_EPILOGUE_COMPENSATION",
     "clamp_mxfp4_exponent_range",
     "deinterleave_gate_up",
     "dequantize_fp8_blockwise",
@@ -95,6 +102,8 @@ __all__ = [
     "mx_block_exponents",
     "nonfinite_to_nan",
     "nvfp4_alpha",
+    "nvfp4_decode_scale",
+    "nvfp4_e4m3_operand",
     "nvfp4_global_scale",
     "pack_e2m1",
     "quantize_fp8_blockwise",
@@ -105,6 +114,7 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_mxfp8",
     "quantize_nvfp4",
+    "quantize_nvfp4_decode_scaled",
     "round_to_e2m1_codes",
     "swizzle_128x4",
     "swizzled_128x4_numel",

@@ -16,6 +16,7 @@ __all__ = [
     "Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig",
     "Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig",
     "Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig",
+    "Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig",
     "Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig",
     "Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig",
     "PortableConfig",
@@ -144,3 +145,12 @@ class Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig(PortableConfig):
     multiples of 128; see `moe_ep.backends.portable.recipes.Fp8Mxfp4Recipe`."""
 
     kernel_name: ClassVar[str] = "any_fp8_mxfp4_bf16_torch"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig(PortableConfig):
+    """The sm90 NVFP4 x FP8 kernel's recipe: fp8_mxfp4's activations, nvfp4 weights with a
+    per-expert decode scale; H and I multiples of 128; see
+    `moe_ep.backends.portable.recipes.Fp8Nvfp4Recipe`."""
+
+    kernel_name: ClassVar[str] = "any_fp8_nvfp4_bf16_torch"

@@ -13,6 +13,7 @@ from moe_ep.backends.portable.configs import (
     Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
+    Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig,
     Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig,
     Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig,
     PortableConfig,
@@ -24,6 +25,7 @@ from moe_ep.backends.portable.recipes import (
     Fp8BlockRecipe,
     Fp8Fp4Recipe,
     Fp8Mxfp4Recipe,
+    Fp8Nvfp4Recipe,
     Mxfp8Recipe,
     Nvfp4Recipe,
     Recipe,
@@ -41,6 +43,7 @@ __all__ = [
     "Bf16TorchKernel",
     "Fp8Fp4TorchKernel",
     "Fp8Mxfp4TorchKernel",
+    "Fp8Nvfp4TorchKernel",
     "Fp8TorchKernel",
     "Mxfp8TorchKernel",
     "Nvfp4TorchKernel",
@@ -215,3 +218,16 @@ class Fp8Mxfp4TorchKernel(PortableTorchKernel):
     @classmethod
     def make_recipe(cls, config: KernelConfig) -> Recipe:
         return Fp8Mxfp4Recipe()
+
+
+@register_mega_kernel("any_fp8_nvfp4_bf16_torch")
+class Fp8Nvfp4TorchKernel(PortableTorchKernel):
+    """fp8 (one fp32 scale per token) x nvfp4 (per-expert decode scale, e4m3 operand): the
+    oracle of sm90_fp8_nvfp4_bf16_pull_cutedsl."""
+
+    oracle_format = "fp8_nvfp4"
+    config_cls = Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig
+
+    @classmethod
+    def make_recipe(cls, config: KernelConfig) -> Recipe:
+        return Fp8Nvfp4Recipe()

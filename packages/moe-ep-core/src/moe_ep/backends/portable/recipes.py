@@ -23,6 +23,9 @@ Formats (each matches the GPU kernel of the same taxonomy name; see docs/layer.m
     fp8_mxfp4 the sm90 MXFP4 x FP8 kernel (`mxfp4_hybrid`): activations e4m3 with one fp32
             scale per token (FC2 input: 1x64 fp32 blocks), weights mxfp4 (ceil rule) with
             the exponents clamped to 11 binades per expert (`moe_ep.quant.mxfp4_hybrid`).
+    fp8_nvfp4 the sm90 NVFP4 x FP8 kernel: fp8_mxfp4's activations, nvfp4 weights with a
+            per-expert decode scale, as the kernel's e4m3 operand `RN_E4M3(e2m1 * scale /
+            8)` times `8 * G` (`moe_ep.quant.nvfp4_hopper`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ __all__ = [
     "Fp8BlockRecipe",
     "Fp8Fp4Recipe",
     "Fp8Mxfp4Recipe",
+    "Fp8Nvfp4Recipe",
     "Mxfp8Recipe",
     "Nvfp4Recipe",
     "PreparedWeights",
@@ -453,26 +457,13 @@ def _mxfp4_weight(
     return quant.dequantize_mxfp4(w, s), _stored(w, s, "e8m0", 32)
 
 
-class Fp8Mxfp4Recipe(Recipe):
-    """The sm90 MXFP4 x FP8 kernel (`mxfp4_hybrid`, `moe_ep.quant.mxfp4_hybrid`): e4m3 FC1
-    input with one fp32 scale per token, e4m3 FC2 input in 1x64 fp32 blocks, mxfp4 weights
-    (ceil rule) with the exponents clamped to 11 binades per expert. H and I multiples of 128."""
+class _HybridFp8Recipe(Recipe):
+    """The sm90 pull kernels' `mxfp4_hybrid` activations (`moe_ep.quant.mxfp4_hybrid`): e4m3
+    FC1 input with one fp32 scale per token, e4m3 FC2 input in 1x64 fp32 blocks. H and I
+    multiples of 128. Subclasses add the weights."""
 
-    name = "fp8_mxfp4"
     quantized_weight_dtypes = (torch.uint8,)
     k_multiple = 128
-    scale_desc = "E8M0 uint8"
-    scale_shape = Fp8Fp4Recipe.scale_shape  # the same mxfp4 packs: one E8M0 byte per 32
-
-    def check_scales(self, weights: MoEWeightPack) -> None:
-        super().check_scales(weights)
-        for name in ("w13_scale", "w2_scale"):
-            s = getattr(weights, name)
-            if s is not None and s.numel() and bool((s.view(torch.uint8) == 255).any()):
-                raise MoeEpUsageError(
-                    f"{name} holds E8M0 byte 255 (NaN); the per-expert exponent clamp needs "
-                    "finite scales"
-                )
 
     def row_bytes(self, hidden: int) -> int:
         return hidden + 4
@@ -491,8 +482,92 @@ class Fp8Mxfp4Recipe(Recipe):
         data, scales = quant.quantize_fp8_fc2_hybrid(h, check_finite=False)
         return quant.dequantize_fp8_blockwise(data, scales, block=(1, quant.HYBRID_FC2_BLOCK))
 
+
+class Fp8Mxfp4Recipe(_HybridFp8Recipe):
+    """The sm90 MXFP4 x FP8 kernel (`mxfp4_hybrid`, `moe_ep.quant.mxfp4_hybrid`): the hybrid
+    activations, mxfp4 weights (ceil rule) with the exponents clamped to 11 binades per
+    expert."""
+
+    name = "fp8_mxfp4"
+    scale_desc = "E8M0 uint8"
+    scale_shape = Fp8Fp4Recipe.scale_shape  # the same mxfp4 packs: one E8M0 byte per 32
+
+    def check_scales(self, weights: MoEWeightPack) -> None:
+        super().check_scales(weights)
+        for name in ("w13_scale", "w2_scale"):
+            s = getattr(weights, name)
+            if s is not None and s.numel() and bool((s.view(torch.uint8) == 255).any()):
+                raise MoeEpUsageError(
+                    f"{name} holds E8M0 byte 255 (NaN); the per-expert exponent clamp needs "
+                    "finite scales"
+                )
+
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
         w13, stored13 = _mxfp4_weight(weights.w13, weights.w13_scale, clamp_range=True)
         w2, stored2 = _mxfp4_weight(weights.w2, weights.w2_scale, clamp_range=True)
         w13t, w2t = _layout(w13, w2, torch.float32)
         return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
+
+
+class Fp8Nvfp4Recipe(_HybridFp8Recipe):
+    """The sm90 NVFP4 x FP8 kernel (`moe_ep.quant.nvfp4_hopper`): the hybrid activations,
+    nvfp4 weights with a per-expert decode scale G (weight = G * e2m1 * scale, the host
+    rule of `quantize_nvfp4_decode_scaled`), multiplied as the kernel does: the operand
+    `RN_E4M3(e2m1 * scale / 8)` (`nvfp4_e4m3_operand`) and `8 * G` per expert as the GEMM's
+    alpha.
+
+    A pre-quantized pack gives e2m1 codes `[E, N, K/2]` uint8, e4m3 scales `[E, N, K/16]`
+    (finite, non-negative: bytes 0..126) and optionally `w13_global_scale` /
+    `w2_global_scale` `[E_local]` fp32: the decode scale G (the checkpoint's `weight_scale_2`;
+    not the sm100 format's norm_const); without them G = 1.
+    """
+
+    name = "fp8_nvfp4"
+    scale_desc = "e4m3"
+    scale_shape = Nvfp4Recipe.scale_shape  # one e4m3 scale per 16
+
+    def check_scales(self, weights: MoEWeightPack) -> None:
+        super().check_scales(weights)
+        for name in ("w13", "w2"):
+            s = getattr(weights, f"{name}_scale")
+            if s is None:
+                continue
+            if s.dtype not in (torch.float8_e4m3fn, torch.uint8):
+                raise MoeEpUsageError(
+                    f"{name}_scale must be e4m3 (or its uint8 bytes), got {s.dtype}"
+                )
+            if s.numel() and bool((s.view(torch.uint8) > 126).any()):
+                raise MoeEpUsageError(
+                    f"{name}_scale holds negative or NaN e4m3 bytes (> 126); the kernel takes "
+                    "finite non-negative scales"
+                )
+            g = getattr(weights, f"{name}_global_scale")
+            if g is not None and (
+                g.dtype != torch.float32 or not bool((torch.isfinite(g) & (g > 0)).all())
+            ):
+                raise MoeEpUsageError(
+                    f"{name}_global_scale (the decode scale G) must be positive finite fp32, "
+                    f"got {g.dtype}"
+                )
+
+    def _weight(
+        self, w: torch.Tensor, s: torch.Tensor | None, g: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, StoredWeight | None]:
+        """(the kernel's operand values in fp32, `8 * G` per expert, the operand's codes)."""
+        e = int(w.shape[0])
+        if s is None:
+            g = quant.nvfp4_decode_scale(w, dim=(-2, -1))
+            w, s = quant.quantize_nvfp4_decode_scaled(w, decode_scale=g)
+        elif g is None:
+            g = torch.ones(e, dtype=torch.float32, device=w.device)
+        operand = quant.nvfp4_e4m3_operand(w, s.view(torch.float8_e4m3fn))
+        alpha = (g.reshape(e) * quant.NVFP4_EPILOGUE_COMPENSATION).contiguous()
+        return operand.float(), alpha, _stored(operand)
+
+    def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
+        w13, alpha13, stored13 = self._weight(
+            weights.w13, weights.w13_scale, weights.w13_global_scale
+        )
+        w2, alpha2, stored2 = self._weight(weights.w2, weights.w2_scale, weights.w2_global_scale)
+        w13t, w2t = _layout(w13, w2, torch.float32)
+        return PreparedWeights(w13t, w2t, alpha13, alpha2, stored13, stored2)
