@@ -17,6 +17,7 @@ import torch
 PULL = "sm90_fp8_fp8_bf16_pull_cutedsl"
 PUSH = "sm90_fp8_fp8_bf16_push_cuda"
 BF16_PULL = "sm90_bf16_bf16_bf16_pull_cutedsl"
+MXFP4_PULL = "sm90_fp8_mxfp4_bf16_pull_cutedsl"
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,10 @@ class Sm90Recipe:
     kernel: the canonical DeepSeek-V3 recipe (gate-then-up rows, 1x128, weight after FC2).
     The bf16 pull kernel: `fmt="bf16"` (no quantization) with its FC1 output unrounded into
     SwiGLU (fp32 accumulators) and the top-k weight applied before the FC2 input is rounded
-    to bf16, as its drop's reference's "deepgemm" graph.
+    to bf16, as its drop's reference's "deepgemm" graph. The MXFP4 pull kernel:
+    `fmt="fp8_mxfp4"` (`mxfp4_hybrid`: one fp32 scale per token, mxfp4 weights clamped to 11
+    binades per expert, the FC2 input in 1x64 blocks), the top-k weight before FC2, and its
+    config's default gate/up clamp 10.0 (`swiglu_clamp`); its drop ships no reference.
     With these the oracle computes with the kernel's own weight values bit for bit, so the
     problems use ordinary random weights; `test_drop_reference_conformance.py` checks the
     pull recipe against the drop's own reference."""
@@ -62,17 +66,20 @@ class Sm90Recipe:
     topk_weight_before_fc2: bool = False
     fmt: str = "fp8"
     fc1_output_high_precision: bool = False
+    swiglu_clamp: float | None = None
 
     def oracle_kwargs(self) -> dict[str, Any]:
         """The `oracle_forward` (and portable fp8 config) keywords of this recipe, `fmt`
         aside; each format's own (fp8: FC1 grouping, FC2-input block; bf16: whether the FC1
-        output stays unrounded)."""
+        output stays unrounded); the clamp where the kernel has one."""
         kwargs: dict[str, Any] = {"apply_routing_weights_before_fc2": self.topk_weight_before_fc2}
         if self.fmt == "fp8":
             kwargs["fc1_gate_up_interleave"] = self.fc1_gate_up_interleave
             kwargs["fc2_act_block"] = self.fc2_act_block
-        else:
+        elif self.fmt == "bf16":
             kwargs["fc1_output_high_precision"] = self.fc1_output_high_precision
+        if self.swiglu_clamp is not None:
+            kwargs["swiglu_clamp"] = self.swiglu_clamp
         return kwargs
 
 
@@ -82,6 +89,7 @@ SM90_RECIPES = {
     BF16_PULL: Sm90Recipe(
         None, topk_weight_before_fc2=True, fmt="bf16", fc1_output_high_precision=True
     ),
+    MXFP4_PULL: Sm90Recipe(None, topk_weight_before_fc2=True, fmt="fp8_mxfp4", swiglu_clamp=10.0),
 }
 
 
@@ -208,15 +216,23 @@ def sm90_reference(case: GpuCase, world_size: int, kernel: str) -> Any:
 
 
 def cpu_twin(kernel: str) -> Any:
-    """The portable fp8 config that quantizes exactly as sm90 `kernel` does (runs on CPU).
-    The bf16 pull kernel has none yet: the portable bf16 kernel rounds its FC1 output to
-    bf16, the fused kernel does not (`Sm90Recipe.fc1_output_high_precision`)."""
-    from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig
+    """The portable config that quantizes exactly as sm90 `kernel` does (runs on CPU): the
+    portable fp8 kernel with the recipe's options, or `any_fp8_mxfp4_bf16_torch` for the
+    MXFP4 pull kernel. The bf16 pull kernel has none yet: the portable bf16 kernel rounds
+    its FC1 output to bf16, the fused kernel does not (`Sm90Recipe.fc1_output_high_precision`)."""
+    from moe_ep.backends.portable.configs import (
+        Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
+        Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
+    )
 
+    twins = {
+        "fp8": Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
+        "fp8_mxfp4": Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
+    }
     recipe = SM90_RECIPES[kernel]
-    if recipe.fmt != "fp8":
+    if recipe.fmt not in twins:
         raise ValueError(f"{kernel}: no portable config computes as it does (see SM90_RECIPES)")
-    return Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(**recipe.oracle_kwargs())
+    return twins[recipe.fmt](**recipe.oracle_kwargs())
 
 
 def backend_for(case: GpuCase, kernel: str) -> Any:
@@ -226,8 +242,11 @@ def backend_for(case: GpuCase, kernel: str) -> Any:
         Sm90_Bf16_Bf16_Bf16_PullCutedsl_MegaMoeConfig,
         Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
         Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
+        Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig,
     )
 
+    if kernel == MXFP4_PULL:
+        return Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig(top_k=case.topk)
     if kernel == BF16_PULL:
         return Sm90_Bf16_Bf16_Bf16_PullCutedsl_MegaMoeConfig(top_k=case.topk)
     if kernel == PULL:

@@ -274,3 +274,45 @@ def test_padded_slots_combine_cells_are_zeroed_before_each_launch(gpu):
     ids = entry.staging["topk_idx"][:3]
     assert (seen["cells"][:3][ids < 0] == 0).all() and (seen["cells"][:3][ids >= 0] == 3).all()
     layer.destroy()
+
+
+# -- the GPU tests' oracle and CPU twin --------------------------------------------------------
+def test_the_gpu_tests_build_this_config_and_its_twin_computes_its_recipe():
+    from sm90_gpu_cases import CASES, MXFP4_PULL, SM90_RECIPES, backend_for, cpu_twin
+
+    from moe_ep.backends.portable.configs import Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig
+
+    assert backend_for(CASES[0], MXFP4_PULL) == Config(top_k=CASES[0].topk)
+    twin = cpu_twin(MXFP4_PULL)
+    assert isinstance(twin, Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig)
+    # the kernel's clamp (upstream's default) and its top-k weight before the FC2 input
+    assert twin.swiglu_clamp == Config().gate_up_clamp == 10.0
+    assert twin.apply_routing_weights_before_fc2 is True
+    assert SM90_RECIPES[MXFP4_PULL].fmt == "fp8_mxfp4"
+
+
+@pytest.mark.multirank
+def test_the_gpu_tests_band_fails_a_twin_with_another_recipe():
+    # The comparison the GPU tests make (`sm90_reports` against the fp8_mxfp4 oracle) passes
+    # the twin and fails planted faults: the fp8 blockwise recipe (the fp8 pull kernel's),
+    # DeepGEMM's fp8 x mxfp4 recipe (1x128 UE8M0 activations, no exponent clamp), a clamp
+    # that engages. (The top-k weight after FC2 instead of before it stays inside the band:
+    # same value, another rounding of the FC2 input; measured max err/band 0.07.)
+    from dataclasses import replace
+
+    from gpu_jobs import Job
+    from sm90_gpu_cases import CASES, MXFP4_PULL, PULL, cpu_twin, sm90_reports
+
+    from moe_ep.backends.portable.configs import Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig
+
+    case = replace(CASES[2], hidden=256, inter=128, tokens=12)  # k = 1
+    twin = cpu_twin(MXFP4_PULL)
+    faults = [
+        cpu_twin(PULL),
+        Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig(),
+        replace(twin, swiglu_clamp=0.5),
+    ]
+    jobs = [Job(case, MXFP4_PULL, b) for b in (twin, *faults)]
+    good, *bad = sm90_reports(jobs, 1, timeout_s=120)
+    assert good.ok, good
+    assert [r.ok for r in bad] == [False] * len(faults), bad
