@@ -17,6 +17,13 @@ The bf16 pull kernel quantizes nothing; its oracle keeps the FC1 output unrounde
 SwiGLU and weights the SwiGLU output before its bf16 rounding (`SM90_RECIPES[BF16_PULL]`),
 the recipe its drop's own reference passes on CPU at these sizes, EP1 and EP2
 (`test_drop_reference_conformance.py`). It has no portable twin yet.
+
+The MXFP4 pull kernel's oracle is `fmt="fp8_mxfp4"` with its config's clamp and the top-k
+weight before FC2 (`SM90_RECIPES[MXFP4_PULL]`); its drop ships no reference, and its CPU
+twin `any_fp8_mxfp4_bf16_torch` runs the same jobs on CPU (`test_sm90_gpu_cases.py`). Its
+weights reach the kernel folded into the tiles `tile_fold` derives from the drop's
+mainloop (checked on CPU against a restatement of it, never against the hardware: a wrong
+fold fails every job here by far more than the band).
 """
 
 from __future__ import annotations
@@ -27,7 +34,16 @@ import pytest
 import torch
 from backend_hw import require_capability
 from gpu_jobs import EP1_JOBS, Job, ep1_jobs
-from sm90_gpu_cases import BF16_PULL, CASES, PULL, PUSH, GpuCase, problem_for, sm90_reports
+from sm90_gpu_cases import (
+    BF16_PULL,
+    CASES,
+    MXFP4_PULL,
+    PULL,
+    PUSH,
+    GpuCase,
+    problem_for,
+    sm90_reports,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -70,14 +86,14 @@ def _check(case: GpuCase, world_size: int, kernel: str) -> None:
     assert report.ok, f"{case.name}: {report}"
 
 
-@pytest.mark.parametrize("kernel", [PULL, BF16_PULL])
+@pytest.mark.parametrize("kernel", [PULL, BF16_PULL, MXFP4_PULL])
 @pytest.mark.parametrize("name", list(EP1_JOBS))
 def test_pull_matches_oracle_ep1(name, kernel):
     _check_ep1(name, kernel)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kernel", [PULL, BF16_PULL])
+@pytest.mark.parametrize("kernel", [PULL, BF16_PULL, MXFP4_PULL])
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
 def test_pull_matches_oracle_multirank(case, kernel):
     require_capability((9, 0), "Hopper (sm_90)")
@@ -149,3 +165,24 @@ def test_bf16_pull_staging_on_gpu_matches_cpu_bytes():
     w_gpu = prepare_bf16_pull_weights(p["w13"].cuda(), p["w2"].cuda())
     assert w_gpu.w13.stride() == w_cpu.w13.stride() and w_gpu.w2.stride() == w_cpu.w2.stride()
     assert torch.equal(w_gpu.w13.cpu(), w_cpu.w13) and torch.equal(w_gpu.w2.cpu(), w_cpu.w2)
+
+
+def test_mxfp4_pull_staging_and_weights_on_gpu_match_cpu_bytes():
+    require_capability((9, 0), "Hopper (sm_90)")
+    from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import (
+        mxfp4_pull_legs,
+        stage_mxfp4_hybrid_inputs,
+    )
+
+    p = problem_for(GpuCase("staging", pad_frac=0.2), 1, MXFP4_PULL)
+    cpu = stage_mxfp4_hybrid_inputs(p["x"], p["ids"], p["w"], max_tokens=128)
+    gpu = stage_mxfp4_hybrid_inputs(p["x"].cuda(), p["ids"].cuda(), p["w"].cuda(), max_tokens=128)
+    assert torch.equal(gpu.activation.cpu().view(torch.uint8), cpu.activation.view(torch.uint8))
+    for name in ("activation_scales", "topk_ids", "topk_weights"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    legs_cpu = mxfp4_pull_legs(p["w13"], p["w2"])
+    legs_gpu = mxfp4_pull_legs(p["w13"].cuda(), p["w2"].cuda())
+    for a, b in zip(legs_gpu, legs_cpu, strict=True):
+        assert a.weight.stride() == b.weight.stride()
+        for name in ("weight", "offsets", "scale"):
+            assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), name
