@@ -37,6 +37,7 @@ CONFIG_MODULES = (
     "moe_ep_sm100.common.config",
     "moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.config",
     "moe_ep_sm100.kernels.sm100_mxfp8_mxfp8_bf16_cutedsl.config",
+    "moe_ep_sm100.kernels.sm100_mxfp8_mxfp4_bf16_cutedsl.config",
     "moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.config",
 )
 

@@ -56,6 +56,7 @@ CHECKERS = {
     ),
     "sm100_nvfp4_nvfp4_bf16_cutedsl": ("moe_ep_sm100.common.cutedsl", ("check_sm100_pack",)),
     "sm100_mxfp8_mxfp8_bf16_cutedsl": ("moe_ep_sm100.common.cutedsl", ("check_sm100_pack",)),
+    "sm100_mxfp8_mxfp4_bf16_cutedsl": ("moe_ep_sm100.common.cutedsl", ("check_sm100_pack",)),
     "sm100_fp8_fp4_bf16_deepgemm": (
         "moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.kernel",
         ("_checked_intermediate",),

@@ -94,10 +94,12 @@ POOL: WorkspacePool[CompiledEntry] = WorkspacePool(free=free_entry)
 
 
 class Sm100CutedslKernel(CutedslMegaKernel):
-    """Base of the two sm100 CuTe DSL kernels: availability, pack checks, pool; the
-    lifecycle is core's `CutedslMegaKernel`. The output is local: with the separate top-k
-    reduce, peers write the kernel's own staging in the shared workspace, and the local
-    reduce writes `output_activation` (the drop's runners do the same).
+    """Base of the sm100 CuTe DSL kernels: availability, pack checks, pool; the
+    lifecycle is core's `CutedslMegaKernel` (`sm100_mxfp8_mxfp4_bf16_cutedsl`, from another
+    drop, overrides the availability and the combine region). The output is local: with
+    the separate top-k reduce, peers write the kernel's own staging in the shared
+    workspace, and the local reduce writes `output_activation` (the drop's runners do the
+    same).
     """
 
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements(cuda=True, nvshmem=True)
@@ -181,6 +183,7 @@ def fake_tensor(spec: ArgSpec) -> Any:
         "fp8_e4m3": cutlass.Float8E4M3FN,
         "e8m0": cutlass.Float8E8M0FNU,
         "float32": cutlass.Float32,
+        "int32": cutlass.Int32,
         "int64": cutlass.Int64,
         "bfloat16": cutlass.BFloat16,
         "uint8": cutlass.Uint8,
