@@ -21,6 +21,7 @@ EXPECTED = {
     ("fp8", "fp4"): "fp8_fp4",
     ("fp8", "mxfp4"): "fp8_mxfp4",
     ("fp8", "nvfp4"): "fp8_nvfp4",
+    ("mxfp8", "mxfp4"): "mxfp8_mxfp4",
 }
 
 

@@ -19,6 +19,7 @@ PORTABLE = {
     "any_fp8_fp4_bf16_torch",
     "any_fp8_mxfp4_bf16_torch",
     "any_fp8_nvfp4_bf16_torch",
+    "any_mxfp8_mxfp4_bf16_torch",
 }
 GPU = {
     "sm100_fp8_fp4_bf16_deepgemm": "deep_gemm_mega",

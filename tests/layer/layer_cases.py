@@ -16,6 +16,7 @@ KERNELS = {
     "fp8_fp4": "any_fp8_fp4_bf16_torch",
     "fp8_mxfp4": "any_fp8_mxfp4_bf16_torch",
     "fp8_nvfp4": "any_fp8_nvfp4_bf16_torch",
+    "mxfp8_mxfp4": "any_mxfp8_mxfp4_bf16_torch",
 }
 
 

@@ -21,6 +21,7 @@ from moe_ep.backends.portable.recipes import (
     Fp8BlockRecipe,
     Fp8Fp4Recipe,
     Fp8Nvfp4Recipe,
+    Mxfp8Mxfp4Recipe,
     Mxfp8Recipe,
     Nvfp4Recipe,
     PreparedWeights,
@@ -258,6 +259,7 @@ QUANTIZED: dict[str, Recipe] = {
     "nvfp4": Nvfp4Recipe(act_global_scale=3.0, hidden_global_scale=0.5),
     "fp8_fp4": Fp8Fp4Recipe(),
     "fp8_nvfp4": Fp8Nvfp4Recipe(),  # e4m3 operand codes, no scales, alpha 8 * G
+    "mxfp8_mxfp4": Mxfp8Mxfp4Recipe(),
 }
 
 
@@ -307,6 +309,7 @@ CASES: dict[str, tuple[Recipe, int, int]] = {  # recipe, H, I
     "nvfp4": (Nvfp4Recipe(act_global_scale=2.0, hidden_global_scale=4.0), 64, 32),
     "fp8_fp4": (Fp8Fp4Recipe(), 64, 32),
     "fp8_nvfp4": (Fp8Nvfp4Recipe(), 128, 64),
+    "mxfp8_mxfp4": (Mxfp8Mxfp4Recipe(), 64, 32),
 }
 
 

@@ -94,6 +94,7 @@ def test_demo_checks_every_portable_format(capsys: pytest.CaptureFixture[str]) -
         "any_fp8_fp4_bf16_torch",
         "any_fp8_mxfp4_bf16_torch",
         "any_fp8_nvfp4_bf16_torch",
+        "any_mxfp8_mxfp4_bf16_torch",
     ):
         line = next(row for row in out.splitlines() if kernel in row)
         assert " ok " in line, line

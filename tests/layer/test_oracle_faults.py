@@ -46,6 +46,7 @@ WEIGHT_BLOCK = {
     "fp8_fp4": (1, 32),
     "fp8_mxfp4": (1, 32),
     "fp8_nvfp4": (1, 16),
+    "mxfp8_mxfp4": (1, 32),
 }
 """Rows x columns of the weights covered by one scale (the format's weight recipe)."""
 
@@ -389,7 +390,7 @@ def _k_halves(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return a[:, h:].float() @ w[h:].float() + a[:, :h].float() @ w[:h].float()
 
 
-FC1_EXACT = ("nvfp4", "fp8_fp4")
+FC1_EXACT = ("nvfp4", "fp8_fp4", "mxfp8_mxfp4")
 """e2m1 weights: FC1 sums few-bit products that fp32 holds exactly on these problems, so the
 FC1 variations change no bit there (asserted); the quantizer variation below does."""
 HONEST: dict[str, Callable[[Run], torch.Tensor]] = {

@@ -42,10 +42,11 @@ __all__ = [
     "tolerance_band",
 ]
 
-FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4", "fp8_fp4", "fp8_mxfp4", "fp8_nvfp4")
+FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4", "fp8_fp4", "fp8_mxfp4", "fp8_nvfp4", "mxfp8_mxfp4")
 """Activation/weight formats, named as in `any_<fmt>_..._torch` (fp8_fp4: act fp8, w fp4;
 fp8_mxfp4: the sm90 MXFP4 kernel's `mxfp4_hybrid` recipe, `moe_ep.quant.mxfp4_hybrid`;
-fp8_nvfp4: the sm90 NVFP4 kernel's, the same activations, `moe_ep.quant.nvfp4_hopper`)."""
+fp8_nvfp4: the sm90 NVFP4 kernel's, the same activations, `moe_ep.quant.nvfp4_hopper`;
+mxfp8_mxfp4: the sm100 MXFP4 x MXFP8 kernel's, normal E8M0 scales on FC1 input and weights)."""
 
 EPS_BF16 = 2.0**-7
 # Largest spacing of the FC2-input format's grid relative to the value rounded (one flip).
@@ -56,11 +57,13 @@ _ACT_REL_STEP = {
     "fp8_fp4": 2.0**-3,
     "fp8_mxfp4": 2.0**-3,
     "fp8_nvfp4": 2.0**-3,
+    "mxfp8_mxfp4": 2.0**-3,
     "nvfp4": 1.0,
 }
 # Stored mantissa bits of the FC2-input element format (bf16, e4m3, e2m1): `global_bound`.
 _ACT_MANTISSA_BITS = {
-    "bf16": 7, "fp8": 3, "mxfp8": 3, "fp8_fp4": 3, "fp8_mxfp4": 3, "fp8_nvfp4": 3, "nvfp4": 1,
+    "bf16": 7, "fp8": 3, "mxfp8": 3, "fp8_fp4": 3, "fp8_mxfp4": 3, "fp8_nvfp4": 3,
+    "mxfp8_mxfp4": 3, "nvfp4": 1,
 }  # fmt: skip
 _FLIP_CHUNK = 32
 DEFAULT_ULPS = 4.0
@@ -102,8 +105,9 @@ def _qdq_act(
     if fmt in ("fp8_mxfp4", "fp8_nvfp4"):
         d, s = quant.quantize_fp8_per_token_hybrid(x, check_finite=False)
         return quant.dequantize_fp8_per_row(d, s).double()
-    if fmt == "mxfp8":
-        d, s = quant.quantize_mxfp8(x, rule="ceil", check_finite=False)
+    if fmt in ("mxfp8", "mxfp8_mxfp4"):  # mxfp8_mxfp4's FC1 input: normal scales
+        normal = fmt == "mxfp8_mxfp4" and not fc2
+        d, s = quant.quantize_mxfp8(x, rule="ceil", check_finite=False, normal_scales=normal)
         return quant.dequantize_mxfp8(d, s).double()
     if fmt == "nvfp4":
         p, s = quant.quantize_nvfp4(x, norm_const=global_scale, check_finite=False)
@@ -120,8 +124,9 @@ def _qdq_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor |
         return quant.dequantize_fp8_blockwise(d, s, block=(128, 128)).double(), None
     if fmt == "mxfp8":
         return quant.dequantize_mxfp8(*quant.quantize_mxfp8(w, rule="ceil")).double(), None
-    if fmt == "fp8_fp4":
-        return quant.dequantize_mxfp4(*quant.quantize_mxfp4(w, rule="ceil")).double(), None
+    if fmt in ("fp8_fp4", "mxfp8_mxfp4"):  # mxfp8_mxfp4: normal scales
+        p, s = quant.quantize_mxfp4(w, rule="ceil", normal_scales=fmt == "mxfp8_mxfp4")
+        return quant.dequantize_mxfp4(p, s).double(), None
     if fmt == "fp8_mxfp4":  # the sm90 kernel's exponent range, clamped per expert
         p, s = quant.clamp_mxfp4_exponent_range(*quant.quantize_mxfp4(w, rule="ceil"))
         return quant.dequantize_mxfp4(p, s).double(), None

@@ -11,8 +11,11 @@ x ~= element * X. Two exponent rules, chosen with `rule=`:
 
 Both: an all-zero block gets byte 0; e is clamped to [-127, 127]. Elements are x * 2**-e
 (exact in fp32), clamped to +-fmax, then rounded to nearest even (fp8: torch cast; e2m1:
-`round_to_e2m1_codes`). With `check_finite=False`, a block holding NaN / inf gets byte 255
-(NaN) and NaN elements (fp8; e2m1 has no NaN code), `moe_ep.quant.nonfinite`.
+`round_to_e2m1_codes`). `normal_scales=True` floors e at -126 (every scale a normal fp32;
+an all-zero block gets byte 1), as the sm100 MXFP4 x MXFP8 kernel's activation staging
+(`mxfp8_normal_scales`) and its host weight quantizer do (docs/quant.md). With
+`check_finite=False`, a block holding NaN / inf gets byte 255 (NaN) and NaN elements (fp8;
+e2m1 has no NaN code), `moe_ep.quant.nonfinite`.
 
 mxfp4 defaults to the ceil rule: with e2m1, fmax = 6 = 1.5 * 2**2, so the OCP rule clips
 every element above 6 * X (up to a quarter of the block max is lost on the largest element),
@@ -65,15 +68,17 @@ __all__ = [
 
 MX_BLOCK = 32
 MX_RULES = ("ceil", "ocp")
+_NORMAL_MIN_EXP = -126  # the smallest normal fp32 exponent
 
 
 def mx_block_exponents(
-    amax: torch.Tensor, *, fmax: float, emax: int, rule: str
+    amax: torch.Tensor, *, fmax: float, emax: int, rule: str, normal_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared exponents of blocks with the given amax -> (int32 e in [-127, 127], E8M0 bytes).
 
     All-zero blocks get e = 0 (elements are zero anyway) and byte 0; non-finite blocks (NaN
-    or inf amax) get e = 0 and byte 255 (NaN).
+    or inf amax) get e = 0 and byte 255 (NaN). `normal_scales`: e at least -126, all-zero
+    blocks byte 1.
     """
     if rule == "ceil":
         exp = exact_ceil_log2_ratio(amax, fmax)
@@ -81,10 +86,15 @@ def mx_block_exponents(
         exp = floor_log2(amax) - emax
     else:
         raise MoeEpUsageError(f"rule must be one of {MX_RULES}, got {rule!r}")
+    if type(normal_scales) is not bool:
+        raise MoeEpUsageError(f"normal_scales must be a bool, got {normal_scales!r}")
     zero = amax == 0
     finite = torch.isfinite(amax)
-    exp = torch.where(zero | ~finite, torch.zeros_like(exp), exp.clamp(-127, 127))
+    lowest = _NORMAL_MIN_EXP if normal_scales else -127
+    exp = torch.where(zero | ~finite, torch.zeros_like(exp), exp.clamp(lowest, 127))
     byte = e8m0_exponent_to_bytes(exp, zero)
+    if normal_scales:
+        byte = torch.where(zero, torch.full_like(byte, _NORMAL_MIN_EXP + 127), byte)
     return exp, torch.where(finite, byte, torch.full_like(byte, E8M0_NAN))
 
 
@@ -112,6 +122,7 @@ def quantize_mxfp8(
     rule: str = "ceil",
     scale_dtype: torch.dtype = torch.uint8,
     check_finite: bool = True,
+    normal_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """mxfp8: fp8 elements, one E8M0 scale per 32 elements along K.
 
@@ -121,13 +132,16 @@ def quantize_mxfp8(
         rule: `"ceil"` (kernels, DeepGEMM) or `"ocp"` (OCP MX v1.0); see the module doc.
         scale_dtype: `torch.uint8` or `torch.float8_e8m0fnu` (same bytes).
         check_finite: reject NaN / inf (a host sync on CUDA).
+        normal_scales: exponents at least -126, all-zero blocks byte 1 (see the module doc).
 
     Returns:
         `(data [..., K] dtype, scales [..., K/32] scale_dtype)`.
     """
     fmax, emax = fp8_dtype_info(dtype)
     xv, amax = _blocks(x, "mxfp8", check_finite)
-    exp, byte = mx_block_exponents(amax, fmax=fmax, emax=emax, rule=rule)
+    exp, byte = mx_block_exponents(
+        amax, fmax=fmax, emax=emax, rule=rule, normal_scales=normal_scales
+    )
     data = xv.mul_(_element_multiplier(exp, amax)).clamp_(-fmax, fmax).to(dtype)
     return data.view(x.shape), as_scale_dtype(
         byte.view(*x.shape[:-1], x.shape[-1] // MX_BLOCK), scale_dtype
@@ -153,6 +167,7 @@ def quantize_mxfp4(
     rule: str = "ceil",
     scale_dtype: torch.dtype = torch.uint8,
     check_finite: bool = True,
+    normal_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """mxfp4: e2m1 elements packed two per byte, one E8M0 scale per 32 elements along K.
 
@@ -161,13 +176,16 @@ def quantize_mxfp4(
         rule: `"ceil"` (default, see the module doc for why) or `"ocp"`.
         scale_dtype: `torch.uint8` or `torch.float8_e8m0fnu`.
         check_finite: reject NaN / inf (a host sync on CUDA).
+        normal_scales: exponents at least -126, all-zero blocks byte 1 (see the module doc).
 
     Returns:
         `(packed [..., K/2] uint8, scales [..., K/32] scale_dtype)`; element 2i is in the low
         nibble of byte i.
     """
     xv, amax = _blocks(x, "mxfp4", check_finite)
-    exp, byte = mx_block_exponents(amax, fmax=E2M1_MAX, emax=E2M1_EMAX, rule=rule)
+    exp, byte = mx_block_exponents(
+        amax, fmax=E2M1_MAX, emax=E2M1_EMAX, rule=rule, normal_scales=normal_scales
+    )
     # 2**-e * 2**-6 >= 2**-133 is still exact in fp32 (subnormal); see e2m1_codes_from_shifted.
     codes = e2m1_codes_from_shifted(xv.mul_(_element_multiplier(exp, amax, E2M1_TO_E4M3_SHIFT)))
     packed = pack_e2m1(codes.view(x.shape))

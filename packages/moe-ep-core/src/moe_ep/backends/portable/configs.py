@@ -17,6 +17,7 @@ __all__ = [
     "Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig",
     "Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig",
     "Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig",
+    "Any_Mxfp8_Mxfp4_Bf16_Torch_MegaMoeConfig",
     "Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig",
     "Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig",
     "PortableConfig",
@@ -154,3 +155,12 @@ class Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig(PortableConfig):
     `moe_ep.backends.portable.recipes.Fp8Nvfp4Recipe`."""
 
     kernel_name: ClassVar[str] = "any_fp8_nvfp4_bf16_torch"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Any_Mxfp8_Mxfp4_Bf16_Torch_MegaMoeConfig(PortableConfig):
+    """The sm100 MXFP4 x MXFP8 kernel's recipe: mxfp8 activations, mxfp4 weights (normal
+    E8M0 scales); H and I multiples of 128; see
+    `moe_ep.backends.portable.recipes.Mxfp8Mxfp4Recipe`."""
+
+    kernel_name: ClassVar[str] = "any_mxfp8_mxfp4_bf16_torch"

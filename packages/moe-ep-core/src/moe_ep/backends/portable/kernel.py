@@ -14,6 +14,7 @@ from moe_ep.backends.portable.configs import (
     Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig,
+    Any_Mxfp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
     Any_Mxfp8_Mxfp8_Bf16_Torch_MegaMoeConfig,
     Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig,
     PortableConfig,
@@ -26,6 +27,7 @@ from moe_ep.backends.portable.recipes import (
     Fp8Fp4Recipe,
     Fp8Mxfp4Recipe,
     Fp8Nvfp4Recipe,
+    Mxfp8Mxfp4Recipe,
     Mxfp8Recipe,
     Nvfp4Recipe,
     Recipe,
@@ -45,6 +47,7 @@ __all__ = [
     "Fp8Mxfp4TorchKernel",
     "Fp8Nvfp4TorchKernel",
     "Fp8TorchKernel",
+    "Mxfp8Mxfp4TorchKernel",
     "Mxfp8TorchKernel",
     "Nvfp4TorchKernel",
     "PortableTorchKernel",
@@ -231,3 +234,15 @@ class Fp8Nvfp4TorchKernel(PortableTorchKernel):
     @classmethod
     def make_recipe(cls, config: KernelConfig) -> Recipe:
         return Fp8Nvfp4Recipe()
+
+
+@register_mega_kernel("any_mxfp8_mxfp4_bf16_torch")
+class Mxfp8Mxfp4TorchKernel(PortableTorchKernel):
+    """mxfp8 (normal FC1-input scales) x mxfp4: the oracle of sm100_mxfp8_mxfp4_bf16_cutedsl."""
+
+    oracle_format = "mxfp8_mxfp4"
+    config_cls = Any_Mxfp8_Mxfp4_Bf16_Torch_MegaMoeConfig
+
+    @classmethod
+    def make_recipe(cls, config: KernelConfig) -> Recipe:
+        return Mxfp8Mxfp4Recipe()

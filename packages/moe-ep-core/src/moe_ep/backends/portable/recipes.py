@@ -26,6 +26,8 @@ Formats (each matches the GPU kernel of the same taxonomy name; see docs/layer.m
     fp8_nvfp4 the sm90 NVFP4 x FP8 kernel: fp8_mxfp4's activations, nvfp4 weights with a
             per-expert decode scale, as the kernel's e4m3 operand `RN_E4M3(e2m1 * scale /
             8)` times `8 * G` (`moe_ep.quant.nvfp4_hopper`).
+    mxfp8_mxfp4 the sm100 MXFP4 x MXFP8 kernel: mxfp8's activations with the FC1 input's
+            exponents floored at -126 (normal scales), weights mxfp4 (ceil, likewise).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "Fp8Fp4Recipe",
     "Fp8Mxfp4Recipe",
     "Fp8Nvfp4Recipe",
+    "Mxfp8Mxfp4Recipe",
     "Mxfp8Recipe",
     "Nvfp4Recipe",
     "PreparedWeights",
@@ -330,6 +333,8 @@ class Mxfp8Recipe(Recipe):
     quantized_weight_dtypes = (torch.float8_e4m3fn,)
     k_multiple = 32
     scale_desc = "E8M0 uint8"
+    act_normal_scales = False
+    """FC1-input exponents at least -126 (`quant.quantize_mxfp8(normal_scales=)`)."""
 
     def scale_shape(self, w: torch.Tensor) -> tuple[int, ...]:
         e, rows, cols = (int(d) for d in w.shape)
@@ -339,7 +344,9 @@ class Mxfp8Recipe(Recipe):
         return hidden + hidden // 32
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        data, scales = quant.quantize_mxfp8(x, check_finite=False)
+        data, scales = quant.quantize_mxfp8(
+            x, check_finite=False, normal_scales=self.act_normal_scales
+        )
         return torch.cat([_bytes(data), scales], dim=1)
 
     def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -446,12 +453,13 @@ class Fp8Fp4Recipe(Fp8BlockRecipe):
 
 
 def _mxfp4_weight(
-    w: torch.Tensor, s: torch.Tensor | None, *, clamp_range: bool
+    w: torch.Tensor, s: torch.Tensor | None, *, clamp_range: bool, normal_scales: bool = False
 ) -> tuple[torch.Tensor, StoredWeight | None]:
-    """mxfp4 weights (quantized with the ceil rule unless `s` is given), optionally with the
-    sm90 kernel's per-expert exponent-range clamp -> (dequantized fp32, codes and scales)."""
+    """mxfp4 weights (quantized with the ceil rule, `normal_scales` as given, unless `s` is
+    given), optionally with the sm90 kernel's per-expert exponent-range clamp ->
+    (dequantized fp32, codes and scales)."""
     if s is None:
-        w, s = quant.quantize_mxfp4(w)
+        w, s = quant.quantize_mxfp4(w, normal_scales=normal_scales)
     if clamp_range:
         w, s = quant.clamp_mxfp4_exponent_range(w, s.view(torch.uint8))
     return quant.dequantize_mxfp4(w, s), _stored(w, s, "e8m0", 32)
@@ -571,3 +579,26 @@ class Fp8Nvfp4Recipe(_HybridFp8Recipe):
         w2, alpha2, stored2 = self._weight(weights.w2, weights.w2_scale, weights.w2_global_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
         return PreparedWeights(w13t, w2t, alpha13, alpha2, stored13, stored2)
+
+
+class Mxfp8Mxfp4Recipe(Mxfp8Recipe):
+    """The sm100 MXFP4 x MXFP8 kernel (`sm100_mxfp8_mxfp4_bf16_cutedsl`): mxfp8 activations
+    (e4m3, E8M0 per 32, ceil rule; the FC1 input with normal scales, exponents >= -126, as
+    its staging; the FC2 input as mxfp8's, in-kernel), mxfp4 weights (e2m1, E8M0 per 32,
+    ceil rule, normal scales, as its host quantizer). H and I multiples of 128."""
+
+    name = "mxfp8_mxfp4"
+    quantized_weight_dtypes = (torch.uint8,)
+    k_multiple = 128
+    act_normal_scales = True
+    scale_shape = Fp8Fp4Recipe.scale_shape  # mxfp4 packs: one E8M0 byte per 32
+
+    def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
+        w13, stored13 = _mxfp4_weight(
+            weights.w13, weights.w13_scale, clamp_range=False, normal_scales=True
+        )
+        w2, stored2 = _mxfp4_weight(
+            weights.w2, weights.w2_scale, clamp_range=False, normal_scales=True
+        )
+        w13t, w2t = _layout(w13, w2, torch.float32)
+        return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
