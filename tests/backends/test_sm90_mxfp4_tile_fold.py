@@ -171,7 +171,7 @@ def _swapped_only(packed: torch.Tensor) -> torch.Tensor:
     from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl import tile_fold
 
     codes = quant.unpack_e2m1(packed)
-    return quant.pack_e2m1(tile_fold._swap_row_col_bits(codes, to_physical=True).contiguous())
+    return quant.pack_e2m1(tile_fold._move_codes(codes, to_physical=True).contiguous())
 
 
 def _unfolded_as_folded(offsets: torch.Tensor) -> torch.Tensor:

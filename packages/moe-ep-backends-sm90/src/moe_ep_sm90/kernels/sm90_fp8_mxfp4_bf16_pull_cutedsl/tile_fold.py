@@ -8,9 +8,9 @@ and `convert_mxfp4_pair_preprocessed_signs` turns each 32-bit word of 8 codes in
 bytes of the A fragment: byte t takes its exponent and mantissa from code t of the word
 and its sign from code `SIGN_HOLDER[t]`. Written out on a `[N, K]` grid of codes, with
 `n = 16G + 8a + r` and `k = 32g + 16b + 4c + q` (r < 8, c, q < 4, a, b < 2), the logical
-code `(n, k)` lives at physical row `16G + 8b + r`, column `32g + 8c + 4a + q` (bit `a` of the
-row and bit `b` of the column trade places: an e4m3 fragment register holds rows r and r+8,
-an `ldmatrix` register one row), with the signs of each 8-code word permuted.
+code `(n, k)` lives at physical row `16G + 8b + r`, column `32g + 8c + 4a + q` (an e4m3
+fragment's values span rows r and r+8 and columns +16, an `ldmatrix` register holds one
+row), with the signs of each 8-code word permuted.
 
 Offsets (one byte per row and K32 group) fold per 64 rows x 128 columns into a 16 x 16 byte
 block (`make_expanded_offset_view`, the drop's `SmemLayoutWeightScaleExpanded`):
@@ -60,8 +60,8 @@ def _grid(codes: torch.Tensor) -> tuple[int, int, int]:
     return e, n, k
 
 
-def _swap_row_col_bits(codes: torch.Tensor, *, to_physical: bool) -> torch.Tensor:
-    """`[E, N, K]` codes with row bit 3 and column bit 4 traded (see the module doc)."""
+def _move_codes(codes: torch.Tensor, *, to_physical: bool) -> torch.Tensor:
+    """`[E, N, K]` codes moved between their logical and physical grid positions."""
     e, n, k = _grid(codes)
     # logical dims (E, G, a, r, g, b, c, q) <-> physical (E, G, b, r, g, c, a, q)
     if to_physical:
@@ -83,14 +83,14 @@ def fold_codes(packed: torch.Tensor) -> torch.Tensor:
     """Logical `[E, N, K/2]` packed e2m1 codes (N % 16, K % 32 == 0) -> the physical bytes,
     same shape, the kernel's `[E, K/2, N]` K-major weight once transposed."""
     codes = quant.unpack_e2m1(packed)
-    physical = _move_signs(_swap_row_col_bits(codes, to_physical=True), _SIGN_OF)
+    physical = _move_signs(_move_codes(codes, to_physical=True), _SIGN_OF)
     return quant.pack_e2m1(physical.contiguous())
 
 
 def unfold_codes(physical: torch.Tensor) -> torch.Tensor:
     """Inverse of `fold_codes`."""
     codes = _move_signs(quant.unpack_e2m1(physical), SIGN_HOLDER)
-    return quant.pack_e2m1(_swap_row_col_bits(codes, to_physical=False).contiguous())
+    return quant.pack_e2m1(_move_codes(codes, to_physical=False).contiguous())
 
 
 def fold_offsets(offsets: torch.Tensor) -> torch.Tensor:
