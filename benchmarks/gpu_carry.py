@@ -53,7 +53,13 @@ BUILD_WHEELS = {
 """What `pip install -e --no-build-isolation` of our packages needs there (hatchling's
 other needs, packaging / pathspec / pluggy, are on the image)."""
 
-DROPS = ("sm90_pull_cutedsl", "sm90_push_cuda", "sm90_push_cuda_deps", "sm100_cutedsl_megamoe")
+DROPS = (
+    "sm90_pull_cutedsl",
+    "sm90_pull_nvfp4",
+    "sm90_push_cuda",
+    "sm90_push_cuda_deps",
+    "sm100_cutedsl_megamoe",
+)
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64")  # fmt: skip
 MANIFEST = "manifest.json"

@@ -18,6 +18,7 @@ PULL = "sm90_fp8_fp8_bf16_pull_cutedsl"
 PUSH = "sm90_fp8_fp8_bf16_push_cuda"
 BF16_PULL = "sm90_bf16_bf16_bf16_pull_cutedsl"
 MXFP4_PULL = "sm90_fp8_mxfp4_bf16_pull_cutedsl"
+NVFP4_PULL = "sm90_fp8_nvfp4_bf16_pull_cutedsl"
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,10 @@ class Sm90Recipe:
     to bf16, as its drop's reference's "deepgemm" graph. The MXFP4 pull kernel:
     `fmt="fp8_mxfp4"` (`mxfp4_hybrid`: one fp32 scale per token, mxfp4 weights clamped to 11
     binades per expert, the FC2 input in 1x64 blocks), the top-k weight before FC2, and its
-    config's default gate/up clamp 10.0 (`swiglu_clamp`); its drop ships no reference.
+    config's default gate/up clamp 10.0 (`swiglu_clamp`); its drop ships no reference. The
+    NVFP4 pull kernel: the same with `fmt="fp8_nvfp4"` (nvfp4 weights with a per-expert
+    decode scale, the e4m3 operand `RN_E4M3(e2m1 * scale / 8)`, `8 * G` per expert); its
+    config inherits the clamp 10.0.
     With these the oracle computes with the kernel's own weight values bit for bit, so the
     problems use ordinary random weights; `test_drop_reference_conformance.py` checks the
     pull recipe against the drop's own reference."""
@@ -90,6 +94,7 @@ SM90_RECIPES = {
         None, topk_weight_before_fc2=True, fmt="bf16", fc1_output_high_precision=True
     ),
     MXFP4_PULL: Sm90Recipe(None, topk_weight_before_fc2=True, fmt="fp8_mxfp4", swiglu_clamp=10.0),
+    NVFP4_PULL: Sm90Recipe(None, topk_weight_before_fc2=True, fmt="fp8_nvfp4", swiglu_clamp=10.0),
 }
 
 
@@ -217,17 +222,20 @@ def sm90_reference(case: GpuCase, world_size: int, kernel: str) -> Any:
 
 def cpu_twin(kernel: str) -> Any:
     """The portable config that quantizes exactly as sm90 `kernel` does (runs on CPU): the
-    portable fp8 kernel with the recipe's options, or `any_fp8_mxfp4_bf16_torch` for the
-    MXFP4 pull kernel. The bf16 pull kernel has none yet: the portable bf16 kernel rounds
-    its FC1 output to bf16, the fused kernel does not (`Sm90Recipe.fc1_output_high_precision`)."""
+    portable fp8 kernel with the recipe's options, or `any_fp8_mxfp4_bf16_torch` /
+    `any_fp8_nvfp4_bf16_torch` for the MXFP4 / NVFP4 pull kernels. The bf16 pull kernel has
+    none yet: the portable bf16 kernel rounds its FC1 output to bf16, the fused kernel does
+    not (`Sm90Recipe.fc1_output_high_precision`)."""
     from moe_ep.backends.portable.configs import (
         Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
         Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
+        Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig,
     )
 
     twins = {
         "fp8": Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
         "fp8_mxfp4": Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
+        "fp8_nvfp4": Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig,
     }
     recipe = SM90_RECIPES[kernel]
     if recipe.fmt not in twins:
@@ -243,8 +251,11 @@ def backend_for(case: GpuCase, kernel: str) -> Any:
         Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig,
         Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig,
         Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig,
+        Sm90_Fp8_Nvfp4_Bf16_PullCutedsl_MegaMoeConfig,
     )
 
+    if kernel == NVFP4_PULL:
+        return Sm90_Fp8_Nvfp4_Bf16_PullCutedsl_MegaMoeConfig(top_k=case.topk)
     if kernel == MXFP4_PULL:
         return Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig(top_k=case.topk)
     if kernel == BF16_PULL:

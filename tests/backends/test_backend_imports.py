@@ -89,6 +89,7 @@ GPU_KERNELS = (
     "sm90_fp8_fp8_bf16_pull_cutedsl",
     "sm90_fp8_fp8_bf16_push_cuda",
     "sm90_fp8_mxfp4_bf16_pull_cutedsl",
+    "sm90_fp8_nvfp4_bf16_pull_cutedsl",
     "sm100_nvfp4_nvfp4_bf16_cutedsl",
     "sm100_mxfp8_mxfp8_bf16_cutedsl",
     "sm100_mxfp8_mxfp4_bf16_cutedsl",

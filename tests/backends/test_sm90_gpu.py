@@ -24,6 +24,11 @@ twin `any_fp8_mxfp4_bf16_torch` runs the same jobs on CPU (`test_sm90_gpu_cases.
 weights reach the kernel folded into the tiles `tile_fold` derives from the drop's
 mainloop (checked on CPU against a restatement of it, never against the hardware: a wrong
 fold fails every job here by far more than the band).
+
+The NVFP4 pull kernel's oracle is `fmt="fp8_nvfp4"` (`SM90_RECIPES[NVFP4_PULL]`), its CPU
+twin `any_fp8_nvfp4_bf16_torch`; its weights reach the kernel K-permuted (`nvfp4_kperm`,
+default 64, the staged activations alike) and in the MXFP4 kernel's tiles, which its
+conversion reads through the same LDSM views (checked on CPU only, as above).
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ import functools
 import pytest
 import torch
 from backend_hw import require_capability
+from backend_testing import assert_gpu_staging_equals_cpu
 from gpu_jobs import EP1_JOBS, Job, ep1_jobs
 from sm90_gpu_cases import (
     BF16_PULL,
     CASES,
     MXFP4_PULL,
+    NVFP4_PULL,
     PULL,
     PUSH,
     GpuCase,
@@ -86,14 +93,14 @@ def _check(case: GpuCase, world_size: int, kernel: str) -> None:
     assert report.ok, f"{case.name}: {report}"
 
 
-@pytest.mark.parametrize("kernel", [PULL, BF16_PULL, MXFP4_PULL])
+@pytest.mark.parametrize("kernel", [PULL, BF16_PULL, MXFP4_PULL, NVFP4_PULL])
 @pytest.mark.parametrize("name", list(EP1_JOBS))
 def test_pull_matches_oracle_ep1(name, kernel):
     _check_ep1(name, kernel)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kernel", [PULL, BF16_PULL, MXFP4_PULL])
+@pytest.mark.parametrize("kernel", [PULL, BF16_PULL, MXFP4_PULL, NVFP4_PULL])
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
 def test_pull_matches_oracle_multirank(case, kernel):
     require_capability((9, 0), "Hopper (sm_90)")
@@ -174,15 +181,35 @@ def test_mxfp4_pull_staging_and_weights_on_gpu_match_cpu_bytes():
         stage_mxfp4_hybrid_inputs,
     )
 
-    p = problem_for(GpuCase("staging", pad_frac=0.2), 1, MXFP4_PULL)
-    cpu = stage_mxfp4_hybrid_inputs(p["x"], p["ids"], p["w"], max_tokens=128)
-    gpu = stage_mxfp4_hybrid_inputs(p["x"].cuda(), p["ids"].cuda(), p["w"].cuda(), max_tokens=128)
-    assert torch.equal(gpu.activation.cpu().view(torch.uint8), cpu.activation.view(torch.uint8))
-    for name in ("activation_scales", "topk_ids", "topk_weights"):
-        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    assert_gpu_staging_equals_cpu(stage_mxfp4_hybrid_inputs, 256)
+    p = problem_for(GpuCase("staging"), 1, MXFP4_PULL)
     legs_cpu = mxfp4_pull_legs(p["w13"], p["w2"])
     legs_gpu = mxfp4_pull_legs(p["w13"].cuda(), p["w2"].cuda())
     for a, b in zip(legs_gpu, legs_cpu, strict=True):
         assert a.weight.stride() == b.weight.stride()
         for name in ("weight", "offsets", "scale"):
+            assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("kperm", [0, 64])
+def test_nvfp4_pull_staging_and_weights_on_gpu_match_cpu_bytes(kperm):
+    require_capability((9, 0), "Hopper (sm_90)")
+    from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.layout import (
+        nvfp4_pull_legs,
+        stage_nvfp4_inputs,
+    )
+
+    p = problem_for(GpuCase("staging", pad_frac=0.2), 1, NVFP4_PULL)
+    cpu = stage_nvfp4_inputs(p["x"], p["ids"], p["w"], max_tokens=128, kperm=kperm)
+    gpu = stage_nvfp4_inputs(
+        p["x"].cuda(), p["ids"].cuda(), p["w"].cuda(), max_tokens=128, kperm=kperm
+    )
+    assert torch.equal(gpu.activation.cpu().view(torch.uint8), cpu.activation.view(torch.uint8))
+    for name in ("activation_scales", "topk_ids", "topk_weights"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+    legs_cpu = nvfp4_pull_legs(p["w13"], p["w2"], kperm=kperm)
+    legs_gpu = nvfp4_pull_legs(p["w13"].cuda(), p["w2"].cuda(), kperm=kperm)
+    for a, b in zip(legs_gpu, legs_cpu, strict=True):
+        assert a.weight.stride() == b.weight.stride()
+        for name in ("weight", "scales", "decode_x8"):
             assert torch.equal(getattr(a, name).cpu(), getattr(b, name)), name

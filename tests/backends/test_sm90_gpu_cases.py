@@ -17,6 +17,7 @@ from gpu_jobs import Job, ep1_jobs, job_outputs
 from sm90_gpu_cases import (
     CASES,
     MXFP4_PULL,
+    NVFP4_PULL,
     PULL,
     PUSH,
     SM90_RECIPES,
@@ -36,7 +37,7 @@ from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfi
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.oracle import compare_to_oracle, oracle_forward
 
-KERNELS = (PULL, PUSH, MXFP4_PULL)
+KERNELS = (PULL, PUSH, MXFP4_PULL, NVFP4_PULL)
 
 
 def _small(case: GpuCase) -> GpuCase:

@@ -5,6 +5,7 @@ Kernels (registered through the `moe_ep.backends` entry points):
 - `sm90_fp8_fp8_bf16_pull_cutedsl` (alias `sm90_pull_fp8`): CuTe DSL, peers pull tokens.
 - `sm90_fp8_fp8_bf16_push_cuda` (alias `sm90_push_fp8`): CUDA, senders push tokens.
 - `sm90_fp8_mxfp4_bf16_pull_cutedsl`: CuTe DSL, e4m3 tokens x mxfp4 weights (no alias).
+- `sm90_fp8_nvfp4_bf16_pull_cutedsl`: CuTe DSL, e4m3 tokens x nvfp4 weights (no alias).
 
 Each kernel is the subpackage `moe_ep_sm90.kernels.<taxonomy name>`; `common` holds what
 they share. Importing this package is light: configs only. Kernel classes, cutlass,
@@ -28,6 +29,9 @@ from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.config import (
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.config import (
     Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig,
 )
+from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.config import (
+    Sm90_Fp8_Nvfp4_Bf16_PullCutedsl_MegaMoeConfig,
+)
 
 # Deprecated aliases are importable but left out of __all__ (a star import must not warn).
 __all__ = [
@@ -35,10 +39,12 @@ __all__ = [
     "Sm90Fp8Fp8Bf16PullCutedslKernel",
     "Sm90Fp8Fp8Bf16PushCudaKernel",
     "Sm90Fp8Mxfp4Bf16PullCutedslKernel",
+    "Sm90Fp8Nvfp4Bf16PullCutedslKernel",
     "Sm90_Bf16_Bf16_Bf16_PullCutedsl_MegaMoeConfig",
     "Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig",
     "Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig",
     "Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig",
+    "Sm90_Fp8_Nvfp4_Bf16_PullCutedsl_MegaMoeConfig",
 ]
 
 _DEPRECATED_CONFIGS: dict[str, type] = {
@@ -53,6 +59,9 @@ _LAZY = {
     "Sm90Fp8Fp8Bf16PushCudaKernel": "moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.kernel",
     "Sm90Fp8Mxfp4Bf16PullCutedslKernel": (
         "moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.kernel"
+    ),
+    "Sm90Fp8Nvfp4Bf16PullCutedslKernel": (
+        "moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.kernel"
     ),
 }
 
