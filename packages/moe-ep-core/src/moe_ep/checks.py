@@ -38,7 +38,7 @@ class PackShape:
     """What `check_weight_pack` established about a pack (logical sizes, not storage)."""
 
     num_local_experts: int
-    """E_local = num_experts / world_size."""
+    """E_local = num_experts / world_size (with a placement: its slots per rank)."""
     hidden_size: int
     """H."""
     intermediate_size: int
@@ -90,8 +90,13 @@ def check_weight_pack(
     div = 2 if packed else 1
     if int(w13.shape[0]) != e_local or int(w2.shape[0]) != e_local:
         raise MoeEpUsageError(
-            f"w13 / w2 must hold E_local = num_experts / world_size = {fleet.num_experts} / "
-            f"{world_size} = {e_local} experts, got w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+            "w13 / w2 must hold E_local = "
+            + (
+                f"num_experts / world_size = {fleet.num_experts} / {world_size}"
+                if fleet.placement is None
+                else "the placement's slots per rank"
+            )
+            + f" = {e_local} experts, got w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
         )
     i = int(w2.shape[2]) * div
     if int(w2.shape[1]) != h:

@@ -131,6 +131,9 @@ class MegaKernel(ABC):
     deprecated_aliases: ClassVar[tuple[str, ...]] = ()
     config_cls: ClassVar[type[KernelConfig]] = KernelConfig
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements()
+    supports_placement: ClassVar[bool] = False
+    """Honours `FleetParams.placement` other than contiguous (the layer refuses it for a
+    kernel without this, before any collective)."""
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

@@ -1,7 +1,8 @@
 """The package's plain data: fleet shape, weight pack and per-forward tensors.
 
 Glossary: `n` tokens on this rank, `H` hidden, `I` intermediate (after SwiGLU), `E` experts
-in the fleet, `E_local = E / world_size` experts on this rank, `k` top-k.
+in the fleet, `E_local = E / world_size` experts on this rank (with a `Placement`: its slots
+per rank), `k` top-k.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from moe_ep.compat.renames import either_name
 from moe_ep.errors import MoeEpUsageError
+from moe_ep.placement import Placement
 
 __all__ = ["FleetParams", "MoEEpTensors", "MoEWeightPack"]
 
@@ -40,7 +42,8 @@ class FleetParams:
     tuning_live_tokens)`; `hidden_size=` (keyword) is moe-ep's name of `token_hidden_size`
     and reads it back. The split-transport fields are refused unless left unset.
 
-    Experts are sharded contiguously: rank r owns experts `[r*E_local, (r+1)*E_local)`.
+    Experts are sharded contiguously: rank r owns experts `[r*E_local, (r+1)*E_local)`,
+    unless `placement` says otherwise.
     """
 
     num_experts: int
@@ -49,6 +52,10 @@ class FleetParams:
     """Upper bound on `n` for one forward on any rank (buffers may be sized from it)."""
     token_hidden_size: int
     """H (flashinfer's name; `hidden_size` reads it too)."""
+    placement: Placement | None = None
+    """Logical experts -> physical slots on ranks, with optional replicas (docs/placement.md);
+    None, or a contiguous one (stored as None), is the contiguous sharding. Only kernels
+    with `supports_placement` take another (the portable ones)."""
 
     dtype_bytes: int = 2
     """flashinfer's split-transport element size: only 2 (bf16 hidden states)."""
@@ -70,6 +77,7 @@ class FleetParams:
         tuning_live_tokens: int | None = None,
         *,
         hidden_size: int | None = None,
+        placement: Placement | None = None,
     ) -> None:
         hidden = either_name(
             "FleetParams", "token_hidden_size", token_hidden_size, "hidden_size", hidden_size,
@@ -83,6 +91,7 @@ class FleetParams:
             "algorithm": algorithm,
             "layout": layout,
             "tuning_live_tokens": tuning_live_tokens,
+            "placement": placement,
         }
         for name, value in given.items():
             object.__setattr__(self, name, value)
@@ -102,10 +111,33 @@ class FleetParams:
                 raise MoeEpUsageError(
                     f"FleetParams.{name} must be {only!r}, got {getattr(self, name)!r}: {why}"
                 )
+        p = self.placement
+        if p is None:
+            return
+        if not isinstance(p, Placement):
+            raise MoeEpUsageError(
+                f"placement must be a moe_ep.placement.Placement or None, got {type(p).__name__}"
+            )
+        if p.num_experts != self.num_experts:
+            raise MoeEpUsageError(
+                f"placement.num_experts must equal num_experts={self.num_experts}, got "
+                f"{p.num_experts}"
+            )
+        if p.is_contiguous:  # one spelling of the default: equal fleets compare equal
+            object.__setattr__(self, "placement", None)
 
     def experts_per_rank(self, world_size: int) -> int:
-        """E_local for `world_size`; `MoeEpUsageError` unless E % world_size == 0."""
+        """E_local for `world_size` (the weight pack's leading dim): the placement's slots per
+        rank, else `E / world_size`; `MoeEpUsageError` unless E % world_size == 0 (or the
+        placement is for another world size)."""
         _positive_int("world_size", world_size, "8")
+        if self.placement is not None:
+            if self.placement.world_size != world_size:
+                raise MoeEpUsageError(
+                    f"placement is for world_size={self.placement.world_size}, but the layer "
+                    f"runs at world_size={world_size}"
+                )
+            return self.placement.slots_per_rank
         if self.num_experts % world_size:
             raise MoeEpUsageError(
                 f"num_experts must be divisible by world_size: got num_experts="
