@@ -149,3 +149,41 @@ def assert_gpu_staging_equals_cpu(stage: Callable[..., Any], hidden: int, **kwar
         if a.dtype.itemsize == 1:  # fp8 / packed fp4 / e8m0: compare bytes
             a, b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(a, b), name
+
+
+def assert_pull_availability_reasons(kernel_cls: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An sm90 pull kernel's `availability()` names what is missing: no CUDA device here, a
+    Blackwell GPU's capability (the kernels are built for sm_90a), an empty drop."""
+    import moe_ep_sm90.common.pull_drop as pull_drop
+
+    ok, why = kernel_cls.availability()
+    assert not ok and "no CUDA device visible" in why
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "current_device", lambda: 0)
+        m.setattr(torch.cuda, "get_device_capability", lambda d: (10, 0))
+        m.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA B200")
+        ok, why = kernel_cls.availability()
+        assert not ok and "(NVIDIA B200) has compute capability 10.0; this kernel needs 9.0" in why
+    with monkeypatch.context() as m:
+        m.setattr(type(pull_drop.PULL_DROP), "reason", lambda self: "drop X is empty")
+        ok, why = kernel_cls.availability()
+        assert not ok and "drop X is empty" in why
+
+
+def assert_padded_cells_zeroed(gpu: Any, layer: Any, forward: Callable[[Any], Any]) -> None:
+    """With the recording fakes (`cute_fakes`): `forward(layer)` (3 tokens) zeroes the combine
+    cells of padded slots before the launch and leaves the routed ones to the kernel."""
+    layer.warmup()
+    entry = layer._entry()
+    cells, staging = entry.combine, entry.staging
+    t, k = staging["topk_idx"].shape
+    assert cells.shape == (t, k, staging["output_activation"].shape[1])
+    assert cells.dtype == torch.bfloat16
+    cells.fill_(3.0)
+    seen: dict[str, torch.Tensor] = {}
+    gpu.compiled.on_launch = lambda kwargs: seen.update(cells=cells.clone())
+    forward(layer)
+    ids = staging["topk_idx"][:3]
+    assert (seen["cells"][:3][ids < 0] == 0).all() and (seen["cells"][:3][ids >= 0] == 3).all()
+    layer.destroy()

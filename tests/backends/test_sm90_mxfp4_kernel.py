@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_testing import FakeRuntime, routed_tensors
+from backend_testing import (
+    FakeRuntime,
+    assert_padded_cells_zeroed,
+    assert_pull_availability_reasons,
+    routed_tensors,
+)
 from cute_fakes import FakeSymBufferHost, install_fake_modules, recording_kernel_class
 
 import moe_ep_sm90.common.pull_drop as pull_drop
@@ -147,25 +152,8 @@ def test_the_layer_refuses_what_the_kernel_cannot_run_before_joining_the_group(m
 
 
 # -- availability ----------------------------------------------------------------------
-def test_availability_says_why_not_here():
-    ok, why = KERNEL.availability()
-    assert not ok and "no CUDA device visible" in why
-
-
-def test_availability_names_a_wrong_arch(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (10, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA B200")
-    ok, why = KERNEL.availability()
-    assert not ok
-    assert "(NVIDIA B200) has compute capability 10.0; this kernel needs 9.0" in why
-
-
-def test_availability_names_an_unmaterialized_drop(monkeypatch):
-    monkeypatch.setattr(type(pull_drop.PULL_DROP), "reason", lambda self: "drop X is empty")
-    ok, why = KERNEL.availability()
-    assert not ok and "drop X is empty" in why
+def test_availability_names_what_this_machine_lacks(monkeypatch):
+    assert_pull_availability_reasons(KERNEL, monkeypatch)
 
 
 def test_upstream_has_no_deprecated_alias_for_this_name():
@@ -263,17 +251,7 @@ def test_layers_of_one_geometry_share_a_compile_and_launch_with_their_own_weight
 
 def test_padded_slots_combine_cells_are_zeroed_before_each_launch(gpu):
     layer = _layer(FakeRuntime(rank=RANK, world_size=WORLD))
-    layer.warmup()
-    entry = layer._entry()
-    cells = entry.combine
-    assert cells.shape == (T, K, H) and cells.dtype == torch.bfloat16
-    cells.fill_(3.0)
-    seen = {}
-    gpu.compiled.on_launch = lambda kwargs: seen.update(cells=cells.clone())
-    _forward(layer)
-    ids = entry.staging["topk_idx"][:3]
-    assert (seen["cells"][:3][ids < 0] == 0).all() and (seen["cells"][:3][ids >= 0] == 3).all()
-    layer.destroy()
+    assert_padded_cells_zeroed(gpu, layer, _forward)
 
 
 # -- the GPU tests' oracle and CPU twin --------------------------------------------------------

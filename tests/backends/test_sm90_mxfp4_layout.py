@@ -11,10 +11,10 @@ layout whose offsets or residual disagree with the drop fails.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from sm90_mxfp4_cases import drop_mxfp4_source, wide_weights
 
 from moe_ep import quant
 from moe_ep.backends.portable.recipes import Fp8Mxfp4Recipe
@@ -28,16 +28,9 @@ from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import (
     stage_mxfp4_hybrid_inputs,
 )
 
-DROP_FILE = (
-    Path(__file__).resolve().parents[2]
-    / "vendor/sm90_pull_cutedsl/src/moe_hopper_fp8/mxfp4_cutedsl.py"
-)
-
 
 def _drop_luts() -> tuple[tuple[int, int], tuple[int, int]]:
-    if not DROP_FILE.exists():
-        pytest.skip("sm90_pull_cutedsl drop not materialized (uv run tools/vendor.py sync --all)")
-    src = DROP_FILE.read_text()
+    src = drop_mxfp4_source()
     found = {
         name: (int(mul, 16), int(base, 16))
         for name, mul, base in re.findall(
@@ -68,15 +61,8 @@ def _kernel_values(leg: Mxfp4HybridLeg) -> torch.Tensor:
     return e4m3 * leg.residual64.view(-1, 1, 1)
 
 
-def _wide_weights(seed: int, e: int, n: int, k: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(e, n, k, generator=g)
-    binades = torch.randint(0, 21, (e, n, k // 32, 1), generator=g).float()
-    return (w.view(e, n, k // 32, 32) * torch.exp2(-binades)).view(e, n, k).bfloat16()
-
-
 def test_kernel_view_of_the_layout_is_the_portable_twins_weights() -> None:
-    w13, w2 = _wide_weights(0, 2, 256, 128), _wide_weights(1, 2, 128, 128)  # I=128, H=128
+    w13, w2 = wide_weights(0, 2, 256, 128), wide_weights(1, 2, 128, 128)  # I=128, H=128
     fc1, fc2 = prepare_mxfp4_hybrid_weights(w13, w2)
     twin = Fp8Mxfp4Recipe().prepare(MoEWeightPack(w13=w13, w2=w2))
     got13 = quant.deinterleave_gate_up(_kernel_values(fc1), PULL_GATE_UP_BLOCK)
@@ -87,7 +73,7 @@ def test_kernel_view_of_the_layout_is_the_portable_twins_weights() -> None:
 
 
 def test_a_prequantized_pack_gives_the_same_layout() -> None:
-    w13, w2 = _wide_weights(2, 1, 256, 128), _wide_weights(3, 1, 128, 128)
+    w13, w2 = wide_weights(2, 1, 256, 128), wide_weights(3, 1, 128, 128)
     p13, s13 = quant.quantize_mxfp4(w13)
     p2, s2 = quant.quantize_mxfp4(w2)
     a = prepare_mxfp4_hybrid_weights(w13, w2)
@@ -98,8 +84,8 @@ def test_a_prequantized_pack_gives_the_same_layout() -> None:
 
 
 def test_fc1_rows_are_gate_up_interleaved_in_eights() -> None:
-    w13 = _wide_weights(4, 1, 256, 128)  # I = 128: gate rows 0..127, up rows 128..255
-    fc1, _ = prepare_mxfp4_hybrid_weights(w13, _wide_weights(5, 1, 128, 128))
+    w13 = wide_weights(4, 1, 256, 128)  # I = 128: gate rows 0..127, up rows 128..255
+    fc1, _ = prepare_mxfp4_hybrid_weights(w13, wide_weights(5, 1, 128, 128))
     plain = mxfp4_hybrid_leg(*quant.quantize_mxfp4(w13))
     got, want = quant.unpack_e2m1(fc1.codes)[0], quant.unpack_e2m1(plain.codes)[0]
     for pair in range(16):

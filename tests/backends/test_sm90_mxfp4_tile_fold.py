@@ -19,10 +19,10 @@ Its output times the per-expert residual must be the portable twin's weight, bit
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from sm90_mxfp4_cases import drop_mxfp4_source, wide_weights
 
 from moe_ep import quant
 from moe_ep.backends.portable.recipes import Fp8Mxfp4Recipe
@@ -38,19 +38,12 @@ from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import (
     unfold_offsets,
 )
 
-DROP_FILE = (
-    Path(__file__).resolve().parents[2]
-    / "vendor/sm90_pull_cutedsl/src/moe_hopper_fp8/mxfp4_cutedsl.py"
-)
 _M32 = 0xFFFFFFFF
 
 
 def _drop_ptx() -> list[tuple[str, list[str]]]:
     """The instructions of the drop's pair converter, as (opcode, operands)."""
-    if not DROP_FILE.exists():
-        pytest.skip("sm90_pull_cutedsl drop not materialized (uv run tools/vendor.py sync --all)")
-    src = DROP_FILE.read_text()
-    func = src.split("def convert_mxfp4_pair_preprocessed_signs", 1)[1]
+    func = drop_mxfp4_source().split("def convert_mxfp4_pair_preprocessed_signs", 1)[1]
     body = func.split('"{\\n"', 1)[1].split('"}"', 1)[0]  # the asm string's lines
     lines = re.findall(r'"\s*([a-z][a-z0-9.]*) ([^;]*);', body)
     return [(op, [a.strip() for a in args.split(",")]) for op, args in lines if op != ".reg"]
@@ -131,15 +124,8 @@ def kernel_view(physical: torch.Tensor, folded: torch.Tensor, residual64: torch.
     return out
 
 
-def _wide_weights(seed: int, e: int, n: int, k: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(e, n, k, generator=g)
-    binades = torch.randint(0, 21, (e, n, k // 32, 1), generator=g).float()
-    return (w.view(e, n, k // 32, 32) * torch.exp2(-binades)).view(e, n, k).bfloat16()
-
-
 def _legs(seed: int, e: int = 2, i: int = 128, h: int = 256):
-    w13, w2 = _wide_weights(seed, e, 2 * i, h), _wide_weights(seed + 1, e, h, i)
+    w13, w2 = wide_weights(seed, e, 2 * i, h), wide_weights(seed + 1, e, h, i)
     return w13, w2, prepare_mxfp4_hybrid_weights(w13, w2)
 
 
