@@ -5,9 +5,11 @@ table, restated from its PTX."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from quant_ref import decode_e2m1, decode_e4m3, encode, f32, pack_nibbles
+from quant_ref import GRIDS, decode_e2m1, decode_e4m3, encode, f32, pack_nibbles
 
 import moe_ep.quant as q
 from moe_ep.errors import MoeEpUsageError
@@ -47,6 +49,37 @@ def _weights(seed: int) -> torch.Tensor:
     return w.bfloat16().float()
 
 
+def _near_ties(seed: int) -> torch.Tensor:
+    """[2, 8, 64] fp32 weights whose block amaxes are e4m3 midpoints times fp32(6G) and whose
+    elements are e2m1 midpoints times the block's divisor, each +-1 fp32 ulp or exact: where
+    a reciprocal multiply in place of either division gives other bits."""
+    g = torch.Generator().manual_seed(seed)
+    e4m3 = [v for v in GRIDS["e4m3"][0] if 2.0**-6 <= v]
+    mids = [(a + b) / 2 for a, b in zip(e4m3, e4m3[1:], strict=False)]
+    e2m1_mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+
+    def pick(n: int) -> int:
+        return int(torch.randint(n, (), generator=g))
+
+    def nudge(v: float) -> float:
+        return [v, math.nextafter(v, math.inf), math.nextafter(v, 0.0)][pick(3)]
+
+    w = torch.zeros(2, 8, 64)
+    for e in range(2):
+        top = f32(1000.0 * 2.0 ** (6 * e - 3))
+        gs = ref_decode_scale(top)
+        six_g = f32(6.0 * gs)
+        for r in range(8):
+            for b in range(4):
+                amax = nudge(f32(mids[pick(len(mids))] * six_g))
+                s_code = encode(min(f32(amax / six_g), 448.0), "e4m3")
+                divisor = f32(decode_e4m3(s_code) * gs)
+                vals = [amax] + [nudge(f32(e2m1_mids[pick(7)] * divisor)) for _ in range(15)]
+                w[e, r, 16 * b : 16 * b + 16] = torch.tensor(vals) * (1 - 2 * (r % 2))
+        w[e, 0, 0] = top
+    return w
+
+
 def test_decode_scale_is_the_product_with_a_rounded_reciprocal() -> None:
     # every positive finite bf16 amax: fp32(amax * fp32(1/2688)), which is not amax / 2688
     bits = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
@@ -63,21 +96,38 @@ def test_decode_scale_is_the_product_with_a_rounded_reciprocal() -> None:
     assert float(q.nvfp4_decode_scale(torch.zeros(4))) == FLOOR
 
 
-def test_quantizer_matches_the_reference() -> None:
-    w = _weights(1)
+def _check_against_the_reference(w: torch.Tensor) -> tuple[int, int]:
+    """Codes and scales of `w` [E, 8, 64] equal `ref_block`'s; returns how many scales and
+    codes a reciprocal multiply would have changed."""
     g = q.nvfp4_decode_scale(w, dim=(-2, -1))
     packed, scales = q.quantize_nvfp4_decode_scaled(w, decode_scale=g)
-    assert packed.shape == (3, 8, 32) and scales.shape == (3, 8, 4)
+    e_n = int(w.shape[0])
+    assert packed.shape == (e_n, 8, 32) and scales.shape == (e_n, 8, 4)
     assert scales.dtype == torch.float8_e4m3fn
-    for e in range(3):
+    scale_rcp = code_rcp = 0
+    for e in range(e_n):
         ge = float(g[e])
         for r in range(8):
             codes = []
             for b in range(4):
-                c, s = ref_block(w[e, r, 16 * b : 16 * b + 16].tolist(), ge)
+                block = w[e, r, 16 * b : 16 * b + 16].tolist()
+                c, s = ref_block(block, ge)
                 assert int(scales[e, r, b].view(torch.uint8)) == s, (e, r, b)
                 codes += c
+                amax = max(abs(v) for v in block)
+                six_g = f32(6.0 * ge)
+                scale_rcp += s != encode(min(f32(amax * f32(1.0 / six_g)), 448.0), "e4m3")
+                d = max(f32(decode_e4m3(s) * ge), FLOOR)
+                code_rcp += c != [encode(f32(v * f32(1.0 / d)), "e2m1") for v in block]
             assert packed[e, r].tolist() == pack_nibbles(codes), (e, r)
+    return scale_rcp, code_rcp
+
+
+def test_quantizer_matches_the_reference() -> None:
+    _check_against_the_reference(_weights(1))
+    w = _weights(1)
+    g = q.nvfp4_decode_scale(w, dim=(-2, -1))
+    packed, scales = q.quantize_nvfp4_decode_scaled(w, decode_scale=g)
     assert int(scales[1, 1, 1].view(torch.uint8)) == 0  # the scale that rounds to zero
     assert q.unpack_e2m1(packed)[1, 1, 16:32].tolist().count(15) >= 1  # saturated, -6
     # the sm100 rule with norm_const = 1 / G gives other bits: the division rule matters
@@ -85,6 +135,11 @@ def test_quantizer_matches_the_reference() -> None:
     p100, s100 = q.quantize_nvfp4(w, norm_const=nc)
     scales_differ = int((s100.view(torch.uint8) != scales.view(torch.uint8)).sum())
     assert int((p100 != packed).sum()) + scales_differ > 0
+
+
+def test_quantizer_divides_where_a_reciprocal_multiply_would_round_otherwise() -> None:
+    scale_rcp, code_rcp = _check_against_the_reference(_near_ties(4))
+    assert scale_rcp > 0 and code_rcp > 0  # the inputs tell the two rules apart
 
 
 def test_operand_is_rn_e4m3_of_code_times_scale_over_8_on_every_pair() -> None:
