@@ -5,6 +5,7 @@ table, restated from its PTX."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -54,8 +55,8 @@ def _near_ties(seed: int) -> torch.Tensor:
     elements are e2m1 midpoints times the block's divisor, each +-1 fp32 ulp or exact: where
     a reciprocal multiply in place of either division gives other bits."""
     g = torch.Generator().manual_seed(seed)
-    e4m3 = [v for v in GRIDS["e4m3"][0] if 2.0**-6 <= v]
-    mids = [(a + b) / 2 for a, b in zip(e4m3, e4m3[1:], strict=False)]
+    e4m3 = [v for v in GRIDS["e4m3"][0] if v >= 2.0**-6]
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(e4m3)]
     e2m1_mids = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
 
     def pick(n: int) -> int:
