@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "moe_ep.drop_tree",
         "moe_ep.quant",
         "moe_ep.spawn",
+        "moe_ep.tuning",
     ),
     ("moe_ep.runtime",),
     ("moe_ep.registry",),

@@ -50,6 +50,7 @@ __all__ = [
     "torchrun_rank",
     "torchrun_rank_and_world_size",
     "torchrun_world_size",
+    "tuning_cache_dir",
     "zero_one",
 ]
 
@@ -135,11 +136,18 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "warning, unless MOE_EP_CPU_FUSED=1).",
     ),
     EnvVar(
+        "MOE_EP_TUNING_CACHE",
+        "absolute directory (default $HOME/.cache/moe-ep/tuning)",
+        "Where `moe-ep tune` writes its winners (`tuning.json`) and where layers built from a "
+        "kernel name read them at construction; a relative path is refused; a corrupted or "
+        "stale entry is reported and ignored (docs/performance.md, Tuning).",
+    ),
+    EnvVar(
         "HOME",
         "absolute path of an existing directory",
-        "Base of the two caches' defaults ($HOME/.cache/moe-ep/...), read only when "
-        "MOE_EP_CPU_FUSED_CACHE / MOE_EP_PUSH_CACHE is unset; unset, empty, relative or "
-        "missing makes that cache unavailable, naming HOME.",
+        "Base of the caches' defaults ($HOME/.cache/moe-ep/...), read only when "
+        "MOE_EP_CPU_FUSED_CACHE / MOE_EP_PUSH_CACHE / MOE_EP_TUNING_CACHE is unset; unset, "
+        "empty, relative or missing makes that cache unavailable, naming HOME.",
     ),
     EnvVar(
         "NVSHMEM_SYMMETRIC_SIZE",
@@ -330,6 +338,11 @@ def cpu_fused_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
     return absolute_dir(env, "MOE_EP_CPU_FUSED_CACHE")
 
 
+def tuning_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """MOE_EP_TUNING_CACHE as written (it must be absolute), None when unset or empty."""
+    return absolute_dir(env, "MOE_EP_TUNING_CACHE")
+
+
 def home_dir(env: Mapping[str, str] | None = None) -> str | None:
     """HOME as written, None when unset or empty; `moe_ep.cache_trust` checks it where the
     caches' defaults need it (nowhere else, so check_all accepts any value)."""
@@ -386,6 +399,7 @@ _CHECKS: dict[str, Callable[[Mapping[str, str] | None], object]] = {
     "CUDA_VISIBLE_DEVICES": cuda_visible_devices,
     "MOE_EP_CPU_FUSED": cpu_fused_mode,
     "MOE_EP_CPU_FUSED_CACHE": cpu_fused_cache_dir,
+    "MOE_EP_TUNING_CACHE": tuning_cache_dir,
     "HOME": home_dir,
     "NVSHMEM_SYMMETRIC_SIZE": nvshmem_symmetric_size,
     "CUTE_DSL_ARCH": cute_dsl_arch,

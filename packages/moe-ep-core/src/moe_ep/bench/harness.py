@@ -198,6 +198,7 @@ def _time_kernel(ctx: _Rank, row: RankRow, mine: dict[str, Any], w13: Any, w2: A
     from moe_ep import FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
     from moe_ep.bench.timing import round_robin
     from moe_ep.contract import MegaKernel
+    from moe_ep.errors import MoeEpUsageError
     from moe_ep.registry import get_kernel
 
     kernel_cls: type[MegaKernel] = get_kernel(row.kernel)
@@ -207,7 +208,13 @@ def _time_kernel(ctx: _Rank, row: RankRow, mine: dict[str, Any], w13: Any, w2: A
         return
     shape = row.shape
     fleet = FleetParams(shape.experts, shape.tokens, shape.hidden)
-    layer = MoEEpLayer(ctx.boot, fleet, MoEWeightPack(w13, w2), row.kernel)
+    pack = MoEWeightPack(w13, w2)
+    try:  # local, the same on every rank: a shape the kernel refuses is a skipped row
+        kernel_cls.validate_weights(pack, fleet, ctx.world_size, kernel_cls.config_cls())
+    except MoeEpUsageError as exc:
+        row.skipped = str(exc)
+        return
+    layer = MoEEpLayer(ctx.boot, fleet, pack, row.kernel)
     try:
         tensors = MoEEpTensors(mine["x"], mine["ids"], mine["topk_weights"])
         forward: Callable[[], object] = lambda: layer(tensors)  # noqa: E731

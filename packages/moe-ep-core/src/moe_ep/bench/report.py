@@ -12,6 +12,7 @@ from moe_ep.bench.tables import titled_table
 
 COLUMNS = (
     "shape",
+    "H,I,E,k",
     "T/rank",
     "EP",
     "routing",
@@ -60,23 +61,37 @@ def table(rows: Sequence[BenchRow], machine: str, what: str) -> Any:
     for r in rows:
         ratio = r.ratios()
         med = r.median
+        s = r.shape
         t.add_row(
-            _family_of(r),
-            str(r.shape.tokens),
+            s.family,
+            f"{s.hidden},{s.inter},{s.experts},{s.topk}",
+            str(s.tokens),
             str(r.world_size),
             r.routing,
             r.kernel,
             "skipped" if med is None else f"{med * 1e3:.2f} ms",
             _si(r.tokens_per_s()),
-            "n/a" if r.tflops() is None else f"{r.tflops():.3f}",
+            "n/a" if r.tflops() is None else f"{r.tflops():.3g}",
             _x(ratio["vs_dense"]),
             _x(ratio["vs_bandwidth"]),
             _x(ratio["vs_all_to_all"]),
             _x(ratio["naive_over_layer"]),
             _x(ratio["peer_over_layer"]),
-            r.status() if not r.skipped else f"skipped: {r.skipped}",
+            r.status(),
         )
     return t
+
+
+def skip_lines(rows: Sequence[BenchRow]) -> list[str]:
+    """One line per kernel and reason it was skipped for, naming the shapes."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        if r.skipped:
+            seen.setdefault((r.kernel, r.skipped), []).append(f"{r.shape.text()} EP{r.world_size}")
+    return [
+        f"{kernel} skipped on {', '.join(dict.fromkeys(where))}: {why}"
+        for (kernel, why), where in seen.items()
+    ]
 
 
 def _slug(text: str) -> str:
@@ -119,44 +134,67 @@ def plot_families(rows: Sequence[BenchRow], machine: str, out_dir: Path) -> list
         what = "moe-ep bench: time and ratios against tokens per rank"
         plots.title(fig, what, fam, machine)
         kernels = list(dict.fromkeys(r.kernel for r in frows))
+        single = len({r.shape.tokens for r in frows}) == 1
         for c, ws in enumerate(sizes):
             here = [r for r in frows if r.world_size == ws]
             for p, (key, title, unit) in enumerate(PANELS):
                 ax = axes[p * n + c]
-                for j, kernel in enumerate(kernels):
-                    color = colormaps["tab10"](j % 10)
-                    marker = "osD^v<>"[j % 7]
-                    for routing, style in (("uniform", "-"), ("skewed", "--")):
-                        pts = sorted(
-                            ((r.shape.tokens, r) for r in here
-                             if r.kernel == kernel and r.routing == routing),
-                            key=lambda tr: tr[0],
-                        )  # fmt: skip
-                        if pts:
-                            ax.plot(
-                                [t for t, _ in pts],
-                                [_value(r, key) for _, r in pts],
-                                style,
-                                marker=marker,
-                                color=color,
-                                label=f"{kernel} ({routing})",
-                            )
+                if single:  # one token count: bars per kernel, not lines of one point
+                    _bars(ax, here, kernels, key)
+                else:
+                    _lines(ax, here, kernels, key, colormaps["tab10"])
+                    ax.set_xlabel("tokens per rank")
+                    ax.set_yscale("log")
                 if key != "median":
                     _target_lines(ax, here, key)
-                ax.set_xscale("log", base=2)
-                ticks = sorted({r.shape.tokens for r in here})
-                ax.set_xticks(ticks, [str(t) for t in ticks])
-                ax.set_yscale("log")
-                ax.set_xlabel("tokens per rank")
                 ax.set_ylabel(unit)
                 ax.grid(alpha=0.3)
-                ax.set_title(f"EP{ws}: {title}", fontsize=9)
+                at = f", T={here[0].shape.tokens} per rank" if single else ""
+                ax.set_title(f"EP{ws}{at}: {title}", fontsize=9)
         handles, labels = axes[0].get_legend_handles_labels()
         handles.append(Line2D([], [], color="black", linestyle="--", linewidth=1))
         labels.append("target (EP1, uniform)")
         fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
         paths.append(plots.save(fig, out_dir / f"bench_{_slug(fam)}.png"))
     return paths
+
+
+def _lines(ax: Any, rows: Sequence[BenchRow], kernels: list[str], key: str, cmap: Any) -> None:
+    """One line per kernel and routing against tokens per rank (log 2 axis)."""
+    for j, kernel in enumerate(kernels):
+        for routing, style in (("uniform", "-"), ("skewed", "--")):
+            pts = sorted(
+                (r for r in rows if r.kernel == kernel and r.routing == routing),
+                key=lambda r: r.shape.tokens,
+            )
+            if pts:
+                ax.plot(
+                    [r.shape.tokens for r in pts],
+                    [_value(r, key) for r in pts],
+                    style,
+                    marker="osD^v<>"[j % 7],
+                    color=cmap(j % 10),
+                    label=f"{kernel} ({routing})",
+                )
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r.shape.tokens for r in rows})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+
+
+def _bars(ax: Any, rows: Sequence[BenchRow], kernels: list[str], key: str) -> None:
+    """Side-by-side uniform / skewed bars per kernel (a family of one token count)."""
+    for k, (routing, color) in enumerate((("uniform", "#457b9d"), ("skewed", "#f4a261"))):
+        xs, ys = [], []
+        for j, kernel in enumerate(kernels):
+            row = next((r for r in rows if r.kernel == kernel and r.routing == routing), None)
+            if row is not None:
+                xs.append(j + (k - 0.5) * 0.38)
+                ys.append(_value(row, key))
+        if xs:
+            bars = ax.bar(xs, ys, width=0.38, color=color, label=f"{routing} routing", zorder=2)
+            ax.bar_label(bars, [f"{v:.3g}" for v in ys], fontsize=6, padding=1)
+    short = [k.removeprefix("any_").removesuffix("_torch") for k in kernels]
+    ax.set_xticks(range(len(kernels)), short, rotation=35, ha="right", fontsize=7)
 
 
 def _target_lines(ax: Any, rows: Sequence[BenchRow], key: str) -> None:

@@ -11,9 +11,9 @@ from rich.table import Table
 LOG_WIDTH = 180  # columns when stdout is not a terminal (rich would wrap at 80)
 
 
-def console() -> Console:
-    """A console on stdout: the terminal's width there, `LOG_WIDTH` columns in a log."""
-    return Console(width=None if sys.stdout.isatty() else LOG_WIDTH)
+def console(log_width: int = LOG_WIDTH) -> Console:
+    """A console on stdout: the terminal's width there, `log_width` columns in a log."""
+    return Console(width=None if sys.stdout.isatty() else log_width)
 
 
 def titled_table(

@@ -1,4 +1,4 @@
-"""The `moe-ep` command line: `info`, `kernels`, `demo`, `run`, `bench` (also
+"""The `moe-ep` command line: `info`, `kernels`, `demo`, `run`, `bench`, `tune` (also
 `python -m moe_ep.cli`).
 
 Usage:
@@ -7,6 +7,7 @@ Usage:
   moe-ep demo                 every portable format (+ the best GPU kernel) vs the oracle
   moe-ep run --kernel NAME .. one kernel on any shape, optionally checked (`run --help`)
   moe-ep bench [--quick] ..   the layer vs measured limits and peers (`bench --help`)
+  moe-ep tune [--quick] ..    sweep a kernel's knobs, cache the winner (`tune --help`)
 
 Every failure prints one `moe-ep: error: ...` line (with `--debug` or MOE_EP_DEBUG=1, the
 traceback above it) and exits with its kind's code: 0 success; 1 a check failed; 2 usage
@@ -59,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="environment report; exit 2 if a variable is malformed")
     kernels = sub.add_parser("kernels", help="list kernels and their availability")
     kernels.add_argument("--json", action="store_true", help="print a JSON list")
-    from moe_ep.cli import bench, jobs
+    from moe_ep.cli import bench, jobs, tune
 
     jobs.add_parsers(sub)
     bench.add_parser(sub)
+    tune.add_parser(sub)
     return parser
 
 
@@ -83,6 +85,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from moe_ep.cli import bench
 
         return bench.run(args)
+    if args.command == "tune":
+        from moe_ep.cli import tune
+
+        return tune.run(args)
     from moe_ep.cli import jobs
 
     return jobs.run_command(args)

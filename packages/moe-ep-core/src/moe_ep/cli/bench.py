@@ -115,8 +115,10 @@ def run(args: argparse.Namespace) -> int:
         + "; read bandwidth "
         + ", ".join(f"EP{ws} {bw / 1e9:.1f} GB/s/rank" for ws, bw in bandwidth.items())
     )
-    out = console()
+    out = console(log_width=240)  # fifteen columns
     out.print(report.table(rows, desc, what))
+    for line in report.skip_lines(rows):
+        out.print(line, highlight=False)
     for why in dict.fromkeys(
         r.notes["peer"] for r in rows if r.world_size == 1 and "peer" in r.notes
     ):

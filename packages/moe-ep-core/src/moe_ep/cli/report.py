@@ -58,7 +58,18 @@ def environment_report() -> dict[str, str]:
         "moe-ep packages": "; ".join(installed),
         "resolved device": describe_device_resolution(),
         "fused CPU epilogues": f"{'in use' if fused else 'not in use'} ({fused_why})",
+        "tuning cache": _tuning_cache(),
     }
+
+
+def _tuning_cache() -> str:
+    """Where `moe-ep tune` writes and layers read (MOE_EP_TUNING_CACHE), and its entries."""
+    from moe_ep.tuning import TuningCache, cache_path
+
+    path = cache_path()
+    if not path.is_file():
+        return f"{path} (none yet)"
+    return f"{path} ({TuningCache(path).count()} entries)"
 
 
 def print_info(console: Console | None = None) -> None:

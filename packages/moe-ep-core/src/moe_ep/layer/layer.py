@@ -16,6 +16,7 @@ from moe_ep.contract import KernelConfig, MegaKernel, caller_validated_weights
 from moe_ep.device import resolve_local_device
 from moe_ep.errors import MoeEpPeerError, MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.layer.agreement import agree_on_setup, setup_fingerprint
+from moe_ep.tuning.lookup import layer_config
 from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = ["MoEEpLayer", "StagedForward", "resolve_backend"]
@@ -137,6 +138,10 @@ class MoEEpLayer:
             raise MoeEpUnavailableError(f"kernel {kernel_cls.kernel_name!r}: {reason}")
         world_size = bootstrap.world_size
         shape = kernel_cls.validate_weights(weights, fleet_params, world_size, config)
+        if isinstance(layer_backend(fleet_knobs, backend), str):  # by name: the tuned knobs
+            config, shape = layer_config(
+                kernel_cls, config, fleet_params, weights, shape, bootstrap
+            )
         self.fleet = fleet_params
         self.kernel_name = kernel_cls.kernel_name
         self.config = config
