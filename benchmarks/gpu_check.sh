@@ -18,14 +18,15 @@
 #      --no-deps call), then checks that hatchling, editables, rich, pytest, pytest-timeout,
 #      numpy, cutlass, nvshmem.core, cuda.bindings and tvm_ffi import; a missing one is
 #      reported and the tests needing it skip;
-#   3. installs moe-ep-core, both backend packages and the four drops editable, --no-deps;
+#   3. installs moe-ep-core, both backend packages and the drops editable, --no-deps;
 #   4. only with MOE_EP_PUSH_BUILD=1 (adds up to 240 s): builds and loads the push drop's two
 #      TVM-FFI modules (moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.build; nvcc, curand headers from torch's cu13 wheels)
 #      into $MOE_EP_PUSH_CACHE (default /tmp/moe_ep_push_cache) and asks the a2a module whether
 #      GPU 0 has NVLink-native atomics to itself; the push GPU tests of step 5 run only then;
 #   5. runs the tests that need a GPU (pytest -m gpu): the fp8, bf16, MXFP4 and NVFP4 pull
 #      (and push) kernels against the oracle (tests/backends/test_sm90_gpu.py), the GPU stagers and
-#      weight preparation, CUDA quantization; sm100 ones skip. The CPU
+#      weight preparation, CUDA quantization; sm100 ones skip (they wait for Blackwell,
+#      sm100_mxfp8_mxfp4_bf16_cutedsl's included). The CPU
 #      suite is not rerun here: it passed under the image's torch 2.11 on a CPU machine;
 #   5b. runs each portable kernel on the GPU (NCCL, EP1) against the oracle (`moe-ep run
 #      --check`): the portable CUDA path, never run before;
@@ -105,7 +106,7 @@ if ! "$PY" -m pip install -q --no-deps --no-build-isolation \
     -e packages/moe-ep-core -e packages/moe-ep-backends-sm90 -e packages/moe-ep-backends-sm100 \
     -e vendor/sm90_pull_cutedsl -e vendor/sm90_pull_nvfp4 \
     -e vendor/sm90_push_cuda -e vendor/sm90_push_cuda_deps \
-    -e vendor/sm100_cutedsl_megamoe \
+    -e vendor/sm100_cutedsl_megamoe -e vendor/sm100_next_cutedsl_megamoe \
     >>"$OUT_DIR/pip.log" 2>&1; then
   say "editable install failed (hatchling/editables missing?); see pip.log"; exit 3
 fi

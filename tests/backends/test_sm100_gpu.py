@@ -1,11 +1,11 @@
 """sm100 CuTe DSL kernels against the oracle on a Blackwell GPU (skipped elsewhere, with the
 reason). Never run: no Blackwell GPU was available when they were written.
 
-The problems are `sm90_gpu_cases`' (bf16 activations, weights exact in fp8, which the nvfp4
-and mxfp8 recipes re-quantize with their own block scales, as the oracle does). Both kernels
-apply the top-k weight before quantizing the FC2 input (`apply_topk_in_fc1`); the oracle
-does the same (`sm100_gpu_cases.sm100_oracle`). Their CPU side runs on CPU with the kernels'
-portable twins in `test_sm100_gpu_cases.py`.
+The problems are `sm90_gpu_cases`' (bf16 activations, weights exact in fp8, which the nvfp4,
+mxfp8 and mxfp8 x mxfp4 recipes re-quantize with their own block scales, as the oracle
+does). The kernels apply the top-k weight before quantizing the FC2 input
+(`apply_topk_in_fc1`); the oracle does the same (`sm100_gpu_cases.sm100_oracle`). Their CPU
+side runs on CPU with the kernels' portable twins in `test_sm100_gpu_cases.py`.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 `test_sm100_gpu.py` skips here (no Blackwell GPU). This runs its code path
 (`sm100_gpu_cases.sm100_reports`: spawned ranks through `MoEEpLayer`, gathered outputs
-against `sm100_oracle`) with `cpu_twin(kernel)` (the portable nvfp4 / mxfp8 backend with the
-top-k weight before FC2, as the kernels apply it) on the same cases at CPU size, at EP2, in
-one spawn, so a slip in the problems, the oracle call, the worker or the comparison fails
-here rather than on the first GPU run.
+against `sm100_oracle`) with `cpu_twin(kernel)` (the portable nvfp4 / mxfp8 / mxfp8 x
+mxfp4 backend with the top-k weight before FC2, as the kernels apply it) on the same cases
+at CPU size, at EP2, in one spawn, so a slip in the problems, the oracle call, the worker or
+the comparison fails here rather than on the first GPU run.
 """
 
 from __future__ import annotations

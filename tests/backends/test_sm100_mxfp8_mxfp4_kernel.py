@@ -140,7 +140,7 @@ def test_prequantized_pack_is_accepted_and_equals_the_bf16_path(faked) -> None:
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(E, 2 * I, H, generator=g).to(torch.bfloat16)
     w2 = torch.randn(E, H, I, generator=g).to(torch.bfloat16)
-    (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    (q13, s13), (q2, s2) = (quantize_mxfp4(w, normal_scales=True) for w in (w13, w2))
     fleet = FleetParams(num_experts=E, max_tokens_per_rank=T, hidden_size=H)
     packed = Kernel(
         config=Config(top_k=2), fleet=fleet, runtime=FakeRuntime(),

@@ -28,16 +28,18 @@ GOOD = dict(
 
 
 # -- reference, from the definitions ----------------------------------------------------
-def ref_exponent(amax: float) -> int:
-    """Smallest e with amax / 2**e <= 6 (ceil(log2(amax / 6)), exact); 0 for a zero block."""
+def ref_exponent(amax: float, fmax: float = 6.0) -> int:
+    """Smallest e >= -126 with amax / 2**e <= fmax (ceil(log2(amax / fmax)), exact, floored
+    at the smallest normal exponent: the kernel's scales are normal fp32; -126 for a zero
+    block)."""
     if amax == 0:
-        return 0
-    e = math.frexp(amax / 6.0)[1]
-    while math.ldexp(amax, -(e - 1)) <= 6.0:
+        return -126
+    e = math.frexp(amax / fmax)[1]
+    while math.ldexp(amax, -(e - 1)) <= fmax:
         e -= 1
-    while math.ldexp(amax, -e) > 6.0:
+    while math.ldexp(amax, -e) > fmax:
         e += 1
-    return e
+    return max(e, -126)
 
 
 def ref_code(v: float) -> int:
@@ -56,7 +58,7 @@ def ref_mxfp4_row(row: list[float]) -> tuple[list[int], list[int]]:
         block = row[b : b + 32]
         amax = max(abs(x) for x in block)
         e = ref_exponent(amax)
-        scales.append(0 if amax == 0 else e + 127)
+        scales.append(e + 127)
         codes += [ref_code(math.ldexp(x, -e)) for x in block]
     return codes, scales
 
@@ -94,7 +96,8 @@ def weights(e: int = 2, h: int = 128, i: int = 128, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(e, 2 * i, h, generator=g) * torch.logspace(-3, 2, h).view(1, 1, h)
     w2 = torch.randn(e, h, i, generator=g)
-    w13[0, 3, :32] = 0  # a zero block
+    w13[0, 3, :32] = 0  # a zero block: byte 1
+    w13[0, 4, :32] *= 2.0**-130  # a block whose ceil exponent is below -126
     w13[0, 5, :32] = w13[0, 5, :32].clamp(-0.7, 0.7)
     w13[0, 5, 7] = 6.0 * 2**-3  # a block whose max is exactly 6 * 2**e
     return w13.bfloat16().float(), w2.bfloat16().float()
@@ -155,7 +158,7 @@ def test_bf16_and_prequantized_paths_agree_and_round_trip() -> None:
 
     w13, w2 = weights(seed=3)
     from_bf16 = prepare_mxfp4_weights(w13.bfloat16(), w2.bfloat16())
-    (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    (q13, s13), (q2, s2) = (quantize_mxfp4(w, normal_scales=True) for w in (w13, w2))
     from_pack = prepare_mxfp4_weights(q13, q2, s13, s2)
     for name in ("w13", "w13_scales", "w2", "w2_scales"):
         assert torch.equal(getattr(from_bf16, name), getattr(from_pack, name)), name
@@ -198,7 +201,10 @@ def test_prequantized_scale_shape_is_checked() -> None:
 # -- staging --------------------------------------------------------------------------
 def test_staging_quantizes_e4m3_with_linear_e8m0_and_masks_routes() -> None:
     g = torch.Generator().manual_seed(2)
-    x = (torch.randn(3, 256, generator=g) * 10).bfloat16()
+    x = torch.randn(3, 256, generator=g) * 10
+    x[1, 64:96] = 0  # a zero block: byte 1
+    x[2, 96:128] *= 2.0**-135  # below the smallest normal scale
+    x = x.bfloat16()
     ids = torch.tensor([[0, -1], [5, 2], [-1, -1]])
     wts = torch.tensor([[0.5, 0.9], [0.25, 0.75], [0.3, 0.4]])
     s = stage_mxfp8_inputs(x, ids, wts, max_tokens=4)
@@ -207,10 +213,7 @@ def test_staging_quantizes_e4m3_with_linear_e8m0_and_masks_routes() -> None:
     for t in range(3):
         for b in range(8):
             block = x[t, 32 * b : 32 * b + 32].float().tolist()
-            amax = max(abs(v) for v in block)
-            e = math.ceil(math.log2(amax / 448.0))
-            if math.ldexp(amax, -(e - 1)) <= 448.0:
-                e -= 1
+            e = ref_exponent(max(abs(v) for v in block), 448.0)
             assert s.activation_scales[t, b].item() == e + 127, (t, b)
             want = torch.tensor([math.ldexp(v, -e) for v in block]).to(torch.float8_e4m3fn)
             assert torch.equal(s.activation[t, 32 * b : 32 * b + 32].view(torch.uint8),

@@ -4,7 +4,8 @@ and mxfp8 activations (the provider export's `BlackwellInferenceMegaMoE`, kind `
 Warning:
     NEVER RUN ON A GPU (no Blackwell machine was available). Verified on CPU instead: config
     refusals, weight preparation and input staging against references written from the
-    formats' and layouts' definitions (`tests/backends/test_sm100_mxfp8_mxfp4_layout.py`),
+    formats' and layouts' definitions (`tests/backends/test_sm100_mxfp8_mxfp4_layout.py`)
+    and bit for bit against the portable twin `any_mxfp8_mxfp4_bf16_torch` (`..._twin.py`),
     the kernel compiled for sm_100a from the descriptors and arguments `args` builds (and
     refused for sm_90a), and the launch lifecycle with core's shared CuTe DSL machinery
     faked at the compile and launch (`tests/backends/test_sm100_mxfp8_mxfp4_kernel.py`).

@@ -1,13 +1,15 @@
 """Kernel-ready mxfp4 weights and staged mxfp8 inputs of `sm100_mxfp8_mxfp4_bf16_cutedsl`
 (torch; CPU or CUDA tensors alike).
 
-Recipe (`moe_ep.quant`, "ceil" rule, as FlashInfer 0.7.4 prepares this kernel's operands):
-weights e2m1 packed two per byte (element 2j in the low nibble of byte j), one E8M0 byte per
-32 elements along K, `e = ceil(log2(amax / 6))`, codes rounded to nearest even
-(`quantize_mxfp4`); activations e4m3 with one E8M0 byte per 32 elements,
-`e = ceil(log2(amax / 448))` (`quantize_mxfp8`). The scale blocks run along K inside one
-row, so permuting rows (the gate/up interleave) commutes with quantization, and
-pre-quantized packs are re-laid out without requantizing.
+Recipe (`moe_ep.quant` with `normal_scales=True`, the portable twin
+`any_mxfp8_mxfp4_bf16_torch`'s `Mxfp8Mxfp4Recipe`; docs/quant.md, "The sm100 MXFP4 x MXFP8
+kernel's numerics"): weights e2m1 packed two per byte (element 2j in the low nibble of byte
+j), one E8M0 byte per 32 elements along K, `e = max(ceil(log2(amax / 6)), -126)` (an
+all-zero block: byte 1), codes rounded to nearest even (`quantize_mxfp4`); activations e4m3
+with one E8M0 byte per 32 elements, `e = max(ceil(log2(amax / 448)), -126)`
+(`quantize_mxfp8`). The scale blocks run along K inside one row, so permuting rows (the
+gate/up interleave) commutes with quantization, and pre-quantized packs are re-laid out
+without requantizing.
 
 Kernel layout (the drop's `aot_compile` ABI): FC1 rows gate/up interleaved in blocks of 16
 (data and scale rows alike); packed weights as K-major views `fc1 [E_local, H/2, 2I]`,
@@ -63,11 +65,15 @@ class Mxfp4Weights:
     w2_scales: torch.Tensor
 
 
-def _pack(w: torch.Tensor, s: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from moe_ep.quant import quantize_mxfp4
 
+    return quantize_mxfp4(w, normal_scales=True)
+
+
+def _pack(w: torch.Tensor, s: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return e8m0_pack(
-        w, s, name, quantize=quantize_mxfp4, payload_dtype=torch.uint8,
+        w, s, name, quantize=_quantize_weight, payload_dtype=torch.uint8,
         payload_name="uint8 (packed e2m1)", values_per_item=2,
     )  # fmt: skip
 
@@ -150,7 +156,7 @@ def stage_mxfp8_inputs(
     act = torch.zeros((max_tokens, h), dtype=torch.float8_e4m3fn, device=dev)
     sf = torch.zeros((max_tokens, activation_sf_columns(h)), dtype=torch.uint8, device=dev)
     if n:
-        data, scales = quantize_mxfp8(hidden_states, check_finite=False)
+        data, scales = quantize_mxfp8(hidden_states, check_finite=False, normal_scales=True)
         act[:n] = data
         sf[:n, : h // MX_BLOCK] = scales
     ids, wts = stage_routing(topk_ids, topk_weights, max_tokens, ids_dtype=torch.int32, device=dev)
