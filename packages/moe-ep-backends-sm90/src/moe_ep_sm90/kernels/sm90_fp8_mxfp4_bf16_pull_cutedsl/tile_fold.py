@@ -16,9 +16,10 @@ Offsets (one byte per row and K32 group) fold per 64 rows x 128 columns into a 1
 block (`make_expanded_offset_view`, the drop's `SmemLayoutWeightScaleExpanded`):
 `folded[e, n // 64, k // 128, n % 16, 4 * (n // 16 % 4) + k // 32 % 4]`.
 
-Never run on a GPU: what is verified (on CPU, `tests/backends/test_sm90_mxfp4_tile_fold.py`) is
-this against a thread-by-thread restatement of the fragment, `ldmatrix` and PTX definitions,
-and the round trip.
+Never run on a GPU. Verified on CPU (`tests/backends/test_sm90_mxfp4_tile_fold.py`): a
+thread-by-thread reading of the folded tiles (the A fragment, `ldmatrix`, the nested e2m1 K
+mode, the drop's PTX interpreted, the expanded offsets) gives the portable twin's weights,
+its layouts equal CuTe DSL's and the drop's as evaluated while tracing, and the round trip.
 """
 
 from __future__ import annotations
