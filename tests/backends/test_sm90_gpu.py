@@ -194,6 +194,7 @@ def test_mxfp4_pull_staging_and_weights_on_gpu_match_cpu_bytes():
 @pytest.mark.parametrize("kperm", [0, 64])
 def test_nvfp4_pull_staging_and_weights_on_gpu_match_cpu_bytes(kperm):
     require_capability((9, 0), "Hopper (sm_90)")
+    from moe_ep.types import MoEWeightPack
     from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.layout import (
         nvfp4_pull_legs,
         stage_nvfp4_inputs,
@@ -207,8 +208,9 @@ def test_nvfp4_pull_staging_and_weights_on_gpu_match_cpu_bytes(kperm):
     assert torch.equal(gpu.activation.cpu().view(torch.uint8), cpu.activation.view(torch.uint8))
     for name in ("activation_scales", "topk_ids", "topk_weights"):
         assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
-    legs_cpu = nvfp4_pull_legs(p["w13"], p["w2"], kperm=kperm)
-    legs_gpu = nvfp4_pull_legs(p["w13"].cuda(), p["w2"].cuda(), kperm=kperm)
+    weights = MoEWeightPack(w13=p["w13"], w2=p["w2"])
+    legs_cpu = nvfp4_pull_legs(weights, kperm=kperm)
+    legs_gpu = nvfp4_pull_legs(weights.to("cuda"), kperm=kperm)
     for a, b in zip(legs_gpu, legs_cpu, strict=True):
         assert a.weight.stride() == b.weight.stride()
         for name in ("weight", "scales", "decode_x8"):

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_testing import FakeRuntime, routed_tensors
+from backend_testing import (
+    FakeRuntime,
+    assert_padded_cells_zeroed,
+    assert_pull_availability_reasons,
+    routed_tensors,
+)
 from cute_fakes import FakeSymBufferHost, install_fake_modules, recording_kernel_class
 
 import moe_ep_sm90.common.pull_drop as pull_drop
@@ -63,10 +68,7 @@ def _pack(w: MoEWeightPack) -> MoEWeightPack:
 def test_host_quantization_is_the_twins_bit_for_bit(kperm, source):
     w = _weights(7, dtype=torch.float32 if source == "fp32" else torch.bfloat16)
     given = _pack(w) if source == "pack" else w
-    legs = prepare_nvfp4_weights(
-        given.w13, given.w2, given.w13_scale, given.w2_scale, given.w13_global_scale,
-        given.w2_global_scale, kperm=kperm,
-    )  # fmt: skip
+    legs = prepare_nvfp4_weights(given, kperm=kperm)
     twin = Fp8Nvfp4Recipe().prepare(given)
     for leg, fc1, want, alpha in (
         (legs[0], True, twin.w13t, twin.alpha13),
@@ -80,12 +82,9 @@ def test_host_quantization_is_the_twins_bit_for_bit(kperm, source):
 
 def test_a_pack_and_its_bf16_weights_prepare_alike_and_unfold_to_the_logical_legs():
     w = _weights(3)
-    from_bf16 = nvfp4_pull_legs(w.w13, w.w2, kperm=64)
-    p = _pack(w)
-    from_pack = nvfp4_pull_legs(
-        p.w13, p.w2, p.w13_scale, p.w2_scale, p.w13_global_scale, p.w2_global_scale, kperm=64
-    )
-    logical = prepare_nvfp4_weights(w.w13, w.w2, kperm=64)
+    from_bf16 = nvfp4_pull_legs(w, kperm=64)
+    from_pack = nvfp4_pull_legs(_pack(w), kperm=64)
+    logical = prepare_nvfp4_weights(w, kperm=64)
     for a, b, leg, (n, k) in zip(from_bf16, from_pack, logical, ((2 * I, H), (H, I)), strict=True):
         assert a.weight.shape == (E // WORLD, k // 2, n) and a.weight.stride(1) == 1
         assert a.scales.shape == (E // WORLD, n // 64, k // 128, 32, 16)
@@ -143,9 +142,8 @@ def test_the_layer_refuses_what_the_kernel_cannot_run_before_joining_the_group(m
 
 
 # -- availability ------------------------------------------------------------------------------
-def test_availability_says_why_not_here():
-    ok, why = KERNEL.availability()
-    assert not ok and "no CUDA device visible" in why
+def test_availability_names_what_is_missing(monkeypatch):
+    assert_pull_availability_reasons(KERNEL, monkeypatch)
 
 
 def test_availability_names_either_unmaterialized_drop(monkeypatch):
@@ -221,6 +219,14 @@ def test_layers_of_one_geometry_share_a_compile_and_launch_with_their_own_weight
     assert torch.equal(entry.staging["activation_sf"][:3], s.expand(3, 4))
     a.destroy()
     b.destroy()
+
+
+def test_padded_slots_combine_cells_are_zeroed_before_each_launch(gpu):
+    layer = KERNEL(
+        config=Config(top_k=K), fleet=_fleet(), runtime=FakeRuntime(rank=RANK, world_size=WORLD),
+        weights=_weights(),
+    )  # fmt: skip
+    assert_padded_cells_zeroed(gpu, layer, _forward)
 
 
 def test_a_k256_overlap_config_compiles_its_own_kernel(gpu):

@@ -11,6 +11,7 @@ import torch
 
 from moe_ep import quant
 from moe_ep.errors import MoeEpUsageError
+from moe_ep.types import MoEWeightPack
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import stage_mxfp4_hybrid_inputs
 from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl import layout as L
 
@@ -92,10 +93,12 @@ def _pack(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kperm", KPERMS)
 def test_legs_match_the_layout_written_out_index_by_index(kperm: int) -> None:
     p = _pack(kperm)
-    fc1, fc2 = L.prepare_nvfp4_weights(
-        quant.pack_e2m1(p["c13"]), quant.pack_e2m1(p["c2"]),
-        p["s13"].view(torch.float8_e4m3fn), p["s2"], p["g13"], p["g2"], kperm=kperm,
+    pack = MoEWeightPack(
+        w13=quant.pack_e2m1(p["c13"]), w2=quant.pack_e2m1(p["c2"]),
+        w13_scale=p["s13"].view(torch.float8_e4m3fn), w2_scale=p["s2"],
+        w13_global_scale=p["g13"], w2_global_scale=p["g2"],
     )  # fmt: skip
+    fc1, fc2 = L.prepare_nvfp4_weights(pack, kperm=kperm)
     for leg, codes, scales, g, is_fc1 in (
         (fc1, p["c13"], p["s13"], p["g13"], True),
         (fc2, p["c2"], p["s2"], p["g2"], False),
@@ -111,7 +114,11 @@ def test_legs_match_the_layout_written_out_index_by_index(kperm: int) -> None:
 def test_round_trip(kperm: int) -> None:
     p = _pack(10 + kperm)
     w13, w2 = quant.pack_e2m1(p["c13"]), quant.pack_e2m1(p["c2"])
-    fc1, fc2 = L.prepare_nvfp4_weights(w13, w2, p["s13"], p["s2"], p["g13"], p["g2"], kperm=kperm)
+    pack = MoEWeightPack(
+        w13=w13, w2=w2, w13_scale=p["s13"], w2_scale=p["s2"], w13_global_scale=p["g13"],
+        w2_global_scale=p["g2"],
+    )  # fmt: skip
+    fc1, fc2 = L.prepare_nvfp4_weights(pack, kperm=kperm)
     cases = ((fc1, w13, p["s13"], p["g13"], True), (fc2, w2, p["s2"], p["g2"], False))
     for leg, w, s, g, is_fc1 in cases:
         back = L.unprepare_nvfp4_leg(leg, kperm=kperm, fc1=is_fc1)
@@ -136,19 +143,22 @@ def test_the_permutations_are_bijections_within_their_chunks() -> None:
 
 def test_no_global_scale_means_one() -> None:
     p = _pack(3)
-    fc1, _ = L.prepare_nvfp4_weights(
-        quant.pack_e2m1(p["c13"]), quant.pack_e2m1(p["c2"]), p["s13"], p["s2"], kperm=64
-    )
+    pack = MoEWeightPack(
+        w13=quant.pack_e2m1(p["c13"]), w2=quant.pack_e2m1(p["c2"]), w13_scale=p["s13"],
+        w2_scale=p["s2"],
+    )  # fmt: skip
+    fc1, _ = L.prepare_nvfp4_weights(pack, kperm=64)
     assert torch.equal(fc1.decode_x8, torch.full((E,), 8.0))
 
 
 def test_planes_that_do_not_fit_together_are_refused() -> None:
     p = _pack(4)
     with pytest.raises(MoeEpUsageError, match=r"w13_scale must have shape \(2, 256, 16\)"):
-        L.prepare_nvfp4_weights(
-            quant.pack_e2m1(p["c13"]), quant.pack_e2m1(p["c2"]), p["s13"][:, :, :-1], p["s2"],
-            kperm=0,
+        pack = MoEWeightPack(
+            w13=quant.pack_e2m1(p["c13"]), w2=quant.pack_e2m1(p["c2"]),
+            w13_scale=p["s13"][:, :, :-1], w2_scale=p["s2"],
         )  # fmt: skip
+        L.prepare_nvfp4_weights(pack, kperm=0)
 
 
 @pytest.mark.parametrize("kperm", KPERMS)

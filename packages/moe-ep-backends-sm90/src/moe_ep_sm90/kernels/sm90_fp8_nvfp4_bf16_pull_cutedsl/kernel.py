@@ -87,11 +87,7 @@ class Sm90Fp8Nvfp4Bf16PullCutedslKernel(Sm90Fp8Mxfp4Bf16PullCutedslKernel):
         return shape
 
     def _prepare_weights(self, weights: MoEWeightPack, device: torch.device) -> Any:
-        w = weights.to(device)
-        return nvfp4_pull_legs(
-            w.w13, w.w2, w.w13_scale, w.w2_scale, w.w13_global_scale, w.w2_global_scale,
-            kperm=self.cfg.nvfp4_kperm,
-        )  # fmt: skip
+        return nvfp4_pull_legs(weights.to(device), kperm=self.cfg.nvfp4_kperm)
 
     def _make_kernel(self, g: LaunchGeometry) -> tuple[Any, Any, int]:
         api = load_nvfp4_api()

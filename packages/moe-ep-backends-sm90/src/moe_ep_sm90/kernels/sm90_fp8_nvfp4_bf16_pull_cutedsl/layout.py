@@ -40,6 +40,7 @@ import torch
 from moe_ep import quant
 from moe_ep.backends.support.staging import check_staging_inputs
 from moe_ep.errors import MoeEpUsageError
+from moe_ep.types import MoEWeightPack
 from moe_ep_sm90.common.fp8_blockwise import StagedInputs, aligned
 from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import stage_mxfp4_hybrid_inputs
@@ -203,25 +204,15 @@ def unprepare_nvfp4_leg(leg: Nvfp4Leg, *, kperm: int, fc1: bool) -> tuple[torch.
     return codes, raw, leg.decode_x8 / quant.NVFP4_EPILOGUE_COMPENSATION
 
 
-def prepare_nvfp4_weights(
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    w13_global_scale: torch.Tensor | None = None,
-    w2_global_scale: torch.Tensor | None = None,
-    *,
-    kperm: int,
-) -> tuple[Nvfp4Leg, Nvfp4Leg]:
+def prepare_nvfp4_weights(weights: MoEWeightPack, *, kperm: int) -> tuple[Nvfp4Leg, Nvfp4Leg]:
     """(FC1, FC2) legs from bf16/fp32 weights (`w13 [E, 2I, H]`, `w2 [E, H, I]`, gate rows
     then up rows; quantized with one decode scale G per expert and leg) or, with both scale
     planes, from a pre-quantized nvfp4 pack (`w13 [E, 2I, H/2]`, `w2 [E, H, I/2]` uint8 codes,
     `w13_scale [E, 2I, H/16]`, `w2_scale [E, H, I/16]` e4m3, G `[E]` fp32 or None = 1)."""
     legs = []
-    for w, s, g, name, fc1 in (
-        (w13, w13_scale, w13_global_scale, "w13", True),
-        (w2, w2_scale, w2_global_scale, "w2", False),
-    ):
+    for name, fc1 in (("w13", True), ("w2", False)):
+        w, s = getattr(weights, name), getattr(weights, f"{name}_scale")
+        g = getattr(weights, f"{name}_global_scale")
         if s is None:
             g = quant.nvfp4_decode_scale(w, dim=(-2, -1))
             w, s = quant.quantize_nvfp4_decode_scaled(w, decode_scale=g)
@@ -229,27 +220,16 @@ def prepare_nvfp4_weights(
     return legs[0], legs[1]
 
 
-def nvfp4_pull_legs(
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    w13_global_scale: torch.Tensor | None = None,
-    w2_global_scale: torch.Tensor | None = None,
-    *,
-    kperm: int,
-) -> tuple[Nvfp4PullLeg, Nvfp4PullLeg]:
-    """(FC1, FC2) in the kernel's physical form (step 6), from the arguments of
-    `prepare_nvfp4_weights`."""
+def nvfp4_pull_legs(weights: MoEWeightPack, *, kperm: int) -> tuple[Nvfp4PullLeg, Nvfp4PullLeg]:
+    """(FC1, FC2) in the kernel's physical form (step 6), from what `prepare_nvfp4_weights`
+    takes."""
     fc1, fc2 = (
         Nvfp4PullLeg(
             weight=aligned(fold_codes(leg.payload)).permute(0, 2, 1),
             scales=aligned(leg.scales),
             decode_x8=aligned(leg.decode_x8.float()),
         )
-        for leg in prepare_nvfp4_weights(
-            w13, w2, w13_scale, w2_scale, w13_global_scale, w2_global_scale, kperm=kperm
-        )
+        for leg in prepare_nvfp4_weights(weights, kperm=kperm)
     )
     return fc1, fc2
 
