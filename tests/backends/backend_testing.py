@@ -96,6 +96,38 @@ def fake_gpu_pieces(
     return freed
 
 
+def fake_cutedsl_gpu(
+    monkeypatch: pytest.MonkeyPatch, cls: type, pool: Any
+) -> tuple[list[Any], list[Any], list[Any]]:
+    """`fake_gpu_pieces` for a CuTe DSL kernel: the fake `_compile` builds the staging
+    buffers with core's `storage_tensor` from the kernel's own `_tensor_specs` (ids -1), the
+    fake `_launch` writes output row r = r + 1 in every column. Returns the lists of compiled,
+    launched and freed entries."""
+    from moe_ep.backends.support.cutedsl.mega_kernel import STAGED, CompiledEntry, storage_tensor
+
+    compiled: list[Any] = []
+    launches: list[Any] = []
+
+    def fake_compile(self: Any, g: Any) -> Any:
+        specs = {s.name: s for s in self._tensor_specs(g)}
+        staging = {
+            name: storage_tensor(specs[name], lambda n: torch.empty(n, dtype=torch.uint8))
+            for name in STAGED
+        }
+        staging["topk_idx"].fill_(-1)
+        entry = CompiledEntry(None, torch.zeros(1), torch.zeros(1), staging, (), None, {})
+        compiled.append(entry)
+        return entry
+
+    def fake_launch(self: Any, entry: Any) -> None:
+        launches.append(entry)
+        out = entry.staging["output_activation"]
+        out.copy_((torch.arange(out.shape[0]) + 1.0)[:, None].expand_as(out))
+
+    freed = fake_gpu_pieces(monkeypatch, cls, pool, compile=fake_compile, launch=fake_launch)
+    return compiled, launches, freed
+
+
 def make_kernel(
     cls: type,
     config: Any,

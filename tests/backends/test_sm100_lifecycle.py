@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_testing import FakeRuntime, fake_gpu_pieces, make_kernel, routed_tensors
+from backend_testing import FakeRuntime, fake_cutedsl_gpu, make_kernel, routed_tensors
 
 import moe_ep_sm100.common.cutedsl as launch
-from moe_ep.backends.support.cutedsl.mega_kernel import (
-    STAGED,
-    CompiledEntry,
-    as_kernel_dtype,
-    storage_tensor,
-)
+from moe_ep.backends.support.cutedsl.mega_kernel import as_kernel_dtype
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm100 import (
@@ -46,26 +41,7 @@ KINDS = {
 @pytest.fixture(params=sorted(KINDS))
 def kind(request, monkeypatch):
     cls, cfg = KINDS[request.param]
-    compiled: list[CompiledEntry] = []
-    launches: list[CompiledEntry] = []
-
-    def fake_compile(self, g):
-        specs = {s.name: s for s in self._tensor_specs(g)}
-        staging = {
-            name: storage_tensor(specs[name], lambda n: torch.empty(n, dtype=torch.uint8))
-            for name in STAGED
-        }
-        staging["topk_idx"].fill_(-1)
-        entry = CompiledEntry(None, torch.zeros(1), torch.zeros(1), staging, (), None, {})
-        compiled.append(entry)
-        return entry
-
-    def fake_launch(self, entry):
-        launches.append(entry)
-        out = entry.staging["output_activation"]
-        out.copy_((torch.arange(out.shape[0]) + 1.0)[:, None].expand_as(out))
-
-    freed = fake_gpu_pieces(monkeypatch, cls, launch.POOL, compile=fake_compile, launch=fake_launch)
+    compiled, launches, freed = fake_cutedsl_gpu(monkeypatch, cls, launch.POOL)
     return request.param, cls, cfg, compiled, freed, launches
 
 

@@ -5,13 +5,12 @@ the environment when cutlass is imported)."""
 
 from __future__ import annotations
 
-import time
-
 from moe_ep.backends.support.cutedsl.compile_fakes import (
     DEFAULT_CHECK_GEOMETRY,
     FAKE_ADDRESS,
     fake_peer_map,
     require_cute_dsl_arch,
+    timed_compile,
 )
 from moe_ep.backends.support.launch_args import LaunchGeometry, check_config_geometry
 from moe_ep_sm100.common.config import BLACKWELL_SM_COUNT
@@ -33,7 +32,6 @@ def compile_mxfp8_mxfp4(
 ) -> float:
     """Compile the kernel for `arch` with fake tensors; returns seconds."""
     import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
 
     require_cute_dsl_arch(arch)
     check_config_geometry(config, geometry)
@@ -46,6 +44,4 @@ def compile_mxfp8_mxfp4(
         peer_map=fake_peer_map(api.sym_buffer_host, geometry),  # type: ignore[arg-type]
         stream=cuda.CUstream(0),
     )
-    start = time.perf_counter()
-    cute.compile(kernel, **args, options=f"--gpu-arch {arch}")
-    return time.perf_counter() - start
+    return timed_compile(kernel, args, arch)[1]

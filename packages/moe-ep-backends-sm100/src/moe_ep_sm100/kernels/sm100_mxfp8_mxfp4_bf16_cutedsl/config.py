@@ -68,40 +68,26 @@ class Sm100_Mxfp8_Mxfp4_Bf16_Cutedsl_MegaMoeConfig(Sm100Config):
         super().__post_init__()
         check_choice(self.combine_dtype, COMBINE_DTYPES, field="combine_dtype")
 
-    def check_problem(
-        self,
-        *,
-        hidden_size: int,
-        intermediate_size: int,
-        top_k: int,
-        num_experts: int,
-        world_size: int,
-        max_tokens_per_rank: int,
-    ) -> None:
-        """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry."""
-        super().check_problem(
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            top_k=top_k,
-            num_experts=num_experts,
-            world_size=world_size,
-            max_tokens_per_rank=max_tokens_per_rank,
-        )
+    def check_problem(self, **geometry: int) -> None:
+        """Raise `MoeEpUsageError` if this kernel cannot run the given layer geometry (the
+        base rules, then the drop's routing limits)."""
+        super().check_problem(**geometry)
         name = self.kernel_name
-        for field, value, limit in (
-            ("world_size", world_size, MAX_WORLD_SIZE),
-            ("num_experts", num_experts, MAX_EXPERTS),
-            ("max_tokens_per_rank", max_tokens_per_rank, MAX_TOKENS_PER_RANK),
+        for field, limit in (
+            ("world_size", MAX_WORLD_SIZE),
+            ("num_experts", MAX_EXPERTS),
+            ("max_tokens_per_rank", MAX_TOKENS_PER_RANK),
         ):
-            if value > limit:
+            if (value := geometry[field]) > limit:
                 raise MoeEpUsageError(
                     f"{name}: {field} must be <= {limit} (the drop's routing metadata), got {value}"
                 )
-        routes = padded_tokens_per_rank(max_tokens_per_rank, top_k) * top_k
+        tokens, top_k = geometry["max_tokens_per_rank"], geometry["top_k"]
+        routes = padded_tokens_per_rank(tokens, top_k) * top_k
         if routes > MAX_ROUTES_PER_RANK:
             raise MoeEpUsageError(
                 f"{name}: max_tokens_per_rank x top_k must be <= {MAX_ROUTES_PER_RANK} routes "
-                f"per rank, got {max_tokens_per_rank} x {top_k} (padded: {routes})"
+                f"per rank, got {tokens} x {top_k} (padded: {routes})"
             )
 
     def _check_top_k(self, top_k: int) -> None:
