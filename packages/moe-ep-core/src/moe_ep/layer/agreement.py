@@ -14,7 +14,7 @@ from typing import Any
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
 
-__all__ = ["agree_on_setup", "setup_fingerprint"]
+__all__ = ["agree", "agree_on_setup", "setup_fingerprint"]
 
 
 def setup_fingerprint(
@@ -38,7 +38,13 @@ def agree_on_setup(runtime: Any, mine: dict[str, str]) -> None:
         MoeEpUsageError: names each field that differs and which ranks hold which value.
         MoeEpTimeoutError: a rank did not reach the check within the runtime's timeout.
     """
-    everyone: list[dict[str, str]] = runtime.gather_json(mine, what="moe-ep layer setup check")
+    agree(runtime, mine, subject="layers", what="moe-ep layer setup check")
+
+
+def agree(runtime: Any, mine: dict[str, str], *, subject: str, what: str) -> None:
+    """Collective: one bounded gather of every rank's `mine`; `MoeEpUsageError` on every
+    rank (the same text) if any field differs, naming the ranks holding each value."""
+    everyone: list[dict[str, str]] = runtime.gather_json(mine, what=what)
     problems = []
     for key in mine:
         holders: dict[str, list[int]] = {}
@@ -51,6 +57,6 @@ def agree_on_setup(runtime: Any, mine: dict[str, str]) -> None:
             )
     if problems:
         raise MoeEpUsageError(
-            f"the EP ranks asked for different layers (seen from rank {runtime.rank} of "
+            f"the EP ranks asked for different {subject} (seen from rank {runtime.rank} of "
             f"{len(everyone)}; every rank raises this): " + " | ".join(problems)
         )

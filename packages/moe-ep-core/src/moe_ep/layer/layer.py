@@ -15,7 +15,11 @@ from moe_ep.config import BootstrapConfig
 from moe_ep.contract import KernelConfig, MegaKernel, caller_validated_weights
 from moe_ep.device import resolve_local_device
 from moe_ep.errors import MoeEpPeerError, MoeEpUnavailableError, MoeEpUsageError
-from moe_ep.layer.agreement import agree_on_setup, setup_fingerprint
+from moe_ep.layer.agreement import agree, agree_on_setup, setup_fingerprint
+from moe_ep.layer.weight_moves import move_weights
+from moe_ep.placement import Placement
+from moe_ep.placement_routing import expert_pair_counts
+from moe_ep.placement_weights import transfer_sources
 from moe_ep.tuning.lookup import layer_config
 from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
@@ -46,10 +50,21 @@ class StagedForward:
     """Inputs staged by `MoEEpLayer.stage_inputs`, consumed once by that layer's
     `compute_staged` (another layer's `compute_staged` refuses it)."""
 
-    def __init__(self, output: torch.Tensor, handle: Any, layer: MoEEpLayer) -> None:
+    def __init__(
+        self,
+        output: torch.Tensor,
+        handle: Any,
+        layer: MoEEpLayer,
+        kernel: MegaKernel,
+        load: torch.Tensor | None,
+    ) -> None:
         self.output = output
         self.handle = handle
         self.layer = layer
+        self.kernel = kernel
+        """The kernel that staged it (`apply_placement` replaces the layer's)."""
+        self.load = load
+        """`[E]` this forward's pairs per logical expert, when the layer counts load."""
         self.used = False
 
 
@@ -60,6 +75,16 @@ def _reported(runtime: Any, what: str) -> Iterator[None]:
     except BaseException as exc:
         runtime.report_failure(exc, what=what)  # no-op when a verdict broke it already
         raise
+
+
+def _check_placement(kernel_cls: type[MegaKernel], placement: Placement | None) -> None:
+    """A placement other than contiguous needs a kernel that honours it (before any collective)."""
+    if placement is not None and not kernel_cls.supports_placement:
+        raise MoeEpUsageError(
+            f"kernel {kernel_cls.kernel_name!r} supports only the contiguous expert layout, "
+            f"got fleet_params.placement={placement!r}; use a portable any_*_torch kernel "
+            "or placement=None"
+        )
 
 
 def _check_stream(bootstrap: BootstrapConfig) -> None:
@@ -86,13 +111,17 @@ class MoEEpLayer:
         fleet_params: `FleetParams(num_experts, max_tokens_per_rank, hidden_size)`, the same
             on every rank.
         weights: `MoEWeightPack` of this rank's `E_local` experts (rank r owns experts
-            `[r*E_local, (r+1)*E_local)`).
+            `[r*E_local, (r+1)*E_local)`), or under `fleet_params.placement` of its slots
+            in slot order (`moe_ep.placement_weights.slice_weights` cuts them from the full
+            weights; docs/placement.md).
         fleet_knobs: flashinfer.moe_ep's transport knobs: must be empty (moe-ep has no
             split transport). A kernel name or config here is the backend (moe-ep's own
             order, `MoEEpLayer(bootstrap, fleet, weights, backend)`).
         backend: a kernel name such as `"any_bf16_bf16_bf16_torch"` (default config), a
             kernel config object (e.g. `Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(dedup=False)`),
             or flashinfer's `MegaConfig(megakernel=<either>)` (`moe_ep.compat.flashinfer`).
+        count_load: count each forward's pairs per logical expert (`expert_load`); off by
+            default (then it costs nothing).
 
     Bad input on one rank raises `MoeEpUsageError` on that rank before any collective; at
     world size > 1 that rank also writes its reason into the store, so the peers waiting
@@ -118,6 +147,8 @@ class MoEEpLayer:
         weights: MoEWeightPack,
         fleet_knobs: Sequence[object] | KernelConfig = (),
         backend: str | KernelConfig | object = None,
+        *,
+        count_load: bool = False,
     ) -> None:
         if not isinstance(bootstrap, BootstrapConfig):
             raise MoeEpUsageError(
@@ -131,8 +162,11 @@ class MoEEpLayer:
             raise MoeEpUsageError(
                 f"weights must be a moe_ep.MoEWeightPack, got {type(weights).__name__}"
             )
+        if type(count_load) is not bool:
+            raise MoeEpUsageError(f"count_load must be a bool, got {count_load!r}")
         _check_stream(bootstrap)
         kernel_cls, config = resolve_backend(layer_backend(fleet_knobs, backend))
+        _check_placement(kernel_cls, fleet_params.placement)
         ok, reason = kernel_cls.availability()
         if not ok:
             raise MoeEpUnavailableError(f"kernel {kernel_cls.kernel_name!r}: {reason}")
@@ -145,7 +179,10 @@ class MoEEpLayer:
         self.fleet = fleet_params
         self.kernel_name = kernel_cls.kernel_name
         self.config = config
+        self._kernel_cls = kernel_cls
+        self._weights = weights
         self._destroyed = False
+        self._load: torch.Tensor | None = None
         from moe_ep.runtime import acquire
 
         self._runtime = acquire(bootstrap, requirements=kernel_cls.requirements)
@@ -165,6 +202,10 @@ class MoEEpLayer:
             ):
                 self._kernel: MegaKernel = kernel_cls(
                     config=config, fleet=fleet_params, runtime=self._runtime, weights=weights
+                )
+            if count_load:
+                self._load = torch.zeros(
+                    fleet_params.num_experts, dtype=torch.int64, device=self._runtime.device
                 )
             self._runtime.barrier()
         except BaseException as exc:
@@ -209,6 +250,31 @@ class MoEEpLayer:
     def destroyed(self) -> bool:
         return self._destroyed
 
+    @property
+    def placement(self) -> Placement:
+        """The layout the next forward uses (contiguous unless given or applied)."""
+        rt = self._live()
+        p = self.fleet.placement
+        return Placement.contiguous(self.fleet.num_experts, rt.world_size) if p is None else p
+
+    @property
+    def expert_load(self) -> torch.Tensor:
+        """`[E]` int64 on the layer's device: this rank's (token, slot) pairs per logical
+        expert, summed over the forwards computed since construction or
+        `reset_expert_load()` (`-1` slots skipped; an expert twice in a row counts twice).
+        Sum it over the ranks for the fleet's load (e.g. for `balance_placement`).
+        Needs `count_load=True`."""
+        self._live()
+        if self._load is None:
+            raise MoeEpUsageError(
+                "expert_load needs load counting: construct the layer with count_load=True"
+            )
+        return self._load
+
+    def reset_expert_load(self) -> None:
+        """Zero `expert_load` (local)."""
+        self.expert_load.zero_()
+
     def _live(self) -> Any:
         if self._destroyed:
             raise MoeEpUsageError("this MoEEpLayer was destroyed; construct a new one")
@@ -242,7 +308,12 @@ class MoEEpLayer:
                     device=rt.device,
                 )
             handle = self._kernel.stage_inputs(tensors=tensors, output=out)
-        return StagedForward(out, handle, self)
+            load = (
+                None
+                if self._load is None
+                else expert_pair_counts(tensors.topk_ids, self.fleet.num_experts)
+            )
+        return StagedForward(out, handle, self, self._kernel, load)
 
     def compute_staged(self, staged: StagedForward) -> torch.Tensor:
         """Collective: dispatch, run the experts, combine; returns `[n, H]` bf16."""
@@ -251,15 +322,65 @@ class MoEEpLayer:
                 raise MoeEpUsageError("staged must come from this layer's stage_inputs()")
             if staged.used:
                 raise MoeEpUsageError("this staged forward was already computed; stage again")
+            if staged.kernel is not self._kernel:
+                raise MoeEpUsageError(
+                    "this forward was staged before apply_placement() changed the layout; "
+                    "stage it again"
+                )
             staged.used = True
             with self._on_stream():
-                return self._kernel.compute_staged(staged=staged.handle)
+                out = self._kernel.compute_staged(staged=staged.handle)
+            if self._load is not None and staged.load is not None:
+                self._load += staged.load
+            return out
 
     def forward(self, tensors: MoEEpTensors) -> torch.Tensor:
         """Collective: `[n, H]` bf16 = sum over k of `topk_weights[:, k] * expert(x)`."""
         return self.compute_staged(self.stage_inputs(tensors))
 
     __call__ = forward
+
+    # -- placement ----------------------------------------------------------------------
+    def apply_placement(self, placement: Placement) -> None:
+        """Collective, between forwards: the next forward uses `placement`.
+
+        Every rank first checks `placement` locally (same experts and world size; a kernel
+        that honours placements), then all agree on its digest (one bounded gather: if any
+        rank passed another placement every rank raises the same `MoeEpUsageError` naming
+        the ranks and their digests, before any weight moves, and the layer keeps its
+        layout and stays usable), then the weights move over the group (one all-to-all
+        per pack tensor, each bounded by `BootstrapConfig.timeout_s`), the kernel is rebuilt
+        on them and the ranks meet at a barrier. Load counts are kept (they are logical).
+
+        Raises:
+            MoeEpUsageError: a bad `placement` on this rank (its peers then fail at once
+                with `MoeEpPeerError` naming it), or the ranks disagree (every rank).
+            MoeEpPeerError / MoeEpTimeoutError: a peer failed or did not arrive in time
+                (the runtime is broken then).
+        """
+        rt = self._live()
+        with self._collective("moe-ep apply_placement (checks)"):
+            if not isinstance(placement, Placement):
+                raise MoeEpUsageError(
+                    "placement must be a moe_ep.placement.Placement, got "
+                    f"{type(placement).__name__}"
+                )
+            fleet = dataclasses.replace(self.fleet, placement=placement)
+            _check_placement(self._kernel_cls, fleet.placement)
+            old = self.placement
+            sources = transfer_sources(old, placement)
+        agree(
+            rt,
+            {"placement digest": placement.digest},
+            subject="placements",
+            what="moe-ep apply_placement (digest check)",
+        )
+        with self._collective("moe-ep apply_placement (weights)"), self._on_stream():
+            weights = move_weights(rt, self._weights, old, placement, sources)
+            kernel = self._kernel_cls(config=self.config, fleet=fleet, runtime=rt, weights=weights)
+            self._kernel.destroy()
+            self._kernel, self._weights, self.fleet = kernel, weights, fleet
+            rt.barrier()
 
     # -- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:

@@ -5,13 +5,20 @@ its experts with uneven `all_to_all_single`s (`comm`), dequantize on arrival; th
 returns one row per pair the same way and sums them on the home rank. On a group of one rank
 the same path runs with no collective and no copy (`comm`: an all-to-all of one rank hands
 its rows on).
+
+Under a `Placement` each pair goes to a physical slot (`moe_ep.placement_routing`): with one
+copy per expert that is a lookup done while staging; with replicas the dispatch first
+gathers every rank's per-expert pair counts (one small all-gather), which the replica
+choice and the experts' path choice need (docs/placement.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moe_ep.backends.portable import comm
 from moe_ep.backends.portable.configs import check_bool
@@ -19,17 +26,37 @@ from moe_ep.backends.portable.prepare_finalize import Dispatched
 from moe_ep.backends.portable.recipes import Recipe, check_recipe
 from moe_ep.contract import KernelRuntime
 from moe_ep.errors import MoeEpUsageError
+from moe_ep.placement import Placement
+from moe_ep.placement_routing import expert_pair_counts, replica_table, route_to_slots
+from moe_ep.runtime import bounded_wait, report_local_failure
 from moe_ep.types import MoEEpTensors
 
-__all__ = ["AllToAllPrepareFinalize"]
+__all__ = ["AllToAllPrepareFinalize", "Replicas"]
 
 
 @dataclass
 class _Staged:
     output: torch.Tensor
-    plan: comm.DispatchPlan
+    plan: comm.DispatchPlan | None
+    """None under replicas: planned in `prepare`, once the counts are gathered."""
     payload: torch.Tensor
+    """The rows to send in plan order; with `plan` None, every token's row."""
     topk_weights: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    """Kept for `prepare` when `plan` is None."""
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """How `AllToAllPrepareFinalize` spreads the pairs of a replicated expert.
+
+    spread_rows: experts with at most this many pairs in a forward (over all ranks) are
+        spread pair by pair: the experts compute their rows independently of one another.
+    row_block: above that, runs of this many pairs (the experts' GEMM block) are spread.
+    """
+
+    spread_rows: int
+    row_block: int
 
 
 @dataclass
@@ -51,6 +78,10 @@ class AllToAllPrepareFinalize:
         dedup: send a token once per destination rank (not once per slot routed there).
         topk_weight_before_fc2: send each pair's top-k weight with it (`Dispatched.pair_scale`)
             and sum the expert outputs unweighted.
+        placement: where the logical experts' slots are (None: contiguous,
+            `num_local_experts` per rank); its slots per rank must be `num_local_experts`.
+        replicas: how a replicated expert's pairs are spread; required when `placement`
+            has replicas.
     """
 
     def __init__(
@@ -62,6 +93,8 @@ class AllToAllPrepareFinalize:
         hidden_size: int,
         dedup: bool = True,
         topk_weight_before_fc2: bool = False,
+        placement: Placement | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         check_recipe(recipe)
         for name, value in (("num_local_experts", num_local_experts), ("hidden_size", hidden_size)):
@@ -81,18 +114,74 @@ class AllToAllPrepareFinalize:
         self.dedup = dedup
         self.topk_weight_before_fc2 = topk_weight_before_fc2
         self.workspace = comm.Workspace()
+        self.placement = self._check_placement(placement, replicas, runtime.world_size)
+        self.replicas = replicas
+        self._table = (
+            None if self.placement is None else replica_table(self.placement, runtime.device)
+        )
+
+    def _check_placement(
+        self, placement: Placement | None, replicas: Replicas | None, world_size: int
+    ) -> Placement | None:
+        if placement is None or (isinstance(placement, Placement) and placement.is_contiguous):
+            return None
+        if not isinstance(placement, Placement):
+            raise MoeEpUsageError(
+                "placement must be a moe_ep.placement.Placement or None, got "
+                f"{type(placement).__name__}"
+            )
+        if (placement.world_size, placement.slots_per_rank) != (world_size, self.num_local_experts):
+            raise MoeEpUsageError(
+                f"placement must have world_size={world_size} and slots_per_rank="
+                f"num_local_experts={self.num_local_experts}, got {placement!r}"
+            )
+        if placement.replicated and not isinstance(replicas, Replicas):
+            raise MoeEpUsageError(
+                f"a placement with replicas needs replicas=Replicas(spread_rows, row_block), "
+                f"got {replicas!r}"
+            )
+        return placement
 
     def stage(self, tensors: MoEEpTensors, output: torch.Tensor) -> _Staged:
-        """Plan the routing and quantize the rows to send (local)."""
-        plan = comm.plan_dispatch(
-            tensors.topk_ids, self.num_local_experts, self.runtime.world_size, self.dedup
-        )
+        """Plan the routing and quantize the rows to send (local); under replicas quantize
+        every token's row and leave the plan to `prepare` (it needs the gathered counts)."""
+        ids = tensors.topk_ids
+        if self.placement is not None and self.placement.replicated:
+            payload = self.recipe.pack(tensors.hidden_states)  # per-row: same bytes
+            return _Staged(output, None, payload, tensors.topk_weights, ids)
+        if self._table is not None:
+            ids = route_to_slots(
+                ids, self._table, rank_counts=None, rank=0, spread_rows=0, row_block=1
+            )
+        plan = comm.plan_dispatch(ids, self.num_local_experts, self.runtime.world_size, self.dedup)
         payload = self.recipe.pack(tensors.hidden_states.index_select(0, plan.row_token))
         return _Staged(output, plan, payload, tensors.topk_weights)
 
+    def _plan_replicated(self, staged: _Staged) -> tuple[comm.DispatchPlan, list[int]]:
+        """Collective: gather the per-expert pair counts, route, plan; the experts' path rows."""
+        rt, placement, reps = self.runtime, self.placement, self.replicas
+        assert placement is not None and reps is not None and self._table is not None
+        assert staged.topk_ids is not None
+        mine = expert_pair_counts(staged.topk_ids, placement.num_experts)
+        counts = _gather_counts(mine, rt.group, rt.rank, rt.world_size)
+        ids = route_to_slots(
+            staged.topk_ids,
+            self._table,
+            rank_counts=counts,
+            rank=rt.rank,
+            spread_rows=reps.spread_rows,
+            row_block=reps.row_block,
+        )
+        plan = comm.plan_dispatch(ids, self.num_local_experts, rt.world_size, self.dedup)
+        staged.payload = staged.payload.index_select(0, plan.row_token)
+        total = counts.sum(0).tolist()
+        return plan, [total[e] for e in placement.rank_slots(rt.rank)]
+
     def prepare(self, staged: _Staged) -> tuple[Dispatched, _CombineState]:
         """Counts, payload rows and pair metadata to their ranks; dequantize on arrival."""
-        rt, plan = self.runtime, staged.plan
+        rt, plan, path_rows = self.runtime, staged.plan, None
+        if plan is None:
+            plan, path_rows = self._plan_replicated(staged)
         w = staged.topk_weights
         pair_weight = (
             w[plan.pair_token, plan.pair_slot].float() if self.topk_weight_before_fc2 else None
@@ -111,7 +200,7 @@ class AllToAllPrepareFinalize:
         recv.rows = recv.rows[:0]  # dequantized: the received bytes are no longer needed
         # weights already applied before FC2: the top-k sum adds the rows as they are
         combine_w = torch.ones_like(w) if self.topk_weight_before_fc2 else w
-        dispatched = Dispatched(rows, recv.pair_row, recv.pair_expert, recv.pair_weight)
+        dispatched = Dispatched(rows, recv.pair_row, recv.pair_expert, recv.pair_weight, path_rows)
         return dispatched, _CombineState(staged.output, plan, recv, combine_w)
 
     def finalize(self, expert_out: torch.Tensor, state: _CombineState) -> torch.Tensor:
@@ -132,3 +221,19 @@ class AllToAllPrepareFinalize:
     def clear(self) -> None:
         """Drop the receive buffers (idempotent)."""
         self.workspace.clear()
+
+
+def _gather_counts(mine: torch.Tensor, group: object, rank: int, world_size: int) -> torch.Tensor:
+    """`[W, E]` int64: every rank's `[E]` counts, in rank order (one bounded all-gather)."""
+    if world_size == 1:
+        return mine[None]
+    parts = [torch.empty_like(mine) for _ in range(world_size)]
+    label = "moe-ep forward (dispatch: per-expert counts)"
+    try:
+        pg: Any = group
+        work = dist.all_gather(parts, mine, group=pg, async_op=True)
+    except Exception as exc:
+        report_local_failure(group, exc, what=f"{label} on rank {rank}")
+        raise
+    bounded_wait(group, work, what=label)
+    return torch.stack(parts)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from moe_ep.backends.portable import cpu_fused
-from moe_ep.backends.portable.all_to_all import AllToAllPrepareFinalize
+from moe_ep.backends.portable.all_to_all import AllToAllPrepareFinalize, Replicas
 from moe_ep.backends.portable.configs import (
     Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig,
@@ -19,7 +19,7 @@ from moe_ep.backends.portable.configs import (
     Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig,
     PortableConfig,
 )
-from moe_ep.backends.portable.experts import TorchExperts
+from moe_ep.backends.portable.experts import ROW_BLOCK, TorchExperts, expert_gemm_rows
 from moe_ep.backends.portable.modular import ModularKernel
 from moe_ep.backends.portable.recipes import (
     Bf16Recipe,
@@ -69,6 +69,7 @@ class PortableTorchKernel(MegaKernel):
 
     config_cls: ClassVar[type[KernelConfig]] = PortableConfig
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements()
+    supports_placement: ClassVar[bool] = True
     oracle_format: ClassVar[str]
     """The `moe_ep.oracle` format whose recipe this kernel computes (the CLI checks every
     kernel of the same (act, weight) taxonomy tags against it)."""
@@ -128,6 +129,8 @@ class PortableTorchKernel(MegaKernel):
                 num_local_experts=self.e_local,
                 hidden_size=fleet.hidden_size,
                 dedup=self.pconfig.dedup,
+                placement=fleet.placement,
+                replicas=Replicas(expert_gemm_rows(self.prepared, dev), ROW_BLOCK),
                 topk_weight_before_fc2=bool(self.pconfig.apply_routing_weights_before_fc2),
             ),
             TorchExperts(self.recipe, self.pconfig.swiglu_clamp),
@@ -155,7 +158,7 @@ class Bf16TorchKernel(PortableTorchKernel):
 
     @classmethod
     def make_recipe(cls, config: KernelConfig) -> Recipe:
-        return Bf16Recipe()
+        return Bf16Recipe(getattr(config, "fc1_output_high_precision", False))
 
 
 @register_mega_kernel("any_fp8_fp8_bf16_torch")

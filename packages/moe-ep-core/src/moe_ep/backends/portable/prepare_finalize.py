@@ -30,6 +30,10 @@ class Dispatched:
     pair_scale: `[P]` fp32, the pair's top-k weight when it is applied before FC2 (the
         experts multiply the SwiGLU output by it before the FC2 input is quantized, and
         the finalize sums the outputs unweighted); None: the finalize weights them.
+    path_rows: per local expert, the row count that picks how the experts compute it
+        (under a placement with replicas: its logical expert's pairs over all ranks, so a
+        replica holding part of them computes them as the whole would be); None: the
+        expert's own pair count here.
 
     Pairs of one expert come in global (token, slot) order (the order the bit-identity
     across world sizes rests on).
@@ -39,6 +43,7 @@ class Dispatched:
     pair_row: torch.Tensor
     pair_expert: torch.Tensor
     pair_scale: torch.Tensor | None = None
+    path_rows: list[int] | None = None
 
 
 class PrepareFinalize(Protocol):

@@ -1,0 +1,163 @@
+"""The portable layer under placements: bf16 outputs equal the contiguous layout's to the bit at
+EP 1, 2, 4 (fp8 at EP 2), load counts equal the counts of `topk_ids`, GPU kernels refuse."""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+from layer_cases import Case, from_wire, make_problem, token_split
+
+from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEWeightPack
+from moe_ep.backends.portable.experts import ROW_BLOCK
+from moe_ep.errors import MoeEpUsageError
+from moe_ep.oracle import compare_to_oracle, oracle_forward
+from moe_ep.placement import Placement
+from moe_ep.placement_balance import balance_placement
+from moe_ep.spawn import spawn_local
+
+pytestmark = pytest.mark.multirank
+
+E = 8
+SMALL = Case("pl_small", tokens=48, routing="skewed", pad_frac=0.1, seed=11)
+# the hot expert gets more pairs than one GEMM block: its replicas split it in whole blocks
+# and each must compute its part the way the whole expert would (`Dispatched.path_rows`)
+BIG = Case("pl_big", tokens=2700, routing="skewed", seed=12)
+WORLD_SIZES = (1, 2, 4)
+
+
+def _global_load(case: Case, world_size: int) -> list[int]:
+    counts = Counter(x for x in make_problem(case, world_size)["ids"].reshape(-1).tolist())
+    return [counts[e] for e in range(E)]
+
+
+def _placements(case: Case, world_size: int) -> dict[str, Placement]:
+    """A permutation, the balancer's placement with one redundant slot per rank, and every
+    expert on two ranks (each rank's slots in another order)."""
+    out = {"permuted": Placement(E, world_size, tuple(reversed(range(E))))}
+    if world_size > 1:
+        out["balanced"] = balance_placement(_global_load(case, world_size), world_size, world_size)
+        per = 2 * E // world_size
+        out["twice"] = Placement.from_rank_slots(
+            E, [[(r * E // world_size + 3 * x) % E for x in range(per)] for r in range(world_size)]
+        )
+    return out
+
+
+def _jobs(world_size: int) -> list[tuple[str, Case, str, dict[str, Any] | None]]:
+    formats = ("bf16", "fp8") if world_size == 2 else ("bf16",)
+    jobs = []
+    for case in (SMALL, BIG):
+        for fmt in formats:
+            jobs.append((f"{case.name}/{fmt}/contiguous", case, fmt, None))
+            for name, p in _placements(case, world_size).items():
+                jobs.append((f"{case.name}/{fmt}/{name}", case, fmt, p.to_json()))
+    return jobs
+
+
+@cache
+def _run(world_size: int) -> dict[str, Any]:
+    from placement_cases import placed_worker
+
+    return {
+        "jobs": _jobs(world_size),
+        "ranks": spawn_local(placed_worker, world_size, _jobs(world_size), timeout_s=600),
+    }
+
+
+def _output(world_size: int, key: str) -> torch.Tensor:
+    return torch.cat([from_wire(r[key][0]) for r in _run(world_size)["ranks"]])
+
+
+def test_the_cases_exercise_replicas_and_whole_blocks() -> None:
+    assert _global_load(BIG, 2)[E - 1] > ROW_BLOCK  # the hot expert is split in blocks
+    for world in (2, 4):
+        for case in (SMALL, BIG):
+            p = _placements(case, world)["balanced"]
+            assert len(p.replicas[E - 1]) > 1, (case.name, world, p.slots)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_outputs_equal_the_contiguous_layout_to_the_bit(world_size: int) -> None:
+    run = _run(world_size)
+    checked, failures = 0, []
+    for key, _case, _fmt, spec in run["jobs"]:
+        if spec is None:
+            continue
+        base = _output(world_size, key.rsplit("/", 1)[0] + "/contiguous")
+        got = _output(world_size, key)
+        checked += 1
+        if not torch.equal(got, base):
+            diff = (got.float() - base.float()).abs()
+            failures.append(f"{key} at EP{world_size}: {int((diff > 0).sum())} elements differ")
+    assert checked >= (1 if world_size == 1 else 3) * 2
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", (2, 4))
+def test_placed_outputs_match_the_oracle(world_size: int) -> None:
+    p = make_problem(SMALL, world_size)
+    oracle = oracle_forward(p["x"], p["ids"], p["topk_weights"], p["w13"], p["w2"], fmt="bf16")
+    report = compare_to_oracle(_output(world_size, "pl_small/bf16/balanced"), oracle)
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_load_counts_equal_the_counts_of_topk_ids(world_size: int) -> None:
+    run = _run(world_size)
+    for key, case, _fmt, _spec in run["jobs"]:
+        ids = make_problem(case, world_size)["ids"]
+        split = token_split(case, world_size)
+        for rank, result in enumerate(run["ranks"]):
+            lo = sum(split[:rank])
+            counts = Counter(ids[lo : lo + split[rank]].reshape(-1).tolist())
+            assert result[key][1] == [counts[e] for e in range(E)], (key, rank)
+
+
+# -- refusals (one process, before any collective) ----------------------------------------
+
+
+def _pack(experts: int) -> MoEWeightPack:
+    return MoEWeightPack(torch.zeros(experts, 256, 128), torch.zeros(experts, 128, 128))
+
+
+def test_a_gpu_kernel_refuses_a_placement_before_any_collective() -> None:
+    placement = Placement(4, 1, (1, 0, 2, 3))
+    with pytest.raises(MoeEpUsageError, match="supports only the contiguous expert layout"):
+        MoEEpLayer(
+            BootstrapConfig(1, 0),
+            FleetParams(4, 16, 128, placement=placement),
+            _pack(4),
+            "sm90_fp8_fp8_bf16_pull_cutedsl",
+        )
+
+
+def test_load_counting_is_off_by_default_and_takes_a_bool() -> None:
+    with pytest.raises(MoeEpUsageError, match="count_load must be a bool, got 1"):
+        MoEEpLayer(
+            BootstrapConfig(1, 0),
+            FleetParams(4, 16, 128),
+            _pack(4),
+            "any_bf16_bf16_bf16_torch",
+            count_load=1,  # type: ignore[arg-type]
+        )
+    with MoEEpLayer(
+        BootstrapConfig(1, 0), FleetParams(4, 16, 128), _pack(4), "any_bf16_bf16_bf16_torch"
+    ) as layer:
+        with pytest.raises(MoeEpUsageError, match="construct the layer with count_load=True"):
+            _ = layer.expert_load
+        assert layer.placement == Placement.contiguous(4, 1)
+
+
+def test_a_pack_not_matching_the_placement_is_refused() -> None:
+    placement = Placement(4, 2, (0, 1, 3, 0, 2, 3))
+    with pytest.raises(MoeEpUsageError, match="the placement's slots per rank = 3 experts"):
+        MoEEpLayer(
+            BootstrapConfig(2, 0),
+            FleetParams(4, 16, 128, placement=placement),
+            _pack(2),
+            "any_bf16_bf16_bf16_torch",
+        )
