@@ -140,7 +140,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "absolute directory (default $HOME/.cache/moe-ep/tuning)",
         "Where `moe-ep tune` writes its winners (`tuning.json`) and where layers built from a "
         "kernel name read them at construction; a relative path is refused; a corrupted or "
-        "stale entry is reported and ignored (docs/performance.md, Tuning).",
+        "stale entry is reported and ignored (docs/performance.md, Tuning cache).",
     ),
     EnvVar(
         "HOME",

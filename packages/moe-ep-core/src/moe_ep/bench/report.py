@@ -19,7 +19,7 @@ COLUMNS = (
     "kernel",
     "median",
     "tokens/s",
-    "TFLOP/s",
+    "TFLOP/s/rank",
     "/dense",
     "/bw limit",
     "/all_to_all",

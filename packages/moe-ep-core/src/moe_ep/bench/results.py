@@ -37,17 +37,18 @@ class BenchRow:
         return statistics.median(self.runs) if self.runs else None
 
     def tokens_per_s(self) -> float | None:
+        """Tokens of all ranks per second."""
         t = self.median
         return None if not t else self.shape.tokens * self.world_size / t
 
     def tflops(self) -> float | None:
-        """Useful TFLOP/s of the whole fleet: every token's k pairs, FC1 + FC2."""
+        """Useful TFLOP/s per rank (the published mega-MoE figures' convention): a rank's
+        share of the fleet's pairs (tokens per rank x k), FC1 + FC2, over the forward."""
         t = self.median
         if not t:
             return None
         s = self.shape
-        pairs = s.tokens * self.world_size * s.topk
-        return useful_flops(pairs, s.hidden, s.inter) / t / 1e12
+        return useful_flops(s.tokens * s.topk, s.hidden, s.inter) / t / 1e12
 
     def dense(self) -> float | None:
         have = [self.limits[k] for k in ("dense bf16", "dense fp32") if k in self.limits]
@@ -93,7 +94,7 @@ class BenchRow:
             "runs_s": self.runs,
             "median_s": self.median,
             "tokens_per_s": self.tokens_per_s(),
-            "useful_tflops": self.tflops(),
+            "useful_tflops_per_rank": self.tflops(),
             "limits_s": dict(self.limits),
             "limit_notes": dict(self.notes),
             "peer": None if peer is None else peer[0],
