@@ -7,8 +7,9 @@ Warning:
     formats' and layouts' definitions (`tests/backends/test_sm100_mxfp8_mxfp4_layout.py`)
     and bit for bit against the portable twin `any_mxfp8_mxfp4_bf16_torch` (`..._twin.py`),
     the kernel compiled for sm_100a from the descriptors and arguments `args` builds (and
-    refused for sm_90a), and the launch lifecycle with core's shared CuTe DSL machinery
-    faked at the compile and launch (`tests/backends/test_sm100_mxfp8_mxfp4_kernel.py`).
+    refused for sm_90a), the launch lifecycle with the compile and launch faked
+    (`..._kernel.py`), and the real compile / launch / destroy glue against recording fakes
+    of cutlass, NVSHMEM and the drop kernel (`..._launch_glue.py`).
 """
 
 from __future__ import annotations
