@@ -9,8 +9,11 @@ are exact in fp32, so any order gives the same bits and a bit-for-bit comparison
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moe_ep import quant
 from moe_ep.backends.portable import cpu_fused, experts
@@ -27,6 +30,7 @@ from moe_ep.backends.portable.recipes import (
     PreparedWeights,
     Recipe,
 )
+from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEWeightPack
 
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
@@ -305,6 +309,7 @@ def _exact_pack(e: int, i: int, h: int, seed: int) -> MoEWeightPack:
 CASES: dict[str, tuple[Recipe, int, int]] = {  # recipe, H, I
     "bf16_odd": (Bf16Recipe(), 37, 19),
     "bf16": (Bf16Recipe(), 64, 48),
+    "bf16_fc1_fp32": (Bf16Recipe(fc1_output_high_precision=True), 64, 48),
     "mxfp8": (Mxfp8Recipe(), 64, 32),
     "nvfp4": (Nvfp4Recipe(act_global_scale=2.0, hidden_global_scale=4.0), 64, 32),
     "fp8_fp4": (Fp8Fp4Recipe(), 64, 32),
@@ -313,9 +318,10 @@ CASES: dict[str, tuple[Recipe, int, int]] = {  # recipe, H, I
 }
 
 
-def _run_experts(
-    recipe: Recipe, pw: PreparedWeights, counts: list[int], limit: int, scaled: bool, seed: int
-) -> torch.Tensor:
+def _inputs(
+    pw: PreparedWeights, counts: list[int], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows of grid values in the compute dtype, each pair's row, each pair's scale)."""
     g = torch.Generator().manual_seed(seed)
     hidden = int(pw.w2t.shape[2])
     pairs = sum(counts)
@@ -323,6 +329,14 @@ def _run_experts(
     rows = rows.to(pw.w2t.dtype)
     src_row = torch.randint(0, pairs + 7, (pairs,), generator=g)
     scale = torch.tensor([0.5, 1.0, 2.0])[torch.randint(0, 3, (pairs,), generator=g)]
+    return rows, src_row, scale
+
+
+def _run_experts(
+    recipe: Recipe, pw: PreparedWeights, counts: list[int], limit: int, scaled: bool, seed: int
+) -> torch.Tensor:
+    rows, src_row, scale = _inputs(pw, counts, seed)
+    pairs, hidden = sum(counts), int(pw.w2t.shape[2])
     y = torch.full((pairs, hidden), float("nan"), dtype=torch.bfloat16)
     requantize = None if recipe.requantize_is_rounding else recipe.requantize
     mp = pytest.MonkeyPatch()
@@ -346,6 +360,35 @@ def test_run_experts_new_path_equals_the_mm_path(case: str, scaled: bool) -> Non
     _bits_equal(new, old)
     mixed = _run_experts(recipe, pw, RAGGED, 49, scaled, seed=4)  # both paths in one call
     _bits_equal(mixed, old)
+
+
+def test_bf16_fc1_kept_in_fp32_is_fc1_unrounded_through_swiglu() -> None:
+    """`Bf16Recipe(fc1_output_high_precision=True)` on both paths: FC1 in fp32 (exact here)
+    into SwiGLU, then bf16; the default rounds FC1's output to bf16 first."""
+    h, i = 512, 48  # FC1 sums of 512 grid products need more than bf16's 8 bits
+    pack = _exact_pack(len(RAGGED), i, h, seed=6)
+    kept = Bf16Recipe(fc1_output_high_precision=True).prepare(pack)
+    assert kept.w13t.dtype == torch.float32 and kept.w2t.dtype == torch.bfloat16
+    assert kept.stored13 is not None and kept.stored13.code == "bf16"
+    rows, src_row, _ = _inputs(kept, RAGGED, seed=4)
+    want = {}
+    for rounded in (False, True):
+        parts = []
+        starts = itertools.accumulate(RAGGED, initial=0)  # one more than RAGGED
+        for e, (s, c) in enumerate(zip(starts, RAGGED, strict=False)):
+            x = rows[src_row[s : s + c]].float()
+            gu = x @ pack.w13[e].float().t()
+            gu = gu.bfloat16().float() if rounded else gu
+            act = (F.silu(gu[:, :i]) * gu[:, i:]).bfloat16()
+            parts.append((act.float() @ pack.w2[e].float().t()).bfloat16())
+        want[rounded] = torch.cat(parts)
+    assert not torch.equal(want[False], want[True])  # the FC1 rounding shows
+    for limit in (0, 10**9):  # the mm blocks; the CPU expert GEMM
+        _bits_equal(_run_experts(Bf16Recipe(), kept, RAGGED, limit, False, seed=4), want[False])
+        plain = Bf16Recipe().prepare(pack)
+        _bits_equal(_run_experts(Bf16Recipe(), plain, RAGGED, limit, False, seed=4), want[True])
+    with pytest.raises(MoeEpUsageError, match="fc1_output_high_precision must be a bool"):
+        Bf16Recipe(fc1_output_high_precision=1)  # type: ignore[arg-type]
 
 
 # --- the crossover ---------------------------------------------------------------------------

@@ -83,6 +83,15 @@ class PortableConfig(KernelConfig):
 class Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(PortableConfig):
     kernel_name: ClassVar[str] = "any_bf16_bf16_bf16_torch"
 
+    fc1_output_high_precision: bool = False
+    """Keep FC1's output in fp32 into SwiGLU, as the fused sm90 bf16 pull kernel does (and
+    the oracle's `fc1_output_high_precision`); False rounds it to bf16 as a bf16 GEMM writes
+    it (unfused bf16 MoE pipelines)."""
+
+    def __post_init__(self, topk_weight_before_fc2: bool | None) -> None:
+        super().__post_init__(topk_weight_before_fc2)
+        check_bool("fc1_output_high_precision", self.fc1_output_high_precision)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig(PortableConfig):

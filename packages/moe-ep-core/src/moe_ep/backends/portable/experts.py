@@ -198,7 +198,7 @@ def _run_expert_gemm(
     expert = torch.tensor([e for e, _, _ in runs], dtype=torch.int64)
     pair = torch.arange(q, dtype=torch.int64) + torch.repeat_interleave(first - q_start[:-1], lens)
     xs = ws.get("eg_scratch", cpu_fused.expert_gemm_scratch(q, k_most), torch.float32, rows.device)
-    gu = ws.get("eg_gu", (q, 2 * inter), cdt, rows.device)
+    gu = ws.get("eg_gu", (q, 2 * inter), weights.w13t.dtype, rows.device)  # fp32: kept
     h = ws.get("eg_h", (q, inter), cdt, rows.device)
     a13 = None if weights.alpha13 is None else weights.alpha13[expert].contiguous()
     a2 = None if weights.alpha2 is None else weights.alpha2[expert].contiguous()
@@ -214,12 +214,14 @@ def _run_expert_gemm(
 
 
 def grouped_mm_applies(weights: PreparedWeights, device: torch.device) -> bool:
-    """Whether `run_experts` uses `torch._grouped_mm`: CUDA, bf16 weights, no alphas, and
+    """Whether `run_experts` uses `torch._grouped_mm`: CUDA, bf16 weights (an FC1 kept in
+    fp32 has fp32 w13t), no alphas, and
     the operands `torch._grouped_mm` accepts (every stride a multiple of 16 bytes, i.e. H and
     I multiples of 8, and 16-byte aligned weights); otherwise the per-expert loop runs."""
     return (
         device.type == "cuda"
         and weights.w2t.dtype == torch.bfloat16
+        and weights.w13t.dtype == torch.bfloat16
         and weights.alpha13 is None
         and weights.alpha2 is None
         and _grouped_mm_operands_ok(weights)
@@ -358,17 +360,20 @@ def _run_blocks(
     hidden = int(weights.w2t.shape[2])
     inter = int(weights.w2t.shape[1])
     cdt, dev = weights.w2t.dtype, rows.device
+    fc1_dtype = weights.w13t.dtype  # fp32 with bf16 activations: FC1's output kept in fp32
     alpha13 = None if weights.alpha13 is None else weights.alpha13.tolist()
     alpha2 = None if weights.alpha2 is None else weights.alpha2.tolist()
     direct = cdt == torch.bfloat16 and alpha2 is None  # FC2 writes y's bf16 rows itself
     xe_buf = ws.get("expert_x", (block, int(rows.shape[1])), cdt, dev)
-    gu_buf = ws.get("expert_gu", (block, 2 * inter), cdt, dev)
+    x1_buf = None if fc1_dtype == cdt else ws.get("expert_x1", xe_buf.shape, fc1_dtype, dev)
+    gu_buf = ws.get("expert_gu", (block, 2 * inter), fc1_dtype, dev)
     h_buf = ws.get("expert_h", (block, inter), cdt, dev)
     y_buf = None if direct else ws.get("expert_y", (block, hidden), cdt, dev)
     for e, s, b in tasks:
         xe, gu, h = xe_buf[:b], gu_buf[:b], h_buf[:b]
         torch.index_select(rows, 0, src_row[s : s + b], out=xe)
-        _mm(xe, weights.w13t[e], gu, ws, "fc1_t")
+        x1 = xe if x1_buf is None else x1_buf[:b].copy_(xe)  # exact: bf16 into fp32
+        _mm(x1, weights.w13t[e], gu, ws, "fc1_t")
         a13 = None if alpha13 is None else alpha13[e]
         scale = None if pair_scale is None else pair_scale[s : s + b]
         _swiglu(gu, h, a13, swiglu_clamp, requantize, ws, scale)

@@ -158,7 +158,7 @@ class Bf16TorchKernel(PortableTorchKernel):
 
     @classmethod
     def make_recipe(cls, config: KernelConfig) -> Recipe:
-        return Bf16Recipe()
+        return Bf16Recipe(getattr(config, "fc1_output_high_precision", False))
 
 
 @register_mega_kernel("any_fp8_fp8_bf16_torch")

@@ -62,7 +62,8 @@ class PreparedWeights:
     """Weights laid out as per-expert `mm` operands (`[E_local, K, N]` views), made once.
 
     w13t: `[E_local, H, 2I]` compute dtype (gate columns first), a transposed view of K-major
-        `[E_local, 2I, H]` storage.
+        `[E_local, 2I, H]` storage; fp32 (the bf16 values, exact) when the FC1 output is
+        kept in fp32 (`Bf16Recipe(fc1_output_high_precision=True)`): FC1 then runs in fp32.
     w2t: `[E_local, I, H]` compute dtype, likewise.
     alpha13 / alpha2: `[E_local]` fp32 per-expert GEMM epilogue factors, or None.
     stored13 / stored2: on CPU, the same weights in their stored width (bf16: w13t's own
@@ -201,9 +202,25 @@ def _layout(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[to
 
 
 class Bf16Recipe(Recipe):
+    """bf16 activations and weights.
+
+    Args:
+        fc1_output_high_precision: keep FC1's output `[g; u]` in fp32 into SwiGLU (the fused
+            sm90 bf16 pull kernel's numerics, the oracle's option of the same name) instead
+            of rounding it to bf16 as a bf16 GEMM writes it. Costs an fp32 copy of w13 (the
+            `mm` path's FC1 operand; the CPU expert GEMM reads the bf16 one and writes fp32).
+    """
+
     name = "bf16"
     compute_dtype = torch.bfloat16
     requantize_is_rounding = True
+
+    def __init__(self, fc1_output_high_precision: bool = False) -> None:
+        if type(fc1_output_high_precision) is not bool:
+            raise MoeEpUsageError(
+                f"fc1_output_high_precision must be a bool, got {fc1_output_high_precision!r}"
+            )
+        self.fc1_output_high_precision = fc1_output_high_precision
 
     def row_bytes(self, hidden: int) -> int:
         return 2 * hidden
@@ -222,9 +239,10 @@ class Bf16Recipe(Recipe):
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
         w13, w2 = _float_weights(weights, self.name)
         w13t, w2t = _layout(w13, w2, torch.bfloat16)
-        return PreparedWeights(
-            w13t, w2t, stored13=_stored(w13t.transpose(1, 2)), stored2=_stored(w2t.transpose(1, 2))
-        )
+        stored13, stored2 = _stored(w13t.transpose(1, 2)), _stored(w2t.transpose(1, 2))
+        if self.fc1_output_high_precision:
+            w13t = w13t.float()  # keeps the [E, K, N] view of K-contiguous storage
+        return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
 
 
 def _check_scale_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], dtype: str) -> None:
