@@ -128,6 +128,26 @@ def fake_cutedsl_gpu(
     return compiled, launches, freed
 
 
+def assert_weights_match_their_specs(kernel: Any) -> None:
+    """Every weight argument of a CuTe DSL `kernel`, reinterpreted as the launch does, has
+    its spec's storage shape (fp4: two per byte along the leading dim), stride 1 on the
+    spec's leading dim (what `mark_layout_dynamic` is told) and the spec's alignment."""
+    from moe_ep.backends.support.cutedsl.mega_kernel import as_kernel_dtype
+
+    weights = kernel._weight_tensors()
+    specs = {s.name: s for s in kernel._tensor_specs(kernel.geometry)}
+    assert set(weights) < set(specs)
+    for name, tensor in weights.items():
+        spec = specs[name]
+        t = as_kernel_dtype(tensor, spec)
+        shape = list(spec.shape)
+        if spec.dtype == "fp4":
+            shape[spec.leading_dim] //= 2
+        assert list(t.shape) == shape, name
+        assert t.stride(spec.leading_dim) == 1, name
+        assert t.data_ptr() % spec.align == 0, name
+
+
 def make_kernel(
     cls: type,
     config: Any,

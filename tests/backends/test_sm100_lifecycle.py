@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_testing import FakeRuntime, fake_cutedsl_gpu, make_kernel, routed_tensors
+from backend_testing import (
+    FakeRuntime,
+    assert_weights_match_their_specs,
+    fake_cutedsl_gpu,
+    make_kernel,
+    routed_tensors,
+)
 
 import moe_ep_sm100.common.cutedsl as launch
-from moe_ep.backends.support.cutedsl.mega_kernel import as_kernel_dtype
 from moe_ep.errors import MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm100 import (
@@ -128,18 +133,7 @@ def test_prepared_weights_match_the_compiled_argument_specs(kind):
     and stride 1 on the spec's leading dim (what `mark_layout_dynamic` is told)."""
     _, cls, cfg, _, _, _ = kind
     k = _kernel(cls, cfg(top_k=2))
-    weights = k._weight_tensors()
-    specs = {s.name: s for s in k._tensor_specs(k.geometry)}
-    assert set(weights) < set(specs)
-    for name, tensor in weights.items():
-        spec = specs[name]
-        t = as_kernel_dtype(tensor, spec)
-        shape = list(spec.shape)
-        if spec.dtype == "fp4":
-            shape[spec.leading_dim] //= 2
-        assert list(t.shape) == shape, name
-        assert t.stride(spec.leading_dim) == 1, name
-        assert t.data_ptr() % spec.align == 0, name
+    assert_weights_match_their_specs(k)
     k.destroy()
 
 

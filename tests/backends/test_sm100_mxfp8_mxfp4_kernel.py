@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backend_testing import FakeRuntime, fake_cutedsl_gpu, make_kernel, routed_tensors
+from backend_testing import (
+    FakeRuntime,
+    assert_weights_match_their_specs,
+    fake_cutedsl_gpu,
+    make_kernel,
+    routed_tensors,
+)
 
 import moe_ep_sm100.common.cutedsl as launch
-from moe_ep.backends.support.cutedsl.mega_kernel import as_kernel_dtype
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm100.kernels.sm100_mxfp8_mxfp4_bf16_cutedsl.config import (
@@ -62,17 +67,7 @@ def test_staging_pads_rows_and_masks_routes_then_copies_out(faked) -> None:
 
 def test_prepared_weights_match_the_compiled_argument_specs(faked) -> None:
     k = _kernel(Config(top_k=2))
-    weights = k._weight_tensors()
-    specs = {s.name: s for s in k._tensor_specs(k.geometry)}
-    assert set(weights) < set(specs)
-    for name, tensor in weights.items():
-        spec = specs[name]
-        t = as_kernel_dtype(tensor, spec)
-        shape = list(spec.shape)
-        if spec.dtype == "fp4":
-            shape[spec.leading_dim] //= 2
-        assert list(t.shape) == shape, name
-        assert t.stride(spec.leading_dim) == 1, name
+    assert_weights_match_their_specs(k)
     k.destroy()
 
 
