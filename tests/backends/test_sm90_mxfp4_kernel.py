@@ -20,6 +20,7 @@ import moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.kernel as mx
 from moe_ep import quant
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
+from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.args import tensor_specs
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.config import (
     Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig as Config,
 )
@@ -231,7 +232,12 @@ def test_layers_of_one_geometry_share_a_compile_and_launch_with_their_own_weight
             ("fc2_weight_sf", fc2.offsets), ("fc2_weight_dequant_scale", fc2.scale),
         ):  # fmt: skip
             assert launch[name].tensor is t, name
-    assert la["fc1_weight"].leading_dim == 1 and la["fc1_weight_sf"].leading_dim == 4
+    # each weight argument has its ArgSpec's shape, dtype and stride 1 on the leading dim
+    specs = {spec.name: spec for spec in tensor_specs(a.geometry)}
+    for name in a._weight_tensors():
+        t, spec = la[name].tensor, specs[name]
+        assert tuple(t.shape) == spec.shape and str(t.dtype) == f"torch.{spec.dtype}", name
+        assert t.stride(spec.leading_dim) == 1 and la[name].leading_dim == spec.leading_dim
     assert la["activation"].tensor is lb["activation"].tensor
     assert la["activation"].tensor.dtype == torch.float8_e4m3fn
     entry = a._entry()
