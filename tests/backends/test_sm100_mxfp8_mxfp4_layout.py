@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from backend_testing import assert_gpu_staging_equals_cpu
 
 from moe_ep.errors import MoeEpUsageError
 from moe_ep_sm100.kernels.sm100_mxfp8_mxfp4_bf16_cutedsl.config import (
@@ -257,3 +258,20 @@ def test_config_top_k_must_match_the_inputs() -> None:
 
 def test_padded_tokens_make_routes_a_multiple_of_four() -> None:
     assert [padded_tokens_per_rank(5, k) for k in (1, 2, 3, 4, 6, 8)] == [8, 6, 8, 5, 6, 5]
+
+
+# -- on a CUDA device (any arch; the H200 of the GPU check) ----------------------------
+@pytest.mark.gpu
+def test_gpu_staging_bytes_equal_cpu_bytes() -> None:
+    assert_gpu_staging_equals_cpu(stage_mxfp8_inputs, 256)
+
+
+@pytest.mark.gpu
+def test_gpu_weight_preparation_equals_cpu_bytes() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (any arch); none visible")
+    w13, w2 = weights(seed=4)
+    cpu = prepare_mxfp4_weights(w13.bfloat16(), w2.bfloat16())
+    gpu = prepare_mxfp4_weights(w13.bfloat16().cuda(), w2.bfloat16().cuda())
+    for name in ("w13", "w13_scales", "w2", "w2_scales"):
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
