@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,12 +107,17 @@ def test_concurrent_writers_lose_nothing_and_readers_never_see_a_torn_file(
 # -- the layer's lookup at construction (EP1, in this process) ---------------------------
 
 
-def _layer(backend: object) -> MoEEpLayer:
+def _config_of(backend: object) -> Any:
+    """The config of an EP1 layer built with `backend` (the layer destroyed again)."""
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(4, 64, 64, generator=g).bfloat16()
     w2 = torch.randn(4, 64, 32, generator=g).bfloat16()
     boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
-    return MoEEpLayer(boot, FleetParams(4, 16, 64), MoEWeightPack(w13, w2), backend)  # type: ignore[arg-type]
+    layer = MoEEpLayer(boot, FleetParams(4, 16, 64), MoEWeightPack(w13, w2), backend)  # type: ignore[arg-type]
+    try:
+        return layer.config
+    finally:
+        layer.destroy()
 
 
 def _cache_winner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **versions: str) -> Path:
@@ -126,11 +132,8 @@ def _cache_winner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **versions: s
 
 def test_layer_uses_the_cached_winner(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _cache_winner(monkeypatch, tmp_path)
-    layer = _layer(KERNEL)
-    try:
-        assert layer.config.dedup is False  # the default is True
-    finally:
-        layer.destroy()
+    config = _config_of(KERNEL)
+    assert config.dedup is False  # the default is True
 
 
 def test_layer_falls_back_to_defaults_when_absent(
@@ -139,11 +142,8 @@ def test_layer_falls_back_to_defaults_when_absent(
     monkeypatch.setenv("MOE_EP_TUNING_CACHE", str(tmp_path / "empty"))
     with warnings.catch_warnings():
         warnings.simplefilter("error", TuningCacheWarning)
-        layer = _layer(KERNEL)
-    try:
-        assert layer.config == Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig()
-    finally:
-        layer.destroy()
+        config = _config_of(KERNEL)
+    assert config == Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig()
 
 
 def test_layer_reports_and_ignores_a_stale_winner(
@@ -151,11 +151,8 @@ def test_layer_reports_and_ignores_a_stale_winner(
 ) -> None:
     _cache_winner(monkeypatch, tmp_path, torch="0.0.1", **{"moe-ep-core": "0.0.1"})
     with pytest.warns(TuningCacheWarning, match="is stale"):
-        layer = _layer(KERNEL)
-    try:
-        assert layer.config.dedup is True
-    finally:
-        layer.destroy()
+        config = _config_of(KERNEL)
+    assert config.dedup is True
 
 
 def test_layer_refuses_a_cached_field_that_is_not_a_knob(
@@ -167,22 +164,16 @@ def test_layer_refuses_a_cached_field_that_is_not_a_knob(
     entry["knobs"] = {"swiglu_clamp": 1.0}  # changes the math: never a knob
     path.write_text(json.dumps(doc))
     with pytest.warns(TuningCacheWarning, match="not tuning knobs"):
-        layer = _layer(KERNEL)
-    try:
-        assert layer.config.swiglu_clamp is None
-    finally:
-        layer.destroy()
+        config = _config_of(KERNEL)
+    assert config.swiglu_clamp is None
 
 
 def test_an_explicit_config_is_never_overridden(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     _cache_winner(monkeypatch, tmp_path)
-    layer = _layer(Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(dedup=True))
-    try:
-        assert layer.config.dedup is True
-    finally:
-        layer.destroy()
+    config = _config_of(Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(dedup=True))
+    assert config.dedup is True
 
 
 def test_cpu_arch_names_the_machine_and_thread_count() -> None:

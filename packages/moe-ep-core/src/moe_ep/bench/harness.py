@@ -76,7 +76,9 @@ class RankRow:
     limit_notes: dict[str, str] = field(default_factory=dict)
 
 
-def _spec(shape: BenchShape, world_size: int, routing: str, kernel: str) -> Any:
+def problem_spec(shape: BenchShape, world_size: int, routing: str, kernel: str) -> Any:
+    """The synthetic problem of `moe-ep run` (`moe_ep.cli.problem.JobSpec`) for `shape`,
+    unchecked (the bench and the tuner time it; `run` checks it)."""
     from moe_ep.cli.problem import JobSpec
 
     return JobSpec(
@@ -238,7 +240,7 @@ def _shape_routing(ctx: _Rank, shape: BenchShape, routing: str) -> list[RankRow]
 
     job, ws, dev = ctx.job, ctx.world_size, ctx.runtime.device
     el = shape.experts // ws
-    spec = _spec(shape, ws, routing, job.kernels[0])
+    spec = problem_spec(shape, ws, routing, job.kernels[0])
     all_tokens = [rank_tokens(spec, r) for r in range(ws)]
     mine = {k: v.to(dev) for k, v in all_tokens[ctx.rank].items()}
     per_rank = [traffic([t["ids"] for t in all_tokens], r, el) for r in range(ws)]

@@ -35,23 +35,39 @@ def available_kernels() -> tuple[str, ...]:
     return tuple(info.name for info in listed() if info.available)
 
 
-def check_request(req: BenchRequest) -> None:
-    """`MoeEpUsageError` naming the option, value and rule, before any rank starts."""
+def kernel_name(text: str) -> str:
+    """The canonical name of `--kernel text` (a deprecated alias warns and resolves).
+
+    Raises:
+        MoeEpUsageError: an unknown name, naming it and the known ones.
+    """
     from moe_ep.registry import available_kernels as listed
     from moe_ep.registry import resolve_kernel_name
 
+    known = {info.name for info in listed()}
+    try:
+        name = resolve_kernel_name(text)
+    except KeyError:
+        name = text
+    if name not in known:
+        raise MoeEpUsageError(f"--kernel {text!r}: unknown kernel, known: {sorted(known)}")
+    return name
+
+
+def check_routing(routing: str) -> None:
+    """`MoeEpUsageError` unless `routing` is one of `ROUTINGS`."""
+    if routing not in ROUTINGS:
+        raise MoeEpUsageError(f"--routing must be one of {ROUTINGS}, got {routing!r}")
+
+
+def check_request(req: BenchRequest) -> None:
+    """`MoeEpUsageError` naming the option, value and rule, before any rank starts."""
     if not req.shapes:
         raise MoeEpUsageError("--shape: no shape to run (give --shape T,H,I,E,k)")
     if not req.kernels:
         raise MoeEpUsageError("--kernel: no kernel available on this machine to run")
-    known = {info.name for info in listed()}
     for k in req.kernels:
-        try:
-            name = resolve_kernel_name(k)
-        except KeyError:
-            name = k
-        if name not in known:
-            raise MoeEpUsageError(f"--kernel {k!r}: unknown kernel, known: {sorted(known)}")
+        kernel_name(k)
     for ws in req.world_sizes:
         if ws < 1:
             raise MoeEpUsageError(f"--ep must be >= 1, got {ws}")
@@ -62,8 +78,7 @@ def check_request(req: BenchRequest) -> None:
                     "by every world size"
                 )
     for r in req.routings:
-        if r not in ROUTINGS:
-            raise MoeEpUsageError(f"--routing must be one of {ROUTINGS}, got {r!r}")
+        check_routing(r)
     if req.reps < 1:
         raise MoeEpUsageError(f"--reps must be >= 1, got {req.reps}")
     if req.warmup < 0:

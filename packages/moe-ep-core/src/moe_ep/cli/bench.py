@@ -74,7 +74,7 @@ def add_parser(sub: Any) -> None:
 
 def request(args: argparse.Namespace) -> Any:
     """The `BenchRequest` of the parsed options (usage errors name the option)."""
-    from moe_ep.bench.runner import BenchRequest, available_kernels
+    from moe_ep.bench.runner import BenchRequest, available_kernels, kernel_name
     from moe_ep.bench.shapes import DEFAULT_SHAPES, QUICK_SHAPES, parse_shape
 
     extra = tuple(parse_shape(s) for s in args.shape)
@@ -85,7 +85,7 @@ def request(args: argparse.Namespace) -> Any:
         shapes=(*base, *extra),
         world_sizes=tuple(eps),
         routings=tuple(dict.fromkeys(args.routing)),
-        kernels=tuple(dict.fromkeys(args.kernel)) or available_kernels(),
+        kernels=tuple(dict.fromkeys(kernel_name(k) for k in args.kernel)) or available_kernels(),
         reps=reps,
         warmup=args.warmup,
         peers=not args.no_peers,

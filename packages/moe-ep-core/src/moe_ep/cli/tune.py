@@ -47,10 +47,9 @@ def add_parser(sub: Any) -> None:
 
 def job_of(args: argparse.Namespace) -> Any:
     """The `TuneJob` of the options (usage errors name the option, value and rule)."""
-    from moe_ep.bench.runner import ROUTINGS
+    from moe_ep.bench.runner import check_routing, kernel_name
     from moe_ep.bench.shapes import parse_shape
     from moe_ep.errors import MoeEpUsageError
-    from moe_ep.registry import available_kernels, resolve_kernel_name
     from moe_ep.tune.tuners import TuneJob
     from moe_ep.tuning import cache_path
 
@@ -59,20 +58,13 @@ def job_of(args: argparse.Namespace) -> Any:
         args.ep = 2
     if args.reps is None:
         args.reps = 3 if args.quick else 5
-    known = {info.name for info in available_kernels()}
-    try:
-        kernel = resolve_kernel_name(args.kernel)
-    except KeyError:
-        kernel = args.kernel
-    if kernel not in known:
-        raise MoeEpUsageError(f"--kernel {args.kernel!r}: unknown kernel, known: {sorted(known)}")
+    kernel = kernel_name(args.kernel)
     if args.ep < 1 or shape.experts % args.ep:
         raise MoeEpUsageError(
             f"--ep must be >= 1 and divide the experts ({shape.experts}), got {args.ep}"
         )
     for r in args.routing:
-        if r not in ROUTINGS:
-            raise MoeEpUsageError(f"--routing must be one of {ROUTINGS}, got {r!r}")
+        check_routing(r)
     if args.reps < 1 or args.warmup < 0:
         raise MoeEpUsageError(
             f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}"

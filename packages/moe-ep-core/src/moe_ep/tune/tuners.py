@@ -71,18 +71,17 @@ def layer_measure(
     routings (each restaged: new tokens, new routing), after warm-up, every timed run
     started together (barrier)."""
     from moe_ep import FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
+    from moe_ep.bench.harness import problem_spec
+    from moe_ep.bench.shapes import BenchShape
     from moe_ep.bench.timing import round_robin
-    from moe_ep.cli.problem import JobSpec, expert_weights, rank_tokens
+    from moe_ep.cli.problem import expert_weights, rank_tokens
     from moe_ep.registry import get_kernel
     from moe_ep.tuning.lookup import apply_knobs
 
     kernel_cls: Any = get_kernel(job.kernel)
     el = job.experts // world_size
-    specs = [
-        JobSpec((job.kernel,), world_size, job.tokens, job.hidden, job.inter, job.experts,
-                job.topk, routing=r, check=False)
-        for r in job.routings
-    ]  # fmt: skip
+    shape = BenchShape("tune", job.tokens, job.hidden, job.inter, job.experts, job.topk)
+    specs = [problem_spec(shape, world_size, r, job.kernel) for r in job.routings]
     w13, w2 = expert_weights(specs[0], list(range(rank * el, (rank + 1) * el)))
     dev = runtime.device
     w13, w2 = w13.to(dev), w2.to(dev)
