@@ -117,9 +117,11 @@ class MoEEpLayer:
         fleet_knobs: flashinfer.moe_ep's transport knobs: must be empty (moe-ep has no
             split transport). A kernel name or config here is the backend (moe-ep's own
             order, `MoEEpLayer(bootstrap, fleet, weights, backend)`).
-        backend: a kernel name such as `"any_bf16_bf16_bf16_torch"` (default config), a
-            kernel config object (e.g. `Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(dedup=False)`),
-            or flashinfer's `MegaConfig(megakernel=<either>)` (`moe_ep.compat.flashinfer`).
+        backend: a kernel name such as `"any_bf16_bf16_bf16_torch"` (default config, with
+            the knobs `moe-ep tune` cached for this problem: docs/performance.md), a
+            kernel config object (e.g. `Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(dedup=False)`,
+            used as given), or flashinfer's `MegaConfig(megakernel=<either>)`
+            (`moe_ep.compat.flashinfer`).
         count_load: count each forward's pairs per logical expert (`expert_load`); off by
             default (then it costs nothing).
 
