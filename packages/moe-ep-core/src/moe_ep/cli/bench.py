@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
         "--kernel", action="append", default=[], help="a kernel to run (default: all available)"
     )
     p.add_argument("--reps", type=int, default=None, help="timed runs each (default 5; quick 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (1)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers' experts")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     p.add_argument(
@@ -68,7 +68,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument(
-        "--timeout", type=float, default=1800.0, help="seconds per world size's spawned ranks"
+        "--timeout", type=float, default=1800.0, help="seconds per world size's ranks (1800)"
     )
 
 

@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--quick", action="store_true", help=f"the bf16 kernel on {QUICK_SHAPE} at EP2, 3 reps"
     )
-    p.add_argument("--kernel", default=DEFAULT_KERNEL, help="the kernel to tune")
+    p.add_argument("--kernel", default=DEFAULT_KERNEL, help=f"the kernel ({DEFAULT_KERNEL})")
     p.add_argument(
         "--shape",
         default=None,
@@ -41,8 +41,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--reps", type=int, default=None, help="timed forwards per candidate and routing (5)"
     )
-    p.add_argument("--warmup", type=int, default=1, help="untimed forwards first")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the spawned ranks")
+    p.add_argument("--warmup", type=int, default=1, help="untimed forwards first (1)")
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds for the spawned ranks (1800)"
+    )
 
 
 def job_of(args: argparse.Namespace) -> Any:
