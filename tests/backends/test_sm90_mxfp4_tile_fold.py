@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from backend_testing import require_drop, run_fresh_python
+from ptx_interp import ptx_op
 from sm90_mxfp4_cases import drop_mxfp4_source, wide_weights
 
 from moe_ep import quant
@@ -44,8 +45,6 @@ from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import (
     unfold_offsets,
 )
 
-_M32 = 0xFFFFFFFF
-
 
 def _drop_ptx() -> list[tuple[str, list[str]]]:
     """The instructions of the drop's pair converter, as (opcode, operands)."""
@@ -53,19 +52,6 @@ def _drop_ptx() -> list[tuple[str, list[str]]]:
     body = func.split('"{\\n"', 1)[1].split('"}"', 1)[0]  # the asm string's lines
     lines = re.findall(r'"\s*([a-z][a-z0-9.]*) ([^;]*);', body)
     return [(op, [a.strip() for a in args.split(",")]) for op, args in lines if op != ".reg"]
-
-
-def _prmt(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """PTX `prmt.b32 d, a, b, c` (default mode): byte j of d is byte `c[4j+2:4j]` of {b, a},
-    replicated from its sign bit when `c[4j+3]` is set."""
-    pool = a | (b << 32)
-    out = torch.zeros_like(a)
-    for j in range(4):
-        sel = (c >> (4 * j)) & 0xF
-        byte = (pool >> (8 * (sel & 7))) & 0xFF
-        byte = torch.where((sel & 8) != 0, torch.where(byte >= 0x80, 0xFF, 0), byte)
-        out |= byte << (8 * j)
-    return out
 
 
 def _run_ptx(ins: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -77,22 +63,7 @@ def _run_ptx(ins: list[torch.Tensor]) -> list[torch.Tensor]:
 
     for op, args in _drop_ptx():
         d, *src = args
-        v = [val(s) for s in src]
-        if op == "and.b32":
-            r = v[0] & v[1]
-        elif op == "or.b32":
-            r = v[0] | v[1]
-        elif op == "shr.u32":
-            r = v[0] >> v[1]
-        elif op == "shl.b32":
-            r = v[0] << v[1]
-        elif op == "mad.lo.u32":
-            r = v[0] * v[1] + v[2]
-        elif op == "prmt.b32":
-            r = _prmt(*v)  # type: ignore[arg-type]
-        else:
-            raise AssertionError(f"PTX op {op} not modelled")
-        regs[d] = torch.as_tensor(r) & _M32
+        regs[d] = ptx_op(op, [val(s) for s in src])
     return [regs[f"${j}"] for j in range(4)]
 
 

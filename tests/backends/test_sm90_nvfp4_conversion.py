@@ -15,13 +15,12 @@ import re
 import pytest
 import torch
 from backend_testing import require_drop, run_fresh_python
-from test_sm90_mxfp4_tile_fold import _prmt
+from ptx_interp import ptx_op
 
 from moe_ep_sm90.common.pull_drop import PULL_DROP
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import SIGN_HOLDER
 from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.upstream import NVFP4_DROP
 
-_M32 = 0xFFFFFFFF
 _GROUPS = 2  # two K32 fragments per PTX block (kperm 64 converts K64 chunks)
 _DECODE_REGS = re.compile(r"^(sel|signs|\$\d+)$")
 
@@ -56,21 +55,7 @@ def _decode(asm: str, words: list[torch.Tensor], lut: tuple[int, int]) -> list[t
         d, *src = (a.strip() for a in args.split(","))
         if not _DECODE_REGS.match(d) or op.startswith("ld."):
             continue
-        v = [val(s) for s in src]
-        if op == "and.b32":
-            r = v[0] & v[1]
-        elif op == "or.b32":
-            r = v[0] | v[1]
-        elif op == "shr.u32":
-            r = v[0] >> v[1]
-        elif op == "shl.b32":
-            r = v[0] << v[1]
-        elif op == "prmt.b32":
-            a, b, c = (t.contiguous() for t in torch.broadcast_tensors(*map(torch.as_tensor, v)))
-            r = _prmt(a, b, c)
-        else:
-            raise AssertionError(f"decode op {op} not modelled")
-        regs[d] = torch.as_tensor(r) & _M32
+        regs[d] = ptx_op(op, [val(s) for s in src])
         ops += 1
     assert ops >= 5 * n, ops  # every output word was decoded
     return [torch.as_tensor(regs[f"${j}"]) for j in range(n)]
