@@ -59,6 +59,19 @@ _E2M1_RCP_LIMIT = 1.0 / E2M1_MAX
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def tensor_amax(x: torch.Tensor, *, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """amax |x| in float32 of a finite float32 / bf16 / fp16 tensor: one scalar (0 when
+    empty), or over `dim` (kept, size 1); the per-tensor / per-expert global scales' input."""
+    check_high_precision(x, min_dim=0)
+    xf = x.float().abs()
+    if dim is None:
+        amax = xf.amax() if xf.numel() else xf.new_zeros(())
+    else:
+        amax = xf.amax(dim=dim, keepdim=True)
+    check_finite_amax(amax)
+    return amax
+
+
 def nvfp4_global_scale(
     x: torch.Tensor, *, dim: int | tuple[int, ...] | None = None
 ) -> torch.Tensor:
@@ -73,13 +86,7 @@ def nvfp4_global_scale(
         dim: None for one scalar over the tensor; dims to reduce (kept, size 1) otherwise,
             e.g. `dim=(-2, -1)` gives one norm_const per expert `[E, 1, 1]`.
     """
-    check_high_precision(x, min_dim=0)
-    xf = x.float().abs()
-    if dim is None:
-        amax = xf.amax() if xf.numel() else xf.new_zeros(())
-    else:
-        amax = xf.amax(dim=dim, keepdim=True)
-    check_finite_amax(amax)
+    amax = tensor_amax(x, dim=dim)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     # Capped so that a (sub)normal-tiny amax cannot overflow it to inf.
     nc = torch.reciprocal(safe).mul_(_NORM_NUMERATOR).clamp_max_(_MAX_NORM_CONST)

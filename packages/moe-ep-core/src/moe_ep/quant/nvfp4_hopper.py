@@ -26,20 +26,16 @@ from moe_ep.quant._codes import (
     E2M1_TO_E4M3_SHIFT,
     block_amax,
     e2m1_codes_from_shifted,
-    e2m1_codes_to_float32,
     owned_float32,
     pack_e2m1,
-    unpack_e2m1,
 )
 from moe_ep.quant._validate import (
     check_block_divides,
-    check_contiguous,
     check_dtype,
     check_finite_amax,
     check_high_precision,
-    check_shape,
 )
-from moe_ep.quant.nvfp4 import NVFP4_BLOCK
+from moe_ep.quant.nvfp4 import NVFP4_BLOCK, dequantize_nvfp4, tensor_amax
 
 __all__ = [
     "NVFP4_EPILOGUE_COMPENSATION",
@@ -67,14 +63,7 @@ def nvfp4_decode_scale(
         dim: None for one scalar; dims to reduce (kept, size 1) otherwise, e.g.
             `dim=(-2, -1)` gives one G per expert `[E, 1, 1]`.
     """
-    check_high_precision(x, min_dim=0)
-    xf = x.float().abs()
-    if dim is None:
-        amax = xf.amax() if xf.numel() else xf.new_zeros(())
-    else:
-        amax = xf.amax(dim=dim, keepdim=True)
-    check_finite_amax(amax)
-    return amax.mul_(_RCP_2688).clamp_min_(_FLOOR)
+    return tensor_amax(x, dim=dim).mul_(_RCP_2688).clamp_min_(_FLOOR)
 
 
 def _decode_scale_blocks(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -128,17 +117,5 @@ def nvfp4_e4m3_operand(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     `[..., K]` float8_e4m3fn `RN_E4M3(e2m1 * scale / 8)` (round to nearest even, e4m3
     subnormals kept; the product is exact in fp32 and at most 336, so nothing saturates).
     The weight is this times `8 * G`."""
-    check_dtype(packed, (torch.uint8,), arg="packed")
-    check_dtype(scales, (torch.float8_e4m3fn,), arg="scales")
-    check_contiguous(packed, arg="packed")
-    k = int(packed.shape[-1]) * 2
-    if k % NVFP4_BLOCK:
-        raise MoeEpUsageError(
-            f"packed.shape[-1] * 2 (K) must be divisible by {NVFP4_BLOCK}, got K={k}"
-        )
-    lead = tuple(packed.shape[:-1])
-    nb = k // NVFP4_BLOCK
-    check_shape(scales, (*lead, nb), arg="scales", why="one e4m3 scale per 16 elements")
-    vals = e2m1_codes_to_float32(unpack_e2m1(packed)).view(*lead, nb, NVFP4_BLOCK)
-    prod = vals.mul_(scales.float().unsqueeze(-1)).mul_(1.0 / NVFP4_EPILOGUE_COMPENSATION)
-    return prod.view(*lead, k).to(torch.float8_e4m3fn)
+    product = dequantize_nvfp4(packed, scales)  # e2m1 * scale, exact in fp32
+    return product.mul_(1.0 / NVFP4_EPILOGUE_COMPENSATION).to(torch.float8_e4m3fn)
