@@ -141,8 +141,15 @@ def _check_invariants(load: list[int], world: int, redundant: int) -> tuple[floa
 def test_balancer_is_no_worse_than_contiguous_on_skewed_loads(
     problem: tuple[list[int], int, int],
 ) -> None:
-    balanced, contiguous = _check_invariants(*problem)
+    load, world, redundant = problem
+    balanced, contiguous = _check_invariants(load, world, redundant)
     assert balanced <= contiguous + 1e-9
+    hot = max(range(len(load)), key=lambda x: load[x])
+    if world > 1 and redundant and load[hot] > sum(load) - load[hot]:
+        # the hot expert outweighs all others: split over two ranks, it makes every rank
+        # lighter than the contiguous one holding it whole
+        assert len(balance_placement(load, world, redundant).replicas[hot]) >= 2
+        assert balanced < contiguous
 
 
 @settings(max_examples=400, deadline=None)
