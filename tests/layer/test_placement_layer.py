@@ -124,26 +124,25 @@ def _pack(experts: int) -> MoEWeightPack:
     return MoEWeightPack(torch.zeros(experts, 256, 128), torch.zeros(experts, 128, 128))
 
 
+def _refused(match: str, fleet: FleetParams, experts: int, backend: str, **options: Any) -> None:
+    """Construction at world size `fleet.placement.world_size` (else 1) raises locally."""
+    world = 1 if fleet.placement is None else fleet.placement.world_size
+    with pytest.raises(MoeEpUsageError, match=match):
+        MoEEpLayer(BootstrapConfig(world, 0), fleet, _pack(experts), backend, **options)
+
+
 def test_a_gpu_kernel_refuses_a_placement_before_any_collective() -> None:
-    placement = Placement(4, 1, (1, 0, 2, 3))
-    with pytest.raises(MoeEpUsageError, match="supports only the contiguous expert layout"):
-        MoEEpLayer(
-            BootstrapConfig(1, 0),
-            FleetParams(4, 16, 128, placement=placement),
-            _pack(4),
-            "sm90_fp8_fp8_bf16_pull_cutedsl",
-        )
+    fleet = FleetParams(4, 16, 128, placement=Placement(4, 1, (1, 0, 2, 3)))
+    _refused(
+        "supports only the contiguous expert layout", fleet, 4, "sm90_fp8_fp8_bf16_pull_cutedsl"
+    )
 
 
 def test_load_counting_is_off_by_default_and_takes_a_bool() -> None:
-    with pytest.raises(MoeEpUsageError, match="count_load must be a bool, got 1"):
-        MoEEpLayer(
-            BootstrapConfig(1, 0),
-            FleetParams(4, 16, 128),
-            _pack(4),
-            "any_bf16_bf16_bf16_torch",
-            count_load=1,  # type: ignore[arg-type]
-        )
+    _refused(
+        "count_load must be a bool, got 1", FleetParams(4, 16, 128), 4,
+        "any_bf16_bf16_bf16_torch", count_load=1,
+    )  # fmt: skip
     with MoEEpLayer(
         BootstrapConfig(1, 0), FleetParams(4, 16, 128), _pack(4), "any_bf16_bf16_bf16_torch"
     ) as layer:
@@ -153,11 +152,5 @@ def test_load_counting_is_off_by_default_and_takes_a_bool() -> None:
 
 
 def test_a_pack_not_matching_the_placement_is_refused() -> None:
-    placement = Placement(4, 2, (0, 1, 3, 0, 2, 3))
-    with pytest.raises(MoeEpUsageError, match="the placement's slots per rank = 3 experts"):
-        MoEEpLayer(
-            BootstrapConfig(2, 0),
-            FleetParams(4, 16, 128, placement=placement),
-            _pack(2),
-            "any_bf16_bf16_bf16_torch",
-        )
+    fleet = FleetParams(4, 16, 128, placement=Placement(4, 2, (0, 1, 3, 0, 2, 3)))
+    _refused("the placement's slots per rank = 3 experts", fleet, 2, "any_bf16_bf16_bf16_torch")

@@ -73,7 +73,8 @@ class AllToAllPrepareFinalize:
     Args:
         recipe: the format: how a token row is quantized for the wire and dequantized.
         runtime: the process group, this rank and the device.
-        num_local_experts: experts per rank (rank r owns `[r*E_local, (r+1)*E_local)`).
+        num_local_experts: experts (slots) per rank (rank r owns `[r*E_local, (r+1)*E_local)`,
+            or under `placement` its slots).
         hidden_size: H.
         dedup: send a token once per destination rank (not once per slot routed there).
         topk_weight_before_fc2: send each pair's top-k weight with it (`Dispatched.pair_scale`)
