@@ -239,3 +239,25 @@ def assert_padded_cells_zeroed(gpu: Any, layer: Any, forward: Callable[[Any], An
     ids = staging["topk_idx"][:3]
     assert (seen["cells"][:3][ids < 0] == 0).all() and (seen["cells"][:3][ids >= 0] == 3).all()
     layer.destroy()
+
+
+def assert_layer_refuses_before_joining(
+    kernel_cls: type,
+    monkeypatch: pytest.MonkeyPatch,
+    cases: list[tuple[FleetParams, MoEWeightPack, Any, str]],
+    *,
+    world_size: int,
+    rank: int,
+) -> None:
+    """`MoEEpLayer` built with each case's `(fleet, weights, config)` raises `MoeEpUsageError`
+    matching its pattern before it joins the group (the kernel made available, `acquire` a
+    failure)."""
+    import moe_ep.runtime
+    from moe_ep import BootstrapConfig, MoEEpLayer
+    from moe_ep.errors import MoeEpUsageError
+
+    monkeypatch.setattr(kernel_cls, "availability", classmethod(lambda c: (True, "")))
+    monkeypatch.setattr(moe_ep.runtime, "acquire", lambda *a, **k: pytest.fail("joined"))
+    for fleet, weights, config, match in cases:
+        with pytest.raises(MoeEpUsageError, match=match):
+            MoEEpLayer(BootstrapConfig(world_size=world_size, rank=rank), fleet, weights, config)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from backend_testing import (
     FakeRuntime,
+    assert_layer_refuses_before_joining,
     assert_padded_cells_zeroed,
     assert_pull_availability_reasons,
     routed_tensors,
@@ -134,11 +135,6 @@ def test_weights_the_kernel_cannot_take_are_refused():
 
 
 def test_the_layer_refuses_what_the_kernel_cannot_run_before_joining_the_group(monkeypatch):
-    import moe_ep.runtime
-    from moe_ep import BootstrapConfig, MoEEpLayer
-
-    monkeypatch.setattr(KERNEL, "availability", classmethod(lambda c: (True, "")))
-    monkeypatch.setattr(moe_ep.runtime, "acquire", lambda *a, **k: pytest.fail("joined"))
     wide = FleetParams(num_experts=64, max_tokens_per_rank=T, hidden_size=H)
     el = 64 // WORLD
     many = MoEWeightPack(w13=torch.zeros(el, 2 * I, H), w2=torch.zeros(el, H, I))
@@ -147,9 +143,7 @@ def test_the_layer_refuses_what_the_kernel_cannot_run_before_joining_the_group(m
         (_fleet(), _weights(), Config(top_k=5), r"top_k \(5\) must be <= num_experts \(4\)"),
         (wide, many, Config(top_k=33), r"top_k must be <= 32.*got 33"),
     ]
-    for fleet, weights, config, match in cases:
-        with pytest.raises(MoeEpUsageError, match=match):
-            MoEEpLayer(BootstrapConfig(world_size=WORLD, rank=RANK), fleet, weights, config)
+    assert_layer_refuses_before_joining(KERNEL, monkeypatch, cases, world_size=WORLD, rank=RANK)
 
 
 # -- availability ----------------------------------------------------------------------

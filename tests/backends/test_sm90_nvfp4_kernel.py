@@ -10,6 +10,7 @@ import pytest
 import torch
 from backend_testing import (
     FakeRuntime,
+    assert_layer_refuses_before_joining,
     assert_padded_cells_zeroed,
     assert_pull_availability_reasons,
     routed_tensors,
@@ -128,17 +129,11 @@ def test_weights_the_kernel_cannot_take_are_refused():
 
 
 def test_the_layer_refuses_what_the_kernel_cannot_run_before_joining_the_group(monkeypatch):
-    import moe_ep.runtime
-    from moe_ep import BootstrapConfig, MoEEpLayer
-
-    monkeypatch.setattr(KERNEL, "availability", classmethod(lambda c: (True, "")))
-    monkeypatch.setattr(moe_ep.runtime, "acquire", lambda *a, **k: pytest.fail("joined"))
-    for weights, config, match in (
-        (_weights(i=64), Config(), r"multiples of 128, got H=256, I=64"),
-        (_weights(), Config(top_k=5), r"top_k \(5\) must be <= num_experts \(4\)"),
-    ):
-        with pytest.raises(MoeEpUsageError, match=match):
-            MoEEpLayer(BootstrapConfig(world_size=WORLD, rank=RANK), _fleet(), weights, config)
+    cases = [
+        (_fleet(), _weights(i=64), Config(), r"multiples of 128, got H=256, I=64"),
+        (_fleet(), _weights(), Config(top_k=5), r"top_k \(5\) must be <= num_experts \(4\)"),
+    ]
+    assert_layer_refuses_before_joining(KERNEL, monkeypatch, cases, world_size=WORLD, rank=RANK)
 
 
 # -- availability ------------------------------------------------------------------------------
