@@ -59,6 +59,7 @@ DROPS = (
     "sm90_push_cuda",
     "sm90_push_cuda_deps",
     "sm100_cutedsl_megamoe",
+    "sm100_next_cutedsl_megamoe",
 )
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_34_x86_64")  # fmt: skip
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"got {args.part_mib}")  # fmt: skip
     pins = locked_versions(ROOT / "uv.lock", LOCKED_WHEELS) | BUILD_WHEELS
     wheels = download(pins, args.out / "wheels", args.python_version)
-    drops = DROPS[:-1] if args.no_sm100 else DROPS
+    drops = tuple(d for d in DROPS if not d.startswith("sm100_")) if args.no_sm100 else DROPS
     print(f"tar + gzip {len(wheels)} wheels and {len(drops)} drops' src/ ...", flush=True)
     data = build_tar(wheels, drops)
     parts = split(data, args.part_mib << 20, args.out)
