@@ -1,0 +1,1 @@
+"""Adapters that put moe-ep under other libraries' models (`transformers`)."""
