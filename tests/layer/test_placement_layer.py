@@ -154,3 +154,21 @@ def test_load_counting_is_off_by_default_and_takes_a_bool() -> None:
 def test_a_pack_not_matching_the_placement_is_refused() -> None:
     fleet = FleetParams(4, 16, 128, placement=Placement(4, 2, (0, 1, 3, 0, 2, 3)))
     _refused("the placement's slots per rank = 3 experts", fleet, 2, "any_bf16_bf16_bf16_torch")
+
+
+def test_the_dispatch_takes_replicas_with_and_only_with_a_replicated_placement() -> None:
+    from moe_ep.backends.portable import AllToAllPrepareFinalize
+    from moe_ep.backends.portable.all_to_all import Replicas
+    from moe_ep.backends.portable.recipes import Bf16Recipe
+    from moe_ep.runtime import acquire
+
+    spread = Replicas(16, 2048)
+    with pytest.raises(MoeEpUsageError, match=r"Replicas\.row_block must be an int >= 1, got 0"):
+        Replicas(16, 0)
+    with acquire(BootstrapConfig(1, 0)) as runtime:
+        for placement, replicas in ((None, spread), (Placement(4, 1, (1, 0, 2, 3)), spread)):
+            with pytest.raises(MoeEpUsageError, match="needed with, and only with"):
+                AllToAllPrepareFinalize(
+                    Bf16Recipe(), runtime, num_local_experts=4, hidden_size=128,
+                    placement=placement, replicas=replicas,
+                )  # fmt: skip

@@ -58,6 +58,12 @@ class Replicas:
     spread_rows: int
     row_block: int
 
+    def __post_init__(self) -> None:
+        for name, low in (("spread_rows", 0), ("row_block", 1)):
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise MoeEpUsageError(f"Replicas.{name} must be an int >= {low}, got {value!r}")
+
 
 @dataclass
 class _CombineState:
@@ -81,8 +87,8 @@ class AllToAllPrepareFinalize:
             and sum the expert outputs unweighted.
         placement: where the logical experts' slots are (None: contiguous,
             `num_local_experts` per rank); its slots per rank must be `num_local_experts`.
-        replicas: how a replicated expert's pairs are spread; required when `placement`
-            has replicas.
+        replicas: how a replicated expert's pairs are spread; given when (and only when)
+            `placement` has replicas.
     """
 
     def __init__(
@@ -115,15 +121,20 @@ class AllToAllPrepareFinalize:
         self.dedup = dedup
         self.topk_weight_before_fc2 = topk_weight_before_fc2
         self.workspace = comm.Workspace()
-        self.placement = self._check_placement(placement, replicas, runtime.world_size)
+        self.placement = self._check_placement(placement, runtime.world_size)
+        replicated = self.placement is not None and self.placement.replicated
+        if replicated != (replicas is not None) or not isinstance(replicas, Replicas | None):
+            raise MoeEpUsageError(
+                "replicas=Replicas(spread_rows, row_block) is needed with, and only with, a "
+                f"placement that has replicas: got replicas={replicas!r} for placement="
+                f"{self.placement!r}"
+            )
         self.replicas = replicas
         self._table = (
             None if self.placement is None else replica_table(self.placement, runtime.device)
         )
 
-    def _check_placement(
-        self, placement: Placement | None, replicas: Replicas | None, world_size: int
-    ) -> Placement | None:
+    def _check_placement(self, placement: Placement | None, world_size: int) -> Placement | None:
         if placement is None or (isinstance(placement, Placement) and placement.is_contiguous):
             return None
         if not isinstance(placement, Placement):
@@ -135,11 +146,6 @@ class AllToAllPrepareFinalize:
             raise MoeEpUsageError(
                 f"placement must have world_size={world_size} and slots_per_rank="
                 f"num_local_experts={self.num_local_experts}, got {placement!r}"
-            )
-        if placement.replicated and not isinstance(replicas, Replicas):
-            raise MoeEpUsageError(
-                f"a placement with replicas needs replicas=Replicas(spread_rows, row_block), "
-                f"got {replicas!r}"
             )
         return placement
 

@@ -130,7 +130,11 @@ class PortableTorchKernel(MegaKernel):
                 hidden_size=fleet.hidden_size,
                 dedup=self.pconfig.dedup,
                 placement=fleet.placement,
-                replicas=Replicas(expert_gemm_rows(self.prepared, dev), ROW_BLOCK),
+                replicas=(
+                    Replicas(expert_gemm_rows(self.prepared, dev), ROW_BLOCK)
+                    if fleet.placement is not None and fleet.placement.replicated
+                    else None
+                ),
                 topk_weight_before_fc2=bool(self.pconfig.apply_routing_weights_before_fc2),
             ),
             TorchExperts(self.recipe, self.pconfig.swiglu_clamp),
