@@ -40,12 +40,14 @@ _LAYOUT_FLAGS = (
 class MoeEpExperts(torch.nn.Module):
     """A transformers experts module's stand-in: `forward(hidden_states [n, H] bf16,
     top_k_index [n, k], top_k_weights [n, k]) -> [n, H] bf16` through `layer` (collective:
-    every rank calls it the same number of times)."""
+    every rank calls it the same number of times). `experts`: the global ids of the experts
+    this rank holds."""
 
-    def __init__(self, layer: MoEEpLayer, num_experts: int) -> None:
+    def __init__(self, layer: MoEEpLayer, num_experts: int, experts: range) -> None:
         super().__init__()
         self.layer = layer
         self.num_experts = num_experts
+        self.experts = experts
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -53,7 +55,7 @@ class MoeEpExperts(torch.nn.Module):
         return self.layer(MoEEpTensors(hidden_states, top_k_index, top_k_weights))
 
     def extra_repr(self) -> str:
-        return f"{self.layer!r}"
+        return f"experts {self.experts.start}..{self.experts.stop - 1} of {self.num_experts}"
 
 
 @dataclass
@@ -172,7 +174,9 @@ def shard_experts(
                 _weight(name, module, "down_proj").detach()[lo : lo + e_local].clone(),
             )
             replacement = MoeEpExperts(
-                MoEEpLayer(bootstrap, fleet, weights, backend), fleet.num_experts
+                MoEEpLayer(bootstrap, fleet, weights, backend),
+                fleet.num_experts,
+                range(lo, lo + e_local),
             )
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, replacement)
