@@ -50,7 +50,9 @@ def _apply_worker(rank: int, world_size: int, mode: str) -> dict[str, Any]:
     full = MoEWeightPack(p["w13"], p["w2"])
     contiguous = Placement.contiguous(E, world_size)
     layer = MoEEpLayer(
-        BootstrapConfig(world_size, rank, timeout_s=TIMEOUT_S if mode != "absent" else 3.0),
+        BootstrapConfig(
+            world_size, rank, timeout_s=TIMEOUT_S if mode not in ("absent", "dies") else 3.0
+        ),
         FleetParams(E, per, H),
         slice_weights(full, contiguous, rank),
         "any_bf16_bf16_bf16_torch",
@@ -105,6 +107,20 @@ def _apply_worker(rank: int, world_size: int, mode: str) -> dict[str, Any]:
             start = time.monotonic()
             try:
                 layer.apply_placement(balanced if rank == 0 else "not a placement")  # type: ignore[arg-type]
+            except Exception as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"
+                out["failed_ranks"] = list(getattr(exc, "failed_ranks", []))
+            out["seconds"] = time.monotonic() - start
+        elif mode == "dies":
+            if rank == 1:  # dies in the weight move, after the agreement
+                import os
+
+                import moe_ep.layer.weight_moves as moves
+
+                moves._all_to_all = lambda *a, **k: os._exit(17)  # type: ignore[assignment]
+            start = time.monotonic()
+            try:
+                layer.apply_placement(balanced)
             except Exception as exc:
                 out["error"] = f"{type(exc).__name__}: {exc}"
                 out["failed_ranks"] = list(getattr(exc, "failed_ranks", []))
@@ -176,3 +192,15 @@ def test_a_rank_that_never_comes_times_the_agreement_out() -> None:
     waiting, _absent = spawn_local(_apply_worker, 2, "absent", timeout_s=120)
     assert "MoeEpTimeoutError" in waiting["error"] and waiting["failed_ranks"] == [1]
     assert waiting["seconds"] < 3.0 + 2.5
+
+
+def test_a_rank_dying_in_the_weight_move_is_named_within_the_timeout() -> None:
+    from moe_ep.spawn import launch_local
+
+    run = launch_local(_apply_worker, 2, "dies", timeout_s=120, failure_grace_s=30)
+    assert [f.rank for f in run.failures] == [1] and run.failures[0].exitcode == 17
+    survivor = run.results[0]
+    assert survivor["error"].startswith(("MoeEpPeerError", "MoeEpTimeoutError"))
+    assert survivor["failed_ranks"] == [1]
+    assert "apply_placement" in survivor["error"]
+    assert survivor["seconds"] < 3.0 + 2.5
