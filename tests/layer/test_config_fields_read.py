@@ -21,6 +21,7 @@ import pytest
 
 from moe_ep.config import BootstrapConfig
 from moe_ep.contract import KernelConfig
+from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,10 @@ PACKAGES = {
 CONFIG_MODULES = (
     "moe_ep.backends.portable.configs",
     "moe_ep_sm90.common.config",
+    "moe_ep_sm90.kernels.sm90_bf16_bf16_bf16_pull_cutedsl.config",
     "moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.config",
+    "moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.config",
+    "moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.config",
     "moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.config",
     "moe_ep_sm100.common.config",
     "moe_ep_sm100.kernels.sm100_nvfp4_nvfp4_bf16_cutedsl.config",
@@ -40,6 +44,32 @@ CONFIG_MODULES = (
     "moe_ep_sm100.kernels.sm100_mxfp8_mxfp4_bf16_cutedsl.config",
     "moe_ep_sm100.kernels.sm100_fp8_fp4_bf16_deepgemm.config",
 )
+
+REFUSED_UNLESS_DEFAULT = {
+    "BootstrapConfig.nccl_comm": (lambda v: BootstrapConfig(world_size=1, rank=0, nccl_comm=v), 7),
+    "BootstrapConfig.tcp_store": (lambda v: BootstrapConfig(world_size=1, rank=0, tcp_store=v), 0),
+    "FleetParams.dtype_bytes": (lambda v: FleetParams(8, 16, 128, dtype_bytes=v), 1),
+    "FleetParams.algorithm": (lambda v: FleetParams(8, 16, 128, algorithm=v), "split"),
+    "FleetParams.layout": (lambda v: FleetParams(8, 16, 128, layout=v), "rank_major"),
+    "FleetParams.tuning_live_tokens": (lambda v: FleetParams(8, 16, 128, tuning_live_tokens=v), 4),
+    **{
+        f"Sm90_Fp8_{fmt.capitalize()}_Bf16_PullCutedsl_MegaMoeConfig.{name}": (
+            lambda v, fmt=fmt, name=name: _sm90_fp4_config(fmt)(**{name: v}),
+            True,
+        )
+        for fmt in ("mxfp4", "nvfp4")
+        for name in ("generate_c", "enable_in_kernel_fc2_reduce")
+    },
+}
+"""Fields that accept only their default: flashinfer.moe_ep's, taken for signature
+compatibility (docs/runtime.md), and the sm90 FP4 pull kernels' fixed contract. Never read,
+which is right because any other value is refused; the test below proves each refusal, so
+they are no hole in the net."""
+
+
+def _sm90_fp4_config(fmt: str) -> type:
+    module = importlib.import_module(f"moe_ep_sm90.kernels.sm90_fp8_{fmt}_bf16_pull_cutedsl.config")
+    return getattr(module, f"Sm90_Fp8_{fmt.capitalize()}_Bf16_PullCutedsl_MegaMoeConfig")
 
 
 class _Reads(ast.NodeVisitor):
@@ -105,9 +135,24 @@ def test_every_config_field_is_read_outside_its_validation() -> None:
         f"{cls.__name__}.{f.name}"
         for cls in _config_classes()
         for f in dataclasses.fields(cls)
-        if f.name not in read
+        if f.name not in read and f"{cls.__name__}.{f.name}" not in REFUSED_UNLESS_DEFAULT
     ]
     assert not unread, f"fields validated but never read: {unread}"
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED_UNLESS_DEFAULT))
+def test_the_fields_that_only_take_their_default_refuse_any_other(field: str) -> None:
+    build, other = REFUSED_UNLESS_DEFAULT[field]
+    build(_default(field))  # the default is accepted
+    with pytest.raises(MoeEpUsageError, match=field.split(".")[1]):
+        build(other)
+
+
+def _default(field: str) -> object:
+    cls_name, name = field.split(".")
+    (cls,) = [c for c in _config_classes() if c.__name__ == cls_name]
+    (f,) = [f for f in dataclasses.fields(cls) if f.name == name]
+    return f.default
 
 
 def test_the_net_catches_a_field_read_only_in_post_init() -> None:
