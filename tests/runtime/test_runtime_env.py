@@ -233,6 +233,7 @@ MALFORMED = {
     "MOE_EP_CPU_FUSED": "on",
     "MOE_EP_PUSH_CACHE": "relative/dir",
     "MOE_EP_CPU_FUSED_CACHE": "relative/dir",
+    "MOE_EP_CUTEDSL_CACHE": "relative/dir",
     "MOE_EP_TUNING_CACHE": "relative/dir",
     "NVSHMEM_SYMMETRIC_SIZE": "-1g",
     "MOE_EP_DEBUG": "true",

@@ -1,8 +1,9 @@
 """Private, verified build caches: where moe-ep keeps code it compiled and will load.
 
-The fused CPU epilogue library (`cpu_fused`) and the sm90 push kernel's modules are built on
-first use and cached on disk. A file another user can write there runs inside every moe-ep
-process that loads it, so both caches follow the same rules, all of them here:
+The fused CPU epilogue library (`cpu_fused`), the sm90 push kernel's modules and compiled
+CuTe DSL kernels (`moe_ep.backends.support.cutedsl.kernel_cache`) are built on first use and
+cached on disk. A file another user can write there runs inside every moe-ep process that
+loads it, so the caches follow the same rules, all of them here:
 
 - Cache directory: the variable's value (absolute: `moe_ep.env` refuses a relative one) or
   `$HOME/.cache/moe-ep/<leaf>` (HOME set, absolute, an existing directory). Missing

@@ -37,6 +37,7 @@ __all__ = [
     "cpu_fused_mode",
     "cuda_visible_devices",
     "cute_dsl_arch",
+    "cutedsl_cache_dir",
     "debug",
     "home_dir",
     "local_rank",
@@ -134,6 +135,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "source, compiler, flags and CPU features. A relative path is refused; the same "
         "trust rules as MOE_EP_PUSH_CACHE (a refused cache leaves the eager code, with a "
         "warning, unless MOE_EP_CPU_FUSED=1).",
+    ),
+    EnvVar(
+        "MOE_EP_CUTEDSL_CACHE",
+        "absolute directory (unset: no cache)",
+        "Where the CuTe DSL compile-only checks keep compiled kernels across processes (one "
+        "entry per kernel, drop, arch, config, geometry, versions and our sources; "
+        "docs/runtime.md, Kernel cache), on the trust rules of MOE_EP_PUSH_CACHE. Unset: "
+        "every check compiles. Launches do not use it yet.",
     ),
     EnvVar(
         "MOE_EP_TUNING_CACHE",
@@ -338,6 +347,11 @@ def cpu_fused_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
     return absolute_dir(env, "MOE_EP_CPU_FUSED_CACHE")
 
 
+def cutedsl_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """MOE_EP_CUTEDSL_CACHE as written (it must be absolute), None when unset or empty."""
+    return absolute_dir(env, "MOE_EP_CUTEDSL_CACHE")
+
+
 def tuning_cache_dir(env: Mapping[str, str] | None = None) -> str | None:
     """MOE_EP_TUNING_CACHE as written (it must be absolute), None when unset or empty."""
     return absolute_dir(env, "MOE_EP_TUNING_CACHE")
@@ -399,6 +413,7 @@ _CHECKS: dict[str, Callable[[Mapping[str, str] | None], object]] = {
     "CUDA_VISIBLE_DEVICES": cuda_visible_devices,
     "MOE_EP_CPU_FUSED": cpu_fused_mode,
     "MOE_EP_CPU_FUSED_CACHE": cpu_fused_cache_dir,
+    "MOE_EP_CUTEDSL_CACHE": cutedsl_cache_dir,
     "MOE_EP_TUNING_CACHE": tuning_cache_dir,
     "HOME": home_dir,
     "NVSHMEM_SYMMETRIC_SIZE": nvshmem_symmetric_size,

@@ -60,5 +60,5 @@ def compile_pull_kernel(
 
     inputs = fake_call_inputs(fake, api.sym_buffer_host, geometry, clusters)
     args = pull_call_args(tensor_specs(geometry), pointer=fake_pointer, **inputs)
-    compiled, seconds = timed_compile(kernel, args, arch)
+    compiled, seconds = timed_compile(kernel, args, arch, config=config, geometry=geometry)
     return CompileResult(config.kernel_name, arch, seconds, type(compiled).__name__)

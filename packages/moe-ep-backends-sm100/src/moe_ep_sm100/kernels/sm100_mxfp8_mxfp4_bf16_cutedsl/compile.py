@@ -44,4 +44,4 @@ def compile_mxfp8_mxfp4(
         peer_map=fake_peer_map(api.sym_buffer_host, geometry),  # type: ignore[arg-type]
         stream=cuda.CUstream(0),
     )
-    return timed_compile(kernel, args, arch)[1]
+    return timed_compile(kernel, args, arch, config=config, geometry=geometry)[1]

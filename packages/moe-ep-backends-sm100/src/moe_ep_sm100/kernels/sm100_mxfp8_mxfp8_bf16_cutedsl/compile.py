@@ -62,4 +62,4 @@ def compile_mxfp8(
     args = call_args(
         geometry, pool_token_capacity=kernel.pool_token_capacity, workspace=workspace, **inputs
     )
-    return timed_compile(kernel, args, arch)[1]
+    return timed_compile(kernel, args, arch, config=config, geometry=geometry)[1]

@@ -37,4 +37,4 @@ def compile_nvfp4(
     combine_region(kernel, geometry)  # the cells the launch path clears exist, as assumed
     inputs = fake_call_inputs(fake_tensor, api.sym_buffer_host, geometry, clusters)
     args = call_args(geometry, pointer=fake_pointer, **inputs)
-    return timed_compile(kernel, args, arch)[1]
+    return timed_compile(kernel, args, arch, config=config, geometry=geometry)[1]

@@ -8,10 +8,10 @@ imported inside the functions.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from moe_ep import env
+from moe_ep.backends.support.cutedsl.kernel_cache import compile_cached
 from moe_ep.backends.support.launch_args import ArgSpec, LaunchGeometry
 
 __all__ = [
@@ -101,10 +101,11 @@ def fake_call_inputs(
     )
 
 
-def timed_compile(kernel: Any, args: dict[str, Any], arch: str) -> tuple[Any, float]:
-    """`cute.compile(kernel, **args)` for `arch`; (compiled, seconds)."""
-    import cutlass.cute as cute
-
-    start = time.perf_counter()
-    compiled = cute.compile(kernel, **args, options=f"--gpu-arch {arch}")
-    return compiled, time.perf_counter() - start
+def timed_compile(
+    kernel: Any, args: dict[str, Any], arch: str, *, config: Any, geometry: LaunchGeometry
+) -> tuple[Any, float]:
+    """`cute.compile(kernel, **args)` for `arch` (`config`, `geometry`: what built it), through
+    the kernel cache when `MOE_EP_CUTEDSL_CACHE` is set (`kernel_cache`); (compiled, seconds).
+    """
+    compiled, _, seconds = compile_cached(kernel, args, config=config, geometry=geometry, arch=arch)
+    return compiled, seconds
