@@ -167,14 +167,15 @@ class MoEEpLayer:
         if type(count_load) is not bool:
             raise MoeEpUsageError(f"count_load must be a bool, got {count_load!r}")
         _check_stream(bootstrap)
-        kernel_cls, config = resolve_backend(layer_backend(fleet_knobs, backend))
+        chosen = layer_backend(fleet_knobs, backend)
+        kernel_cls, config = resolve_backend(chosen)
         _check_placement(kernel_cls, fleet_params.placement)
         ok, reason = kernel_cls.availability()
         if not ok:
             raise MoeEpUnavailableError(f"kernel {kernel_cls.kernel_name!r}: {reason}")
         world_size = bootstrap.world_size
         shape = kernel_cls.validate_weights(weights, fleet_params, world_size, config)
-        if isinstance(layer_backend(fleet_knobs, backend), str):  # by name: the tuned knobs
+        if isinstance(chosen, str):  # by name: the tuned knobs
             config, shape = layer_config(
                 kernel_cls, config, fleet_params, weights, shape, bootstrap
             )
