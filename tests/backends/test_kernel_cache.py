@@ -116,6 +116,27 @@ def test_key_changes_with_each_component(key_parts, monkeypatch: pytest.MonkeyPa
     assert len(set(changed.values())) == len(changed) and base not in changed.values(), changed
 
 
+def test_a_kernel_over_another_drops_class_is_keyed_by_both(tmp_path: Path, key_parts) -> None:  # type: ignore[no-untyped-def]
+    drop = key_parts[2]
+    other = tmp_path / "other_drop"
+    other.mkdir()
+    (other / "vendor.lock.json").write_text(json.dumps({"tree_sha256": "e" * 64}))
+    (other / "derived_kc.py").write_text(
+        "import drop_kc\nclass Derived(drop_kc.Kernel):\n    pass\n"
+    )
+    spec = importlib.util.spec_from_file_location("derived_kc", other / "derived_kc.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["derived_kc"] = module
+    try:
+        spec.loader.exec_module(module)
+        assert kernel_cache.drop_digest(module.Derived()) == "e" * 64 + "+" + "a" * 64
+        (drop / "vendor.lock.json").write_text(json.dumps({"tree_sha256": "b" * 64}))
+        assert kernel_cache.drop_digest(module.Derived()) == "e" * 64 + "+" + "b" * 64
+    finally:
+        sys.modules.pop("derived_kc", None)
+
+
 def test_a_class_under_no_drop_lock_is_refused() -> None:
     with pytest.raises(RuntimeError, match="under no drop lock"):
         kernel_cache.drop_digest(GEOMETRY)

@@ -73,18 +73,34 @@ class KernelKey:
 
 
 def drop_digest(kernel: Any) -> str:
-    """The `tree_sha256` of the lock of the drop `kernel`'s class comes from (the nearest
-    `vendor.lock.json` / `_upstream.lock.json` above its source file).
+    """The `tree_sha256` of each drop `kernel`'s class and its bases come from (the nearest
+    `vendor.lock.json` / `_upstream.lock.json` above each class's source file), joined by
+    `+` in method resolution order: a kernel built over another drop's class (the sm90 NVFP4
+    kernel over the MXFP4 one) changes with either drop.
 
     Raises:
-        RuntimeError: no lock above the class's file (not a drop kernel).
+        RuntimeError: no lock above any of the classes' files (not a drop kernel).
     """
-    source = Path(sys.modules[type(kernel).__module__].__file__ or "").resolve()
-    for d in source.parents:
+    digests: list[str] = []
+    for cls in type(kernel).__mro__:
+        digest = _lock_digest(getattr(sys.modules.get(cls.__module__), "__file__", None))
+        if digest is not None and digest not in digests:
+            digests.append(digest)
+    if not digests:
+        source = getattr(sys.modules.get(type(kernel).__module__), "__file__", None)
+        raise RuntimeError(f"{type(kernel).__qualname__} ({source}) is under no drop lock")
+    return "+".join(digests)
+
+
+def _lock_digest(file: str | None) -> str | None:
+    """The `tree_sha256` of the nearest drop lock above `file`, None when there is none."""
+    if not file:
+        return None
+    for d in Path(file).resolve().parents:
         for lock in _LOCKS:
             if (d / lock).is_file():
                 return str(json.loads((d / lock).read_text(encoding="utf-8"))["tree_sha256"])
-    raise RuntimeError(f"{type(kernel).__qualname__} ({source}) is under no drop lock")
+    return None
 
 
 def _versions() -> dict[str, str]:
