@@ -133,13 +133,18 @@ def _k_major(views: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([v.transpose(1, 2) for v in views]).transpose(2, 3)
 
 
-def reduce_topk(combine: torch.Tensor, tokens: int) -> torch.Tensor:
-    """The drop's `TopkReduce` on `[R, T, k, H]` bf16 cells (fp32 accumulator, slots in
-    order, one bf16 rounding), the first `tokens` rows of each rank: `[R * tokens, H]`."""
+def sum_topk(combine: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The drop's `TopkReduce` on `[R, T, k, H]` bf16 cells before its output rounding (fp32
+    accumulator, slots in order), the first `tokens` rows of each rank: `[R * tokens, H]`."""
     acc = torch.zeros(combine.shape[0], combine.shape[1], combine.shape[3])
     for j in range(int(combine.shape[2])):
         acc += combine[:, :, j].float()
-    return acc.to(torch.bfloat16)[:, :tokens].reshape(-1, combine.shape[3])
+    return acc[:, :tokens].reshape(-1, combine.shape[3])
+
+
+def reduce_topk(combine: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`sum_topk` rounded once to bf16: the drop's `TopkReduce` output."""
+    return sum_topk(combine, tokens).to(torch.bfloat16)
 
 
 def _pull_output(case: GpuCase, world_size: int) -> torch.Tensor:
@@ -171,7 +176,8 @@ def _pull_output(case: GpuCase, world_size: int) -> torch.Tensor:
     return reduce_topk(combine, case.tokens)
 
 
-def _bf16_pull_output(case: GpuCase, world_size: int) -> torch.Tensor:
+def _bf16_pull_combine(case: GpuCase, world_size: int) -> torch.Tensor:
+    """`[R, T, k, H]` bf16 combine cells of the drop's `compute_megamoe_reference_bf16`."""
     import moe_ep_drop_sm90_pull as drop
 
     from moe_ep_sm90.kernels.sm90_bf16_bf16_bf16_pull_cutedsl.layout import (
@@ -184,7 +190,7 @@ def _bf16_pull_output(case: GpuCase, world_size: int) -> torch.Tensor:
     t = max(case.tokens, 1)
     weights = [prepare_bf16_pull_weights(r["w13"], r["w2"]) for r in ranks]
     staged = [stage_bf16_pull_inputs(r["x"], r["ids"], r["w"], max_tokens=t) for r in ranks]
-    combine = ref.compute_megamoe_reference_bf16(
+    return ref.compute_megamoe_reference_bf16(
         input_activation=torch.stack([s.activation for s in staged]),
         input_topk_idx=torch.stack([s.topk_ids for s in staged]),
         input_topk_weights=torch.stack([s.topk_weights for s in staged]),
@@ -192,7 +198,10 @@ def _bf16_pull_output(case: GpuCase, world_size: int) -> torch.Tensor:
         fc2_weight=_k_major([w.w2 for w in weights]),
         ref_compute_graph="deepgemm",  # the kernel's apply_topk_in_fc1 (common.pull_args)
     )
-    return reduce_topk(combine, case.tokens)
+
+
+def _bf16_pull_output(case: GpuCase, world_size: int) -> torch.Tensor:
+    return reduce_topk(_bf16_pull_combine(case, world_size), case.tokens)
 
 
 def _plain_scales(swizzled: torch.Tensor, rows: int, cols: int, to_blocked: Any) -> torch.Tensor:
@@ -348,10 +357,46 @@ def conformance_reports(
         got = drop_reference_output(kernel, case, ws)
         for label, fields in recipes.items():
             report = compare_to_oracle(got, _oracle(kernel, case, ws, fields))
-            out[f"{name}/ep{ws}{label}"] = {
-                "ok": report.ok,
-                "max_ratio": report.max_ratio,
-                "violations": report.violations,
-                "report": str(report),
-            }
+            out[f"{name}/ep{ws}{label}"] = _json_report(report)
+    return out
+
+
+def _json_report(report: Any) -> dict[str, Any]:
+    return {
+        "ok": report.ok,
+        "max_ratio": report.max_ratio,
+        "violations": report.violations,
+        "report": str(report),
+    }
+
+
+def bf16_twin_reports(
+    runs: tuple[tuple[str, int], ...], *, planted: dict[str, dict[str, Any]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The bf16 pull kernel's CPU twin (`sm90_gpu_cases.cpu_twin`, through the GPU tests'
+    spawned layers) against the drop's own `compute_megamoe_reference_bf16`: for each
+    (case name, world size) of `runs`, the twin's output compared (`compare_to_oracle`) with
+    the drop reference's values (its top-k reduce before the output rounding, `sum_topk`)
+    in the band of the kernel's oracle; `"<case>/ep<ws>"`, and `"<case>/ep<ws>/<label>"` for
+    a planted twin `{label: twin config fields to change}`. JSON-ready, as
+    `conformance_reports`; call it in a process where the pull drop may be the active one."""
+    from gpu_jobs import Job, job_outputs
+    from sm90_gpu_cases import backend_for, cpu_twin
+
+    from moe_ep.oracle import compare_to_oracle
+
+    twin = cpu_twin(BF16_PULL)
+    twins = {"": twin, **{f"/{k}": replace(twin, **v) for k, v in (planted or {}).items()}}
+    by_name = {c.name: c for c in CASES}
+    out = {}
+    for ws in sorted({ws for _, ws in runs}):
+        cases = [by_name[name] for name, w in runs if w == ws]
+        jobs = [Job(c, BF16_PULL, t) for c in cases for t in twins.values()]
+        outputs = iter(job_outputs(jobs, ws, backend_for, timeout_s=600))
+        for case in cases:
+            exact = sum_topk(_bf16_pull_combine(case, ws), case.tokens).double()
+            ref = replace(sm90_oracle(case, ws, BF16_PULL), exact=exact, output=exact.bfloat16())
+            for label in twins:
+                report = compare_to_oracle(next(outputs), ref)
+                out[f"{case.name}/ep{ws}{label}"] = _json_report(report)
     return out

@@ -222,11 +222,12 @@ def sm90_reference(case: GpuCase, world_size: int, kernel: str) -> Any:
 
 def cpu_twin(kernel: str) -> Any:
     """The portable config that quantizes exactly as sm90 `kernel` does (runs on CPU): the
-    portable fp8 kernel with the recipe's options, or `any_fp8_mxfp4_bf16_torch` /
-    `any_fp8_nvfp4_bf16_torch` for the MXFP4 / NVFP4 pull kernels. The bf16 pull kernel has
-    none yet: the portable bf16 kernel rounds its FC1 output to bf16, the fused kernel does
-    not (`Sm90Recipe.fc1_output_high_precision`)."""
+    portable fp8 kernel with the recipe's options, `any_bf16_bf16_bf16_torch` with FC1's
+    output kept in fp32 and the top-k weight before FC2 for the bf16 pull kernel, or
+    `any_fp8_mxfp4_bf16_torch` / `any_fp8_nvfp4_bf16_torch` for the MXFP4 / NVFP4 pull
+    kernels."""
     from moe_ep.backends.portable.configs import (
+        Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
         Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
         Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
         Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig,
@@ -234,6 +235,7 @@ def cpu_twin(kernel: str) -> Any:
 
     twins = {
         "fp8": Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfig,
+        "bf16": Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
         "fp8_mxfp4": Any_Fp8_Mxfp4_Bf16_Torch_MegaMoeConfig,
         "fp8_nvfp4": Any_Fp8_Nvfp4_Bf16_Torch_MegaMoeConfig,
     }

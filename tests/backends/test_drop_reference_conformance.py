@@ -22,12 +22,19 @@ _HERE = Path(__file__).resolve().parent
 
 
 def _reports(kernel: str, runs: tuple[tuple[str, int], ...], **kwargs: object) -> dict:
+    return _fresh_call(kernel, "conformance_reports", kernel, runs, **kwargs)
+
+
+def _fresh_call(kernel: str, function: str, *args: object, **kwargs: object) -> dict:
+    """`drop_references.<function>(*args, **kwargs)` in a fresh process where `kernel`'s
+    drop is the active one."""
     require_drop(_drop(kernel))
     code = (
         "import json, sys\n"
         f"sys.path.insert(0, {str(_HERE)!r})\n"
-        "from drop_references import conformance_reports\n"
-        f"print(json.dumps(conformance_reports({kernel!r}, {runs!r}, **{kwargs!r})))\n"
+        f"from drop_references import {function}\n"
+        "if __name__ == '__main__':\n"
+        f"    print(json.dumps({function}(*{args!r}, **{kwargs!r})))\n"
     )
     return run_fresh_python(code, timeout=900)
 
@@ -88,3 +95,21 @@ def test_drop_reference_passes_the_gpu_test(kernel: str) -> None:
 def test_drop_reference_passes_the_multirank_gpu_test(kernel: str) -> None:
     bad = _failures(_reports(kernel, MULTIRANK_RUNS), MULTIRANK_RUNS)
     assert not bad, f"{kernel}: the drop's own reference fails the GPU test's comparison: {bad}"
+
+
+def test_the_bf16_pull_twin_conforms_to_the_drop_reference() -> None:
+    # The twin the GPU tests' CPU side runs (`any_bf16_bf16_bf16_torch` with
+    # fc1_output_high_precision=True and the top-k weight before FC2) against code we did not
+    # write: the drop's compute_megamoe_reference_bf16, in the kernel oracle's band, on every
+    # EP1 case at the GPU tests' sizes. The two planted bf16 faults fail on
+    # one_expert_per_rank (k = 1: one route per cell).
+    planted = {
+        "fc1_bf16": {"fc1_output_high_precision": False},
+        "weight_after_fc2": {"apply_routing_weights_before_fc2": False},
+    }
+    reports = _fresh_call(BF16_PULL, "bf16_twin_reports", EP1_RUNS, planted=planted)
+    bad = _failures(reports, EP1_RUNS)
+    assert not bad, f"the bf16 pull twin falls outside the drop reference's band: {bad}"
+    for label in planted:
+        wrong = reports[f"one_expert_per_rank/ep1/{label}"]
+        assert not wrong["ok"] and wrong["violations"] > 0, (label, wrong)

@@ -315,3 +315,39 @@ def test_the_gpu_tests_build_the_layer_with_this_config():
     from sm90_gpu_cases import BF16_PULL, CASES, backend_for
 
     assert backend_for(CASES[0], BF16_PULL) == Config(top_k=CASES[0].topk)
+
+
+def test_the_gpu_tests_twin_is_the_portable_bf16_kernel_with_this_recipe():
+    from sm90_gpu_cases import BF16_PULL, cpu_twin
+
+    from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
+
+    twin = cpu_twin(BF16_PULL)
+    assert isinstance(twin, Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig)
+    # FC1's output unrounded into SwiGLU, the top-k weight before FC2 (the kernel's
+    # apply_topk_in_fc1), no clamp (the config's gate_up_clamp is None by default)
+    assert twin.fc1_output_high_precision is True
+    assert twin.apply_routing_weights_before_fc2 is True
+    assert twin.swiglu_clamp is None and Config().gate_up_clamp is None
+
+
+@pytest.mark.multirank
+def test_the_gpu_tests_band_fails_a_twin_with_another_recipe():
+    # The comparison the GPU tests make (`sm90_reports` against the fused recipe's oracle)
+    # passes the twin and fails the planted faults docs/backends.md lists for this kernel:
+    # FC1's output rounded to bf16 (the portable default) and the top-k weight after FC2.
+    from dataclasses import replace
+
+    from gpu_jobs import Job
+    from sm90_gpu_cases import BF16_PULL, CASES, cpu_twin, sm90_reports
+
+    case = replace(CASES[2], tokens=24)  # one_expert_per_rank: k = 1, a cell is one route
+    twin = cpu_twin(BF16_PULL)
+    faults = [
+        replace(twin, fc1_output_high_precision=False),
+        replace(twin, apply_routing_weights_before_fc2=False),
+    ]
+    jobs = [Job(case, BF16_PULL, b) for b in (twin, *faults)]
+    good, *bad = sm90_reports(jobs, 1, timeout_s=240)
+    assert good.ok, good
+    assert [r.ok for r in bad] == [False] * len(faults), bad

@@ -16,7 +16,9 @@ worker run on CPU against each kernel's portable twin in `test_sm90_gpu_cases.py
 The bf16 pull kernel quantizes nothing; its oracle keeps the FC1 output unrounded into
 SwiGLU and weights the SwiGLU output before its bf16 rounding (`SM90_RECIPES[BF16_PULL]`),
 the recipe its drop's own reference passes on CPU at these sizes, EP1 and EP2
-(`test_drop_reference_conformance.py`). It has no portable twin yet.
+(`test_drop_reference_conformance.py`). Its CPU twin `any_bf16_bf16_bf16_torch` with
+`fc1_output_high_precision=True` and the top-k weight before FC2 runs the same jobs on CPU
+(`test_sm90_gpu_cases.py`) and passes against the drop's reference too.
 
 The MXFP4 pull kernel's oracle is `fmt="fp8_mxfp4"` with its config's clamp and the top-k
 weight before FC2 (`SM90_RECIPES[MXFP4_PULL]`); its drop ships no reference, and its CPU

@@ -2,8 +2,8 @@
 
 `test_sm90_gpu.py` skips here (no Hopper GPU). This module runs its exact code path
 (`sm90_gpu_cases.sm90_report`: spawned ranks through `MoEEpLayer`, gathered output against
-`sm90_oracle`) with each sm90 kernel replaced by its portable twin (the portable fp8 backend
-with the kernel's FC1 grouping), on the same cases shrunk to CPU size, so a slip in the case
+`sm90_oracle`) with each sm90 kernel replaced by its portable twin (`cpu_twin`: the portable
+backend with the kernel's recipe), on the same cases shrunk to CPU size, so a slip in the case
 building, the oracle call or the worker fails here rather than on the first GPU run.
 """
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 from gpu_jobs import Job, ep1_jobs, job_outputs
 from sm90_gpu_cases import (
+    BF16_PULL,
     CASES,
     MXFP4_PULL,
     NVFP4_PULL,
@@ -37,7 +38,7 @@ from moe_ep.backends.portable.configs import Any_Fp8_Fp8_Bf16_Torch_MegaMoeConfi
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.oracle import compare_to_oracle, oracle_forward
 
-KERNELS = (PULL, PUSH, MXFP4_PULL, NVFP4_PULL)
+KERNELS = (PULL, PUSH, BF16_PULL, MXFP4_PULL, NVFP4_PULL)
 
 
 def _small(case: GpuCase) -> GpuCase:
