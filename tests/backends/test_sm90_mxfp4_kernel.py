@@ -21,6 +21,10 @@ import moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.kernel as mx
 from moe_ep import quant
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
+from moe_ep_sm90.common.tile_fold import (
+    unfold_codes,
+    unfold_offsets,
+)
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.args import tensor_specs
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.config import (
     Sm90_Fp8_Mxfp4_Bf16_PullCutedsl_MegaMoeConfig as Config,
@@ -28,10 +32,6 @@ from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.config import (
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import (
     mxfp4_pull_legs,
     prepare_mxfp4_hybrid_weights,
-)
-from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import (
-    unfold_codes,
-    unfold_offsets,
 )
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.upstream import Mxfp4KernelApi
 

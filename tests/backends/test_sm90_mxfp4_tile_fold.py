@@ -1,4 +1,4 @@
-"""The MXFP4 kernel's physical weight tiles (`sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold`)
+"""The MXFP4 kernel's physical weight tiles (`moe_ep_sm90.common.tile_fold`)
 against a thread-by-thread restatement of what the drop's mainloop reads, on CPU.
 
 The reference (`kernel_view`) is written from the layouts' definitions, not from our code:
@@ -35,14 +35,14 @@ from moe_ep.backends.portable.recipes import Fp8Mxfp4Recipe
 from moe_ep.types import MoEWeightPack
 from moe_ep_sm90.common.pull_drop import PULL_DROP
 from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
-from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import (
-    prepare_mxfp4_hybrid_weights,
-)
-from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import (
+from moe_ep_sm90.common.tile_fold import (
     fold_codes,
     fold_offsets,
     unfold_codes,
     unfold_offsets,
+)
+from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import (
+    prepare_mxfp4_hybrid_weights,
 )
 
 
@@ -148,7 +148,7 @@ def test_the_reference_has_teeth_the_logical_order_does_not_pass() -> None:
 
 def _swapped_only(packed: torch.Tensor) -> torch.Tensor:
     """The physical grid positions of `fold_codes` with each code keeping its own sign."""
-    from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl import tile_fold
+    from moe_ep_sm90.common import tile_fold
 
     codes = quant.unpack_e2m1(packed)
     return quant.pack_e2m1(tile_fold._move_codes(codes, to_physical=True).contiguous())

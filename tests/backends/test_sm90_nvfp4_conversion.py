@@ -18,7 +18,7 @@ from backend_testing import require_drop, run_fresh_python
 from ptx_interp import ptx_op
 
 from moe_ep_sm90.common.pull_drop import PULL_DROP
-from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import SIGN_HOLDER
+from moe_ep_sm90.common.tile_fold import SIGN_HOLDER
 from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.upstream import NVFP4_DROP
 
 _GROUPS = 2  # two K32 fragments per PTX block (kperm 64 converts K64 chunks)

@@ -23,7 +23,7 @@ from moe_ep import quant
 from moe_ep.backends.portable.recipes import Fp8Nvfp4Recipe
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
-from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import unfold_codes
+from moe_ep_sm90.common.tile_fold import unfold_codes
 from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl import upstream
 from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.config import (
     Sm90_Fp8_Nvfp4_Bf16_PullCutedsl_MegaMoeConfig as Config,

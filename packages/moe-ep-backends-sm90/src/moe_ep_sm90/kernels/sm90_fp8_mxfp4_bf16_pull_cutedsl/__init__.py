@@ -12,7 +12,6 @@ Upstream bytes: the `sm90_pull_cutedsl` drop, `vendor/sm90_pull_cutedsl/src/moe_
   offsets, per-expert residual) from bf16 weights or a pre-quantized mxfp4 pack, and the
   legs as the kernel takes them; input staging (e4m3 with the per-token scale on a 16-byte
   row).
-- `tile_fold`: the physical tiles of codes and offsets the drop's mainloop reads, and back.
 - `args`: the drop kernel's constructor arguments and tensor ABI (`build_kernel`, `tensor_specs`).
 - `compile`: the compile-only check (`python -m moe_ep_sm90.compile_check mxfp4-pull`).
 - `upstream`: the drop's kernel class and ABI constants.

@@ -33,7 +33,7 @@ from moe_ep import quant
 from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
 from moe_ep_sm90.common.fp8_blockwise import StagedInputs, aligned
 from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
-from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import (
+from moe_ep_sm90.common.tile_fold import (
     fold_codes,
     fold_offsets,
 )

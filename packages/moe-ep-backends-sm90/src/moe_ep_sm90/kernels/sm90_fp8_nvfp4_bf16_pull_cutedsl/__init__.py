@@ -12,7 +12,7 @@ Upstream bytes: FlashInfer's `Sm90MegaMoESwapABNvfp4Fp8Kernel`, the `sm90_pull_n
   weights, staging, drops and knobs.
 - `layout`: the weights' logical ABI (K permutation, gate/up by 8, scale pairs, 64 x 128
   scale folds, `8 * G`) from bf16 weights (the portable twin's quantizer) or a pre-quantized
-  nvfp4 pack, the physical tiles (the MXFP4 kernel's `tile_fold`), input staging.
+  nvfp4 pack, the physical tiles (`common.tile_fold`, the MXFP4 kernel's), input staging.
 - `args`: the drop kernel's constructor arguments and tensor ABI (`build_kernel`,
   `tensor_specs`; the MXFP4 kernel's with the NVFP4 scale planes and knobs).
 - `compile`: the compile-only check (`python -m moe_ep_sm90.compile_check nvfp4-pull`).

@@ -21,7 +21,7 @@ from a pre-quantized pack:
 5. `decode_x8 = 8 * G` per expert: the kernel's operand is `RN_E4M3(e2m1 * scale / 8)` and its
    epilogue multiplies by this (`quant.NVFP4_EPILOGUE_COMPENSATION`).
 6. The payload in the kernel's physical tiles (`nvfp4_pull_legs`): the MXFP4 kernel's
-   (`sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold.fold_codes`), as a K-major `[E, K/2, N]`
+   (`common.tile_fold.fold_codes`), as a K-major `[E, K/2, N]`
    view. The NVFP4 conversion loads the packed stage with the MXFP4 kernel's LDSM views
    (`nvfp4_conversion` imports them: "Packed payload layout is identical to MXFP4") and takes
    byte t's sign as the MXFP4 PTX does (`src & 0x80808080` into bytes 0-3, `src << 4` into
@@ -43,8 +43,8 @@ from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEWeightPack
 from moe_ep_sm90.common.fp8_blockwise import StagedInputs, aligned
 from moe_ep_sm90.common.pull_tiles import PULL_GATE_UP_BLOCK
+from moe_ep_sm90.common.tile_fold import fold_codes
 from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.layout import stage_mxfp4_hybrid_inputs
-from moe_ep_sm90.kernels.sm90_fp8_mxfp4_bf16_pull_cutedsl.tile_fold import fold_codes
 from moe_ep_sm90.kernels.sm90_fp8_nvfp4_bf16_pull_cutedsl.config import NVFP4_KPERM_CHOICES
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""The MXFP4 kernel's physical weight tiles: where each logical e2m1 code and exponent
+"""The sm90 MXFP4 and NVFP4 pull kernels' physical weight tiles (both converters read
+the same LDSM views, docs/backends.md): where each logical e2m1 code and exponent
 offset sits in the bytes the drop's kernel reads (pure torch, CPU or CUDA), and back.
 
 Read from the drop (`moe_hopper_fp8/mxfp4_cutedsl.py`, `kernel_mxfp4_fp8_glu_fc12_swapab.py`):
