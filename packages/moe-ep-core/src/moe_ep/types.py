@@ -158,8 +158,12 @@ class MoEWeightPack:
     Pre-quantized (both canonical, i.e. unswizzled, scale planes given; one alone is an
     error): w13 / w2 hold the payload (fp8, or uint8 with two e2m1 values per byte, even
     element in the low nibble, so the last dim is halved) and w13_scale / w2_scale the
-    scales in the kernel's recipe (see the kernel's docs). nvfp4 also takes
-    w13_global_scale / w2_global_scale `[E_local]` fp32 (the per-expert norm_const).
+    scales in the kernel's recipe (see the kernel's docs). The nvfp4 formats also take
+    w13_global_scale / w2_global_scale `[E_local]` fp32, one per expert, read per format:
+    `nvfp4` (the sm100 kernel and its twin) as the encode scale norm_const
+    (`2688 / amax`; weight = e2m1 * scale / norm_const), `fp8_nvfp4` (the sm90 NVFP4 pull
+    kernel and its twin) as the decode scale G (the checkpoint's `weight_scale_2`, about
+    `amax / 2688`; weight = G * e2m1 * scale). Without them both read 1.
 
     Warning: a kernel may use these tensors in place (e.g. contiguous bf16 weights already
     on the layer's device are not copied): do not modify them while the layer lives.
