@@ -21,14 +21,11 @@ Staged activation scales are linear (not swizzled): `[T, ceil16(H/32)]`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from moe_ep.backends.support.launch_args import ceil_to
-from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
-from moe_ep.errors import MoeEpUsageError
-from moe_ep_sm100.common.e8m0 import e8m0_pack
+from moe_ep_sm100.common.mx_layout import MxWeights as Mxfp4Weights
+from moe_ep_sm100.common.mx_layout import StagedMxfp8Inputs, prepare_mx_weights, stage_mxfp8
 from moe_ep_sm100.kernels.sm100_mxfp8_mxfp4_bf16_cutedsl.config import MX_BLOCK
 
 __all__ = [
@@ -54,28 +51,10 @@ def activation_sf_columns(hidden_size: int) -> int:
     return ceil_to(hidden_size // MX_BLOCK, ACTIVATION_SF_COLUMN_MULTIPLE)
 
 
-@dataclass(frozen=True)
-class Mxfp4Weights:
-    """One rank's kernel-ready mxfp4 weights (see the module docstring for layouts): uint8
-    packed e2m1 K-major views and uint8 E8M0 swizzled scale planes."""
-
-    w13: torch.Tensor
-    w13_scales: torch.Tensor
-    w2: torch.Tensor
-    w2_scales: torch.Tensor
-
-
 def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from moe_ep.quant import quantize_mxfp4
 
     return quantize_mxfp4(w, normal_scales=True)
-
-
-def _pack(w: torch.Tensor, s: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return e8m0_pack(
-        w, s, name, quantize=_quantize_weight, payload_dtype=torch.uint8,
-        payload_name="uint8 (packed e2m1)", values_per_item=2,
-    )  # fmt: skip
 
 
 def prepare_mxfp4_weights(
@@ -93,49 +72,10 @@ def prepare_mxfp4_weights(
         w2: `[E_local, H, I]`, likewise (uint8 `[E_local, H, I/2]` with `w2_scale`
             `[E_local, H, I/32]`).
     """
-    from moe_ep.quant import interleave_gate_up, swizzle_128x4
-
-    if w13.dim() != 3 or w2.dim() != 3:
-        raise MoeEpUsageError("w13 and w2 must be 3-D: [E_local, 2I, H] and [E_local, H, I]")
-    per_item = 2 if w13_scale is not None else 1
-    e, two_i, h = w13.shape[0], w13.shape[1], w13.shape[2] * per_item
-    i = two_i // 2
-    want_w2 = (e, h, i // per_item)
-    if tuple(w2.shape) != want_w2 or two_i % (2 * GATE_UP_BLOCK):
-        raise MoeEpUsageError(
-            f"w13 {list(w13.shape)} / w2 {list(w2.shape)} must be [E_local, 2I, H] / "
-            f"[E_local, H, I] (K halved for packed e2m1) with I a multiple of {GATE_UP_BLOCK}; "
-            f"w2 expected {list(want_w2)}"
-        )
-    if (w13_scale is None) != (w2_scale is None):
-        raise MoeEpUsageError("w13_scale and w2_scale must be given together (or neither)")
-    for name, k in (("H", h), ("I", i)):
-        if k % MX_BLOCK:
-            raise MoeEpUsageError(f"{name} must be a multiple of {MX_BLOCK}, got {k}")
-    q13, s13 = _pack(w13, w13_scale, "w13")
-    q2, s2 = _pack(w2, w2_scale, "w2")
-    return Mxfp4Weights(
-        w13=interleave_gate_up(q13, GATE_UP_BLOCK).permute(0, 2, 1),
-        w13_scales=swizzle_128x4(interleave_gate_up(s13, GATE_UP_BLOCK)),
-        w2=q2.contiguous().permute(0, 2, 1),
-        w2_scales=swizzle_128x4(s2),
-    )
-
-
-@dataclass(frozen=True)
-class StagedMxfp8Inputs:
-    """Staged buffers of one launch; rows `>= num_tokens` are padding.
-
-    `activation [T, H]` e4m3 (0 in padding rows), `activation_scales [T, ceil16(H/32)]` E8M0
-    bytes, linear (columns past H/32 and padding rows 0), `topk_ids [T, k]` int32 (-1 for
-    masked slots and padding rows), `topk_weights [T, k]` fp32 (0 where the id is -1).
-    """
-
-    activation: torch.Tensor
-    activation_scales: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    num_tokens: int
+    return prepare_mx_weights(
+        w13, w2, w13_scale, w2_scale, gate_up_block=GATE_UP_BLOCK, quantize=_quantize_weight,
+        payload_dtype=torch.uint8, payload_name="uint8 (packed e2m1)", values_per_item=2,
+    )  # fmt: skip
 
 
 def stage_mxfp8_inputs(
@@ -146,18 +86,10 @@ def stage_mxfp8_inputs(
     max_tokens: int,
 ) -> StagedMxfp8Inputs:
     """Quantize and pad `[n, H]` bf16 inputs into fresh mxfp8 staging buffers of
-    `max_tokens` rows (`config.padded_tokens_per_rank`)."""
-    from moe_ep.quant import quantize_mxfp8
-
-    n, h, _ = check_staging_inputs(
-        hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=MX_BLOCK
-    )
-    dev = hidden_states.device
-    act = torch.zeros((max_tokens, h), dtype=torch.float8_e4m3fn, device=dev)
-    sf = torch.zeros((max_tokens, activation_sf_columns(h)), dtype=torch.uint8, device=dev)
-    if n:
-        data, scales = quantize_mxfp8(hidden_states, check_finite=False, normal_scales=True)
-        act[:n] = data
-        sf[:n, : h // MX_BLOCK] = scales
-    ids, wts = stage_routing(topk_ids, topk_weights, max_tokens, ids_dtype=torch.int32, device=dev)
-    return StagedMxfp8Inputs(act, sf, ids, wts, n)
+    `max_tokens` rows (`config.padded_tokens_per_rank`): E8M0 normal scales, their plane
+    `[T, ceil16(H/32)]`, int32 ids."""
+    return stage_mxfp8(
+        hidden_states, topk_ids, topk_weights, max_tokens=max_tokens,
+        sf_column_multiple=ACTIVATION_SF_COLUMN_MULTIPLE, normal_scales=True,
+        ids_dtype=torch.int32,
+    )  # fmt: skip

@@ -14,14 +14,10 @@ K-major views `fc1 [E_local, H, 2I]`, `fc2 [E_local, I, H]` (stride 1 on dim 1) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from moe_ep.backends.support.launch_args import ceil_to
-from moe_ep.backends.support.staging import check_staging_inputs, stage_routing
-from moe_ep.errors import MoeEpUsageError
-from moe_ep_sm100.common.e8m0 import e8m0_pack
+from moe_ep_sm100.common.mx_layout import MxWeights as Mxfp8Weights
+from moe_ep_sm100.common.mx_layout import StagedMxfp8Inputs, prepare_mx_weights, stage_mxfp8
 
 __all__ = [
     "MXFP8_GATE_UP_BLOCK",
@@ -32,26 +28,6 @@ __all__ = [
 ]
 
 MXFP8_GATE_UP_BLOCK = 32
-_BLOCK = 32
-
-
-@dataclass(frozen=True)
-class Mxfp8Weights:
-    """One rank's kernel-ready mxfp8 weights (see the module docstring for layouts)."""
-
-    w13: torch.Tensor
-    w13_scales: torch.Tensor
-    w2: torch.Tensor
-    w2_scales: torch.Tensor
-
-
-def _pack(w: torch.Tensor, s: torch.Tensor | None, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from moe_ep.quant import quantize_mxfp8
-
-    return e8m0_pack(
-        w, s, name, quantize=quantize_mxfp8, payload_dtype=torch.float8_e4m3fn,
-        payload_name="float8_e4m3fn",
-    )  # fmt: skip
 
 
 def prepare_mxfp8_weights(
@@ -67,44 +43,12 @@ def prepare_mxfp8_weights(
             `[E_local, 2I, H/32]` E8M0 bytes (canonical, unswizzled).
         w2: `[E_local, H, I]`, likewise with `w2_scale` `[E_local, H, I/32]`.
     """
-    from moe_ep.quant import interleave_gate_up, swizzle_128x4
+    from moe_ep.quant import quantize_mxfp8
 
-    if w13.dim() != 3 or w2.dim() != 3:
-        raise MoeEpUsageError("w13 and w2 must be 3-D: [E_local, 2I, H] and [E_local, H, I]")
-    e, two_i, h = w13.shape
-    if tuple(w2.shape) != (e, h, two_i // 2) or two_i % (2 * MXFP8_GATE_UP_BLOCK):
-        raise MoeEpUsageError(
-            f"w13 {list(w13.shape)} / w2 {list(w2.shape)} must be [E_local, 2I, H] / "
-            f"[E_local, H, I] with I a multiple of {MXFP8_GATE_UP_BLOCK}"
-        )
-    if h % _BLOCK:
-        raise MoeEpUsageError(f"H must be a multiple of {_BLOCK}, got {h}")
-    q13, s13 = _pack(w13, w13_scale, "w13")
-    q2, s2 = _pack(w2, w2_scale, "w2")
-    q13 = interleave_gate_up(q13.view(torch.uint8), MXFP8_GATE_UP_BLOCK).view(q13.dtype)
-    s13 = interleave_gate_up(s13, MXFP8_GATE_UP_BLOCK)
-    return Mxfp8Weights(
-        w13=q13.permute(0, 2, 1),
-        w13_scales=swizzle_128x4(s13),
-        w2=q2.permute(0, 2, 1),
-        w2_scales=swizzle_128x4(s2),
-    )
-
-
-@dataclass(frozen=True)
-class StagedMxfp8Inputs:
-    """Staged buffers of one launch; rows `>= num_tokens` are padding.
-
-    `activation [T, H]` e4m3 (0 in padding rows), `activation_scales [T, ceil4(H/32)]` E8M0
-    bytes (columns past H/32 and padding rows 0), `topk_ids [T, k]` int64 (-1 for padded slots
-    and rows), `topk_weights [T, k]` fp32 (0 where the id is -1).
-    """
-
-    activation: torch.Tensor
-    activation_scales: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    num_tokens: int
+    return prepare_mx_weights(
+        w13, w2, w13_scale, w2_scale, gate_up_block=MXFP8_GATE_UP_BLOCK,
+        quantize=quantize_mxfp8, payload_dtype=torch.float8_e4m3fn, payload_name="float8_e4m3fn",
+    )  # fmt: skip
 
 
 def stage_mxfp8_inputs(
@@ -114,18 +58,9 @@ def stage_mxfp8_inputs(
     *,
     max_tokens: int,
 ) -> StagedMxfp8Inputs:
-    """Quantize and pad `[n, H]` bf16 inputs into fresh mxfp8 staging buffers of T rows."""
-    from moe_ep.quant import quantize_mxfp8
-
-    n, h, _ = check_staging_inputs(
-        hidden_states, topk_ids, topk_weights, max_tokens=max_tokens, block=_BLOCK
-    )
-    dev = hidden_states.device
-    act = torch.zeros((max_tokens, h), dtype=torch.float8_e4m3fn, device=dev)
-    sf = torch.zeros((max_tokens, ceil_to(h // _BLOCK, 4)), dtype=torch.uint8, device=dev)
-    if n:
-        data, scales = quantize_mxfp8(hidden_states, check_finite=False)
-        act[:n] = data
-        sf[:n, : h // _BLOCK] = scales
-    ids, wts = stage_routing(topk_ids, topk_weights, max_tokens, device=dev)
-    return StagedMxfp8Inputs(act, sf, ids, wts, n)
+    """Quantize and pad `[n, H]` bf16 inputs into fresh mxfp8 staging buffers of T rows:
+    the drop's ceil rule, the scale plane `[T, ceil4(H/32)]`, int64 ids."""
+    return stage_mxfp8(
+        hidden_states, topk_ids, topk_weights, max_tokens=max_tokens,
+        sf_column_multiple=4, normal_scales=False, ids_dtype=torch.int64,
+    )  # fmt: skip
