@@ -89,6 +89,23 @@ def test_prequantized_pack_is_relaid_out_without_requantizing():
         prepare_mxfp8_weights(q13, q2, s13[..., :-1], s2)
 
 
+def test_a_non_contiguous_prequantized_w2_is_laid_out_k_major():
+    # A pack whose w2 is a view with other strides (here [E, H, I] stored as [E, I, H]) is
+    # laid out as the contiguous one: the kernel reads fc2 with stride 1 along K (I).
+    from moe_ep.quant import quantize_mxfp8
+
+    w13, w2 = _weights(3)
+    q13, s13 = quantize_mxfp8(w13)
+    q2, s2 = quantize_mxfp8(w2)
+    strided = q2.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(strided.view(torch.uint8), q2.view(torch.uint8))
+    assert not strided.is_contiguous()
+    got = prepare_mxfp8_weights(q13, strided, s13, s2)
+    want = prepare_mxfp8_weights(q13, q2, s13, s2)
+    assert got.w2.stride(1) == 1 and tuple(got.w2.shape) == (E, I, H)
+    assert torch.equal(got.w2.view(torch.uint8), want.w2.view(torch.uint8))
+
+
 def test_staging_bytes():
     g = torch.Generator().manual_seed(3)
     n, t, k = 3, 8, 4
