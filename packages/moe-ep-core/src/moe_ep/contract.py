@@ -134,6 +134,9 @@ class MegaKernel(ABC):
     supports_placement: ClassVar[bool] = False
     """Honours `FleetParams.placement` other than contiguous (the layer refuses it for a
     kernel without this, before any collective)."""
+    supports_unfinalized: ClassVar[bool] = False
+    """Implements `compute_unfinalized` (`MoEEpLayer.forward_unfinalized`; the layer refuses
+    it for a kernel without this, before any collective)."""
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:
@@ -171,6 +174,14 @@ class MegaKernel(ABC):
     @abstractmethod
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
         """Dispatch, run the experts and combine into the staged output; returns it."""
+
+    def compute_unfinalized(
+        self, *, staged: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dispatch and run the experts without the top-k reduce: `(rows [n*k, H] bf16,
+        weights [n, k] fp32, route_map [n, k] int32)` (`MoEEpLayer.forward_unfinalized`).
+        Only for kernels with `supports_unfinalized`."""
+        raise NotImplementedError(f"{self.kernel_name} has no unfinalized forward")
 
     def warmup(self) -> None:  # noqa: B027 - optional hook, collective when overridden
         """Collective: compile / allocate / touch everything a first forward would."""

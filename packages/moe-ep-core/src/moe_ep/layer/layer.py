@@ -296,12 +296,27 @@ class MoEEpLayer:
         Returns a handle for one `compute_staged` call; its `output` is `[n, H]` bf16,
         valid once `compute_staged` returns.
         """
+        return self._stage(tensors, unfinalized=False)
+
+    def _stage(self, tensors: MoEEpTensors, *, unfinalized: bool) -> StagedForward:
         rt = self._live()
+        what = "forward_unfinalized" if unfinalized else "forward"
         with (
-            self._collective("moe-ep forward (stage_inputs)"),
+            self._collective(f"moe-ep {what} (stage_inputs)"),
             self._on_stream(),  # the checks read the inputs too: on the layer's stream
         ):
+            if unfinalized and not self._kernel_cls.supports_unfinalized:
+                raise MoeEpUsageError(
+                    f"kernel {self.kernel_name!r} has no unfinalized forward (its top-k "
+                    "reduce is fused into the kernel): use forward(), or a portable "
+                    "any_*_torch kernel for forward_unfinalized()"
+                )
             out = validate_forward(tensors, self.fleet, rt.device)
+            if unfinalized and out is not None:
+                raise MoeEpUsageError(
+                    "MoEEpTensors.output must be None for forward_unfinalized(): it returns "
+                    "its own (rows, weights, route_map) and writes no [n, H] output"
+                )
             if tensors.topk_weights.dtype != torch.float32:  # bf16 / fp16: exact
                 tensors = dataclasses.replace(tensors, topk_weights=tensors.topk_weights.float())
             if out is None:
@@ -320,7 +335,12 @@ class MoEEpLayer:
 
     def compute_staged(self, staged: StagedForward) -> torch.Tensor:
         """Collective: dispatch, run the experts, combine; returns `[n, H]` bf16."""
-        with self._collective("moe-ep forward (compute_staged)"):
+        out: torch.Tensor = self._compute(staged, unfinalized=False)
+        return out
+
+    def _compute(self, staged: StagedForward, *, unfinalized: bool) -> Any:
+        what = "forward_unfinalized" if unfinalized else "forward"
+        with self._collective(f"moe-ep {what} (compute_staged)"):
             if not isinstance(staged, StagedForward) or staged.layer is not self:
                 raise MoeEpUsageError("staged must come from this layer's stage_inputs()")
             if staged.used:
@@ -332,7 +352,9 @@ class MoEEpLayer:
                 )
             staged.used = True
             with self._on_stream():
-                out = self._kernel.compute_staged(staged=staged.handle)
+                kernel = self._kernel
+                run = kernel.compute_unfinalized if unfinalized else kernel.compute_staged
+                out = run(staged=staged.handle)
             if self._load is not None and staged.load is not None:
                 self._load += staged.load
             return out
@@ -340,6 +362,27 @@ class MoEEpLayer:
     def forward(self, tensors: MoEEpTensors) -> torch.Tensor:
         """Collective: `[n, H]` bf16 = sum over k of `topk_weights[:, k] * expert(x)`."""
         return self.compute_staged(self.stage_inputs(tensors))
+
+    def forward_unfinalized(
+        self, tensors: MoEEpTensors
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Collective: `forward` without the top-k reduce, for a host that fuses it (e.g.
+        with its residual add); flashinfer 0.7.4's `forward_unfinalized` layout.
+
+        Returns `(rows, weights, route_map)`: rows `[n*k, H]` bf16 (each (token, slot)'s
+        expert output), weights `[n, k]` fp32 (what the host still multiplies: the
+        top-k weights, or ones under `apply_routing_weights_before_fc2`), route_map
+        `[n, k]` int32 (`route_map[t, j]` is the row of slot j of token t; here the
+        identity `t*k + j`). A padded slot (id -1) has a zero row and weight 0.
+        `forward(tensors)` equals `bf16(sum_j weights[:, j] * rows[route_map[:, j]])`,
+        summed in fp32 in slot order. `tensors.output` must be None; only kernels with
+        `supports_unfinalized` (the portable ones) have it (docs/runtime.md).
+        """
+        staged = self._stage(tensors, unfinalized=True)
+        result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self._compute(
+            staged, unfinalized=True
+        )
+        return result
 
     __call__ = forward
 

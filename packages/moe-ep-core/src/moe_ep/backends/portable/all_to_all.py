@@ -210,10 +210,9 @@ class AllToAllPrepareFinalize:
         dispatched = Dispatched(rows, recv.pair_row, recv.pair_expert, recv.pair_weight, path_rows)
         return dispatched, _CombineState(staged.output, plan, recv, combine_w)
 
-    def finalize(self, expert_out: torch.Tensor, state: _CombineState) -> torch.Tensor:
-        """Each pair's row back to its home rank, then the fp32 top-k sum into the output."""
+    def _return_rows(self, expert_out: torch.Tensor, state: _CombineState) -> torch.Tensor:
         rt = self.runtime
-        y_home = comm.return_rows(
+        return comm.return_rows(
             expert_out,
             state.received,
             state.plan,
@@ -221,9 +220,21 @@ class AllToAllPrepareFinalize:
             rank=rt.rank,
             workspace=self.workspace,
         )
+
+    def finalize(self, expert_out: torch.Tensor, state: _CombineState) -> torch.Tensor:
+        """Each pair's row back to its home rank, then the fp32 top-k sum into the output."""
+        y_home = self._return_rows(expert_out, state)
         return comm.combine(
             y_home, state.plan, state.combine_weights, state.output, workspace=self.workspace
         )
+
+    def finalize_unreduced(
+        self, expert_out: torch.Tensor, state: _CombineState
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each pair's row back to its home rank, laid out (token, slot) with an identity
+        route map (`PrepareFinalize.finalize_unreduced`)."""
+        y_home = self._return_rows(expert_out, state)
+        return comm.unreduced(y_home, state.plan, state.combine_weights)
 
     def clear(self) -> None:
         """Drop the receive buffers (idempotent)."""

@@ -28,6 +28,7 @@ __all__ = [
     "exchange",
     "plan_dispatch",
     "return_rows",
+    "unreduced",
 ]
 
 
@@ -272,6 +273,23 @@ def combine(
     if not cpu_fused.combine(y_home, pos, topk_weights, output):
         _combine_eager(y_home, pos, topk_weights.unsqueeze(2), output, workspace or Workspace())
     return output
+
+
+def unreduced(
+    y_home: torch.Tensor, plan: DispatchPlan, topk_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`combine`'s inputs without its sum: `(rows [n*k, H], weights [n, k] fp32, route_map
+    [n, k] int32)`, row `t*k + j` holding pair (t, j) (the identity route map); a padded
+    slot gets a zero row and weight 0, so the host's sum adds exactly +0 for it."""
+    n, k = int(topk_weights.shape[0]), int(topk_weights.shape[1])
+    dev = topk_weights.device
+    flat = plan.pair_token * k + plan.pair_slot
+    rows = y_home.new_zeros((n * k, int(y_home.shape[1])))
+    rows[flat] = y_home
+    weights = torch.zeros(n * k, dtype=torch.float32, device=dev)
+    weights[flat] = topk_weights.reshape(-1)[flat].float()
+    route_map = torch.arange(n * k, dtype=torch.int32, device=dev).view(n, k)
+    return rows, weights.view(n, k), route_map
 
 
 def _combine_eager(

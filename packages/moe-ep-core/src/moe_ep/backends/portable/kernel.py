@@ -70,6 +70,7 @@ class PortableTorchKernel(MegaKernel):
     config_cls: ClassVar[type[KernelConfig]] = PortableConfig
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements()
     supports_placement: ClassVar[bool] = True
+    supports_unfinalized: ClassVar[bool] = True
     oracle_format: ClassVar[str]
     """The `moe_ep.oracle` format whose recipe this kernel computes (the CLI checks every
     kernel of the same (act, weight) taxonomy tags against it)."""
@@ -147,6 +148,12 @@ class PortableTorchKernel(MegaKernel):
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
         """Dispatch, run the local experts, return rows and combine into the output."""
         return self.modular.compute(staged, self.prepared)
+
+    def compute_unfinalized(
+        self, *, staged: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dispatch, run the local experts, return the rows home unreduced."""
+        return self.modular.compute_unfinalized(staged, self.prepared)
 
     def destroy(self) -> None:
         """Drop the receive buffers (idempotent)."""

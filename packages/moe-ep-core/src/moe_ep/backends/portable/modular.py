@@ -55,6 +55,25 @@ class ModularKernel:
 
     def compute(self, staged: Any, weights: PreparedWeights) -> torch.Tensor:
         """Collective: dispatch, the experts on `weights`, combine; returns the output."""
+        expert_out, state = self._experts_out(staged, weights)
+        return self.prepare_finalize.finalize(expert_out, state)
+
+    def compute_unfinalized(
+        self, staged: Any, weights: PreparedWeights
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Collective: `compute` with the finalize that does not reduce
+        (`PrepareFinalize.finalize_unreduced`): rows, weights, route map."""
+        _check_part(
+            "prepare_finalize",
+            self.prepare_finalize,
+            ("finalize_unreduced",),
+            "an unfinalized forward",
+        )
+        expert_out, state = self._experts_out(staged, weights)
+        return self.prepare_finalize.finalize_unreduced(expert_out, state)
+
+    def _experts_out(self, staged: Any, weights: PreparedWeights) -> tuple[torch.Tensor, Any]:
+        """Dispatch and the experts: one output row per dispatched pair, and the state."""
         if not isinstance(staged, _Staged):
             raise MoeEpUsageError(
                 f"staged must come from ModularKernel.stage, got {type(staged).__name__}"
@@ -62,7 +81,7 @@ class ModularKernel:
         dispatched, state = self.prepare_finalize.prepare(staged.handle)
         expert_out = self.experts.apply(dispatched, weights)
         del dispatched  # the received rows are no longer needed
-        return self.prepare_finalize.finalize(expert_out, state)
+        return expert_out, state
 
     def forward(
         self, tensors: MoEEpTensors, output: torch.Tensor, weights: PreparedWeights

@@ -69,6 +69,15 @@ class PrepareFinalize(Protocol):
         the staged output `[n, H]` bf16 (`sum_k w_k * y_k` per token, fp32, slot order)."""
         ...
 
+    def finalize_unreduced(
+        self, expert_out: torch.Tensor, state: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`finalize` without the top-k sum: each pair's row brought home, as `(rows
+        [n*k, H] bf16, weights [n, k] fp32, route_map [n, k] int32)`; row `route_map[t, j]`
+        is slot j of token t, `weights[t, j]` the weight the host still applies (1 when it
+        was applied before FC2); a padded slot has a zero row and weight 0."""
+        ...
+
     def clear(self) -> None:
         """Drop the buffers kept across forwards (idempotent, local)."""
         ...
