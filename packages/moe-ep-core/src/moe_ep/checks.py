@@ -7,6 +7,7 @@ Every failure raises `MoeEpUsageError` naming the argument, the rule and the val
   record the kernel sizes itself from. Every kernel's `validate_weights` starts here and
   adds only its own format's rules.
 - `validate_forward`: one forward's tensors against the fleet and the layer's device.
+- `live_token_count`: its `num_valid_tokens_tensor`, checked and read on the host.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "TOPK_WEIGHT_DTYPES",
     "PackShape",
     "check_weight_pack",
+    "live_token_count",
     "validate_forward",
 ]
 
@@ -194,3 +196,33 @@ def validate_forward(
         if not out.is_contiguous():
             raise MoeEpUsageError("output must be contiguous")
     return out
+
+
+def live_token_count(tensors: MoEEpTensors, fleet: FleetParams, device: torch.device) -> int | None:
+    """`tensors.num_valid_tokens_tensor` read on the host (one device-to-host copy), after
+    checking it is a `(1,)` int32 tensor on `device` holding `0 <= count <= n`; None if
+    not given. Call after `validate_forward`."""
+    live = tensors.num_valid_tokens_tensor
+    if live is None:
+        return None
+    if not isinstance(live, torch.Tensor):
+        raise MoeEpUsageError(
+            f"num_valid_tokens_tensor must be a torch.Tensor or None, got {type(live).__name__}"
+        )
+    if tuple(live.shape) != (1,) or live.dtype != torch.int32 or live.device != device:
+        raise MoeEpUsageError(
+            "num_valid_tokens_tensor must be a (1,) int32 tensor on the layer's device "
+            f"{device}, got {tuple(live.shape)} {live.dtype} on {live.device}"
+        )
+    count = int(live.item())
+    n = tensors.num_tokens
+    if count < 0 or count > fleet.max_tokens_per_rank:
+        raise MoeEpUsageError(
+            f"num_valid_tokens_tensor must hold a count in [0, max_tokens_per_rank = "
+            f"{fleet.max_tokens_per_rank}], got {count}"
+        )
+    if count > n:
+        raise MoeEpUsageError(
+            f"num_valid_tokens_tensor holds {count}, more than the n = {n} rows of hidden_states"
+        )
+    return count

@@ -137,6 +137,12 @@ class MegaKernel(ABC):
     supports_unfinalized: ClassVar[bool] = False
     """Implements `compute_unfinalized` (`MoEEpLayer.forward_unfinalized`; the layer refuses
     it for a kernel without this, before any collective)."""
+    supports_live_tokens: ClassVar[bool] = False
+    """Honours `MoEEpTensors.num_valid_tokens_tensor` (the layer then hands it only the live
+    rows; refused for a kernel without this, before any collective)."""
+    capturable: ClassVar[bool] = False
+    """A warmed forward makes no host synchronisation, so it can be captured in a CUDA
+    graph (the layer refuses a forward under capture for a kernel without this)."""
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

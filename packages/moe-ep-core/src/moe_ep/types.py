@@ -7,7 +7,7 @@ per rank), `k` top-k.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -242,6 +242,12 @@ class MoEEpTensors:
         are accepted and upcast exactly to fp32 by the layer; other dtypes are refused.
     output: optional `[n, H]` bf16 buffer on the same device to write into; allocated
         by the layer when None.
+    num_valid_tokens_tensor: optional live-token count (keyword only; flashinfer 0.7.4's
+        name for `FinalizeMode.PERSISTENT`'s count): a caller-owned `(1,)` int32 tensor on
+        the layer's device, read when the forward runs: rows at or past it are neither
+        dispatched nor written (the caller's `output` rows there keep their values; an
+        output the layer allocates is zeros there). `0 <= count <= n`. Only kernels with
+        `supports_live_tokens` (the portable ones) honour it (docs/runtime.md).
 
     The fields are flashinfer-python 0.7.4's `flashinfer.moe_ep.MoEEpTensors`, in its order;
     those moe-ep does not have (`UNSUPPORTED_FIELDS`: pre-quantized activations, per-call
@@ -260,6 +266,7 @@ class MoEEpTensors:
     num_tokens_per_expert: torch.Tensor | None = None
     output: torch.Tensor | None = None
     runtime_max_tokens_per_rank: int | None = None
+    num_valid_tokens_tensor: torch.Tensor | None = field(default=None, kw_only=True)
 
     UNSUPPORTED_FIELDS: ClassVar[tuple[str, ...]] = (
         "scales",

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from moe_ep.checks import validate_forward
+from moe_ep.checks import live_token_count, validate_forward
 from moe_ep.compat.flashinfer import layer_backend
 from moe_ep.config import BootstrapConfig
 from moe_ep.contract import KernelConfig, MegaKernel, caller_validated_weights
@@ -57,6 +57,7 @@ class StagedForward:
         layer: MoEEpLayer,
         kernel: MegaKernel,
         load: torch.Tensor | None,
+        live: int | None = None,
     ) -> None:
         self.output = output
         self.handle = handle
@@ -65,6 +66,8 @@ class StagedForward:
         """The kernel that staged it (`apply_placement` replaces the layer's)."""
         self.load = load
         """`[E]` this forward's pairs per logical expert, when the layer counts load."""
+        self.live = live
+        """The live-token count read from `num_valid_tokens_tensor` (None: all rows)."""
         self.used = False
 
 
@@ -317,26 +320,73 @@ class MoEEpLayer:
                     "MoEEpTensors.output must be None for forward_unfinalized(): it returns "
                     "its own (rows, weights, route_map) and writes no [n, H] output"
                 )
+            self._check_not_capturing(rt.device)
+            live = self._live_tokens(tensors, rt.device, unfinalized)
             if tensors.topk_weights.dtype != torch.float32:  # bf16 / fp16: exact
                 tensors = dataclasses.replace(tensors, topk_weights=tensors.topk_weights.float())
             if out is None:
-                out = torch.empty(
+                alloc = torch.empty if live is None else torch.zeros
+                out = alloc(
                     (tensors.num_tokens, self.fleet.hidden_size),
                     dtype=torch.bfloat16,
                     device=rt.device,
                 )
-            handle = self._kernel.stage_inputs(tensors=tensors, output=out)
+            kernel_out = out
+            if live is not None:  # the kernel sees the live rows only
+                tensors = dataclasses.replace(
+                    tensors,
+                    hidden_states=tensors.hidden_states[:live],
+                    topk_ids=tensors.topk_ids[:live],
+                    topk_weights=tensors.topk_weights[:live],
+                    output=None,
+                    num_valid_tokens_tensor=None,
+                )
+                kernel_out = out[:live]
+            handle = self._kernel.stage_inputs(tensors=tensors, output=kernel_out)
             load = (
                 None
                 if self._load is None
                 else expert_pair_counts(tensors.topk_ids, self.fleet.num_experts)
             )
-        return StagedForward(out, handle, self, self._kernel, load)
+        return StagedForward(out, handle, self, self._kernel, load, live)
+
+    def _check_not_capturing(self, device: torch.device) -> None:
+        if (
+            device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing()
+            and not self._kernel_cls.capturable
+        ):
+            raise MoeEpUsageError(
+                f"kernel {self.kernel_name!r} cannot be captured in a CUDA graph: its forward "
+                "reads routing counts on the host (docs/runtime.md, 'Graph capture'); run "
+                "this layer outside the capture"
+            )
+
+    def _live_tokens(
+        self, tensors: MoEEpTensors, device: torch.device, unfinalized: bool
+    ) -> int | None:
+        """The checked live-token count, None without one (refused where not honoured)."""
+        if tensors.num_valid_tokens_tensor is None:
+            return None
+        if not self._kernel_cls.supports_live_tokens:
+            raise MoeEpUsageError(
+                f"kernel {self.kernel_name!r} does not honour "
+                "MoEEpTensors.num_valid_tokens_tensor (its launch takes the token count "
+                "from the tensor shapes): pass num_valid_tokens_tensor=None and mark padding "
+                "rows with topk_ids -1, or use a portable any_*_torch kernel"
+            )
+        if unfinalized:
+            raise MoeEpUsageError(
+                "num_valid_tokens_tensor must be None for forward_unfinalized() (as in "
+                "flashinfer, a live count and the unfinalized result do not combine): "
+                "pass only the live rows"
+            )
+        return live_token_count(tensors, self.fleet, device)
 
     def compute_staged(self, staged: StagedForward) -> torch.Tensor:
         """Collective: dispatch, run the experts, combine; returns `[n, H]` bf16."""
         out: torch.Tensor = self._compute(staged, unfinalized=False)
-        return out
+        return out if staged.live is None else staged.output
 
     def _compute(self, staged: StagedForward, *, unfinalized: bool) -> Any:
         what = "forward_unfinalized" if unfinalized else "forward"

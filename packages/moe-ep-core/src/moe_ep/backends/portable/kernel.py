@@ -71,6 +71,7 @@ class PortableTorchKernel(MegaKernel):
     requirements: ClassVar[RuntimeRequirements] = RuntimeRequirements()
     supports_placement: ClassVar[bool] = True
     supports_unfinalized: ClassVar[bool] = True
+    supports_live_tokens: ClassVar[bool] = True
     oracle_format: ClassVar[str]
     """The `moe_ep.oracle` format whose recipe this kernel computes (the CLI checks every
     kernel of the same (act, weight) taxonomy tags against it)."""
