@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from moe_ep.placement import Placement
 from moe_ep.placement_weights import PACK_FIELDS
-from moe_ep.runtime import bounded_wait, report_local_failure
+from moe_ep.runtime import post_and_wait
 from moe_ep.types import MoEWeightPack
 
 __all__ = ["move_weights"]
@@ -86,9 +86,9 @@ def _all_to_all(
     what: str,
 ) -> None:
     group = runtime.group
-    try:
-        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
-    except Exception as exc:
-        report_local_failure(group, exc, what=f"{what} on rank {runtime.rank}")
-        raise
-    bounded_wait(group, work, what=what)
+    post_and_wait(
+        group,
+        lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True),
+        what=what,
+        rank=runtime.rank,
+    )

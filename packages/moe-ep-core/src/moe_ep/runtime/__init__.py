@@ -14,6 +14,18 @@ reads its imports).
 
 from moe_ep.runtime.bootstrap import acquire
 from moe_ep.runtime.handle import Runtime
-from moe_ep.runtime.state import active_refcount, bounded_wait, report_local_failure
+from moe_ep.runtime.state import (
+    active_refcount,
+    bounded_wait,
+    post_and_wait,
+    report_local_failure,
+)
 
-__all__ = ["Runtime", "acquire", "active_refcount", "bounded_wait", "report_local_failure"]
+__all__ = [
+    "Runtime",
+    "acquire",
+    "active_refcount",
+    "bounded_wait",
+    "post_and_wait",
+    "report_local_failure",
+]

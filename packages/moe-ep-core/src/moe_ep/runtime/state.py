@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +185,19 @@ def bounded_wait(group: Any, work: Any, *, what: str) -> None:
         work.wait()
         return
     state.wait(work, what)
+
+
+def post_and_wait(group: Any, post: Callable[[], Any], *, what: str, rank: int) -> None:
+    """Post one collective (`post()` returns its `async_op=True` work) and wait for it
+    within the runtime's timeout. A failure while posting is this rank's own: re-raised as
+    it is, after telling the peers through the fault board; a failure of the collective, or
+    a peer's report, raises the verdict every survivor raises (`bounded_wait`)."""
+    try:
+        work = post()
+    except Exception as exc:
+        report_local_failure(group, exc, what=f"{what} on rank {rank}")
+        raise
+    bounded_wait(group, work, what=what)
 
 
 def report_local_failure(group: Any, exc: BaseException, *, what: str) -> None:

@@ -28,7 +28,7 @@ from moe_ep.contract import KernelRuntime
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.placement import Placement
 from moe_ep.placement_routing import expert_pair_counts, replica_table, route_to_slots
-from moe_ep.runtime import bounded_wait, report_local_failure
+from moe_ep.runtime import post_and_wait
 from moe_ep.types import MoEEpTensors
 
 __all__ = ["AllToAllPrepareFinalize", "Replicas"]
@@ -246,12 +246,11 @@ def _gather_counts(mine: torch.Tensor, group: object, rank: int, world_size: int
     if world_size == 1:
         return mine[None]
     parts = [torch.empty_like(mine) for _ in range(world_size)]
-    label = "moe-ep forward (dispatch: per-expert counts)"
-    try:
-        pg: Any = group
-        work = dist.all_gather(parts, mine, group=pg, async_op=True)
-    except Exception as exc:
-        report_local_failure(group, exc, what=f"{label} on rank {rank}")
-        raise
-    bounded_wait(group, work, what=label)
+    pg: Any = group
+    post_and_wait(
+        group,
+        lambda: dist.all_gather(parts, mine, group=pg, async_op=True),
+        what="moe-ep forward (dispatch: per-expert counts)",
+        rank=rank,
+    )
     return torch.stack(parts)

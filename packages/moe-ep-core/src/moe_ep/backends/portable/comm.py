@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep.backends.portable import cpu_fused
-from moe_ep.runtime import bounded_wait, report_local_failure
+from moe_ep.runtime import post_and_wait
 
 __all__ = [
     "COMBINE_BYTES",
@@ -163,14 +163,13 @@ def _a2a(
     """
     if len(in_splits) == 1:
         return inp
-    label = f"moe-ep forward ({what})"
-    try:
-        pg: Any = group
-        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=True)
-    except Exception as exc:
-        report_local_failure(group, exc, what=f"{label} on rank {rank}")
-        raise
-    bounded_wait(group, work, what=label)
+    pg: Any = group
+    post_and_wait(
+        group,
+        lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=pg, async_op=True),
+        what=f"moe-ep forward ({what})",
+        rank=rank,
+    )
     return out
 
 
