@@ -36,6 +36,15 @@ from moe_ep.types import MoEWeightPack
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
 
 RAGGED = [0, 1, 2, 3, 5, 17, 48, 49, 50, 97, 0, 300, 1]  # rows per expert, empty ones too
+BODIES: list[bool | cpu_fused.Body] = ["avx512", "avx2", False]
+BODY_IDS = ["avx512", "avx2", "scalar"]
+_BODY_BIT = {"avx2": 1, "avx512": 4}
+
+
+def need_body(vector: bool | cpu_fused.Body) -> None:
+    """Skip, with the reason, where this build or CPU lacks the vector body `vector`."""
+    if isinstance(vector, str) and not cpu_fused.vector_bodies() & _BODY_BIT[vector]:
+        pytest.skip(f"this build or CPU has no {vector} expert GEMM body")
 
 
 def _fma32(a: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -88,7 +97,7 @@ def _run(
     groups: ExpertGroups,
     out_dtype: torch.dtype,
     alpha: torch.Tensor | None = None,
-    vector: bool = True,
+    vector: bool | cpu_fused.Body = True,
     x_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     q = groups.rows
@@ -107,10 +116,9 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(("n", "k"), [(37, 40), (64, 19), (9, 300), (33, 529)])
-@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
-def test_bf16_matches_the_documented_order(n: int, k: int, vector: bool) -> None:
-    if vector and not cpu_fused.vector_bodies() & 1:
-        pytest.skip("this build has no AVX2 expert GEMM body")
+@pytest.mark.parametrize("vector", BODIES, ids=BODY_IDS)
+def test_bf16_matches_the_documented_order(n: int, k: int, vector: bool | cpu_fused.Body) -> None:
+    need_body(vector)
     g = torch.Generator().manual_seed(n * 1000 + k)
     counts = RAGGED
     e = len(counts)
@@ -144,10 +152,10 @@ def test_vector_body_equals_scalar_twin_on_gathered_rows_with_alpha() -> None:
     _bits_equal(got, want.bfloat16())
 
 
-BLOCK_EDGES = [1, 2, 3, 4, 5, 23, 24, 25, 26, 47, 48, 49, 0, 73, 96, 97, 121]
-"""Rows per expert around the kernel's row tiles (3), row blocks (24) and work items (96):
-whole-row streaming (1 to 3 rows), every partial register tile, and blocks and items that
-end one row early or late."""
+BLOCK_EDGES = [1, 2, 3, 4, 5, 8, 23, 24, 25, 26, 47, 48, 49, 0, 73, 96, 97, 121]
+"""Rows per expert around the kernel's row tiles (3 AVX2, 4 AVX-512), row blocks (24) and
+work items (96): whole-row streaming (1 to 3 or 4 rows), every partial register tile, and
+blocks and items that end one row early or late."""
 
 
 def _padded_codes(codes: torch.Tensor, poison: int) -> torch.Tensor:
@@ -161,12 +169,13 @@ def _padded_codes(codes: torch.Tensor, poison: int) -> torch.Tensor:
     return wide[:, :, :k]
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
+@pytest.mark.parametrize("vector", BODIES, ids=BODY_IDS)
 @pytest.mark.parametrize(("code", "n", "k"), [("bf16", 37, 19), ("bf16", 66, 529),
                                               ("bf16", 3, 16), ("e4m3", 35, 272)])  # fmt: skip
-def test_row_tiles_and_blocks_read_nothing_past_k(code: str, n: int, k: int, vector: bool) -> None:
-    if vector and not cpu_fused.vector_bodies() & 1:
-        pytest.skip("this build has no AVX2 expert GEMM body")
+def test_row_tiles_and_blocks_read_nothing_past_k(
+    code: str, n: int, k: int, vector: bool | cpu_fused.Body
+) -> None:
+    need_body(vector)
     g = torch.Generator().manual_seed(n + k)
     counts = BLOCK_EDGES
     e = len(counts)
@@ -214,8 +223,9 @@ def _decoded_by_one_hot_rows(w: StoredWeight) -> torch.Tensor:
     return _run(eye, w, _groups([w.k]), torch.float32).t()
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
-def test_e4m3_codes_decode_as_torch_does(vector: bool) -> None:
+@pytest.mark.parametrize("vector", BODIES, ids=BODY_IDS)
+def test_e4m3_codes_decode_as_torch_does(vector: bool | cpu_fused.Body) -> None:
+    need_body(vector)
     codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
     finite = codes[(codes & 0x7F) != 0x7F]  # 0x7f / 0xff are NaN: 0 * NaN poisons the rows
     row = torch.cat([finite, finite[:2]]).view(1, 1, -1)  # 256 elements
@@ -225,12 +235,15 @@ def test_e4m3_codes_decode_as_torch_does(vector: bool) -> None:
     assert torch.equal(got, want)  # -0 comes out +0 (fma onto +0); equal() treats them alike
     nan_row = torch.full((1, 1, 16), 0x7F, dtype=torch.uint8)
     nan_row[0, 0, 3] = 0xFF
-    out = _run(torch.ones(1, 16), StoredWeight(nan_row, "e4m3"), _groups([1]), torch.float32)
+    out = _run(
+        torch.ones(1, 16), StoredWeight(nan_row, "e4m3"), _groups([1]), torch.float32, vector=vector
+    )
     assert out.isnan().all()
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
-def test_e2m1_codes_and_scales_decode_as_their_definitions(vector: bool) -> None:
+@pytest.mark.parametrize("vector", BODIES, ids=BODY_IDS)
+def test_e2m1_codes_and_scales_decode_as_their_definitions(vector: bool | cpu_fused.Body) -> None:
+    need_body(vector)
     k = 64
     nib = torch.arange(k) % 16  # every code, at even and odd positions
     nib = torch.stack([nib, nib.roll(5)])  # [2, k]
@@ -267,11 +280,12 @@ QUANTIZED: dict[str, Recipe] = {
 }
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["vector", "scalar"])
+@pytest.mark.parametrize("vector", BODIES, ids=BODY_IDS)
 @pytest.mark.parametrize("fmt", list(QUANTIZED))
 def test_quantized_in_register_decode_equals_the_recipes_dequantized_weights(
-    fmt: str, vector: bool
+    fmt: str, vector: bool | cpu_fused.Body
 ) -> None:
+    need_body(vector)
     recipe = QUANTIZED[fmt]
     e, i, h = 3, 128, 256 + 128
     pw = recipe.prepare(_pack(e, i, h, seed=11))

@@ -298,15 +298,16 @@ void moe_ep_omp_set_threads(int32_t n) {
  * bf16 pair or a byte of two e2m1 codes splits without shuffles); K is padded to a multiple
  * of 16 with x = w = 0 (fmaf(0, 0, a) = a + 0); then t_j = a_j + a_{j+8}, u_j = t_j + t_{j+4},
  * v_j = u_j + u_{j+2}, sum = v_0 + v_1; then times alpha (when given, one product) and
- * rounded to bf16 (RNE) or stored as fp32. The AVX2 body and the scalar twin compute exactly
- * this (tests compare them bit for bit and with a float64 emulation of the definition).
+ * rounded to bf16 (RNE) or stored as fp32. The AVX-512F body, the AVX2 body and the scalar
+ * twin compute exactly this (tests compare them bit for bit and with a float64 emulation of
+ * the definition).
  *
  * Work: each group's rows in blocks of EG_ROWS, each block's outputs in tiles of EG_COLS
  * columns; the (group, block, tile) items go to the OpenMP threads dynamically. Within an
  * item, EG_SUB rows at a time (the tile's weights stay in L2 after the first), EG_NR weight
  * rows at a time, EG_KC elements of K at a time, the register-blocked micro-kernel (EG_MR
- * rows x EG_NR weight rows, 2 x 8 lanes each: 12 ymm accumulators) runs over every EG_MR
- * rows: bf16 weights straight from where they are stored (a shift or a mask per 8 lanes),
+ * rows x EG_NR weight rows, 2 x 8 lanes each: 12 ymm accumulators; AVX-512F: EG_MR512 x
+ * EG_NR512, one zmm each, bf16 K blocks of EG_KC512) runs over every EG_MR rows: bf16 weights straight from where they are stored (a shift or a mask per 8 lanes),
  * the quantized ones (and bf16's K tail) decoded once per K block into an L1 buffer of
  * fp32. The weights stream from DRAM once per item and stay in L1 for the later row tiles.
  * Every output is one item's, so the split never changes a bit.
@@ -315,14 +316,28 @@ enum { EG_X_BF16 = 0, EG_X_F32 = 1 };
 enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2 };
 enum { EG_S_NONE = 0, EG_S_F32 = 1, EG_S_E8M0 = 2, EG_S_E4M3 = 3 };
 enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
+int32_t moe_ep_vector_bodies(void);
+/* moe_ep_expert_gemm's vector: EG_BODY_AUTO is AVX-512 but AVX2 for items of few rows. */
+enum { EG_BODY_SCALAR = 0, EG_BODY_AVX2 = 1, EG_BODY_AVX512 = 2, EG_BODY_AUTO = 3 };
 
 #define EG_LANES 16
 #define EG_KC 256       /* K elements of each weight row per block (multiple of 16) */
 #define EG_NR 2         /* weight rows multiplied together */
 #define EG_MR 3         /* activation rows multiplied together (12 accumulator registers) */
-#define EG_COLS 32      /* output columns per work item (a multiple of EG_NR) */
-#define EG_SUB 24       /* rows multiplied together (a multiple of EG_MR: x block in L1) */
+#define EG_MR512 4      /* the AVX-512 body's rows and weight rows (16 zmm accumulators) */
+#define EG_NR512 4
+#define EG_KC512 1024   /* the AVX-512 body's K block of bf16 weights read where stored */
+/* EG_BODY_AUTO's choice: the AVX2 body for at most this many rows (measured 1 thread, 16
+ * experts, N = K = 2048: 1-2 rows 3.6-3.9 ms AVX2 vs 4.3-4.9 ms AVX-512; 4 rows 7.2 vs 5.5). */
+#define EG_AVX2_ROWS 2
+#define EG_NR_MAX 4     /* the most weight rows of any body's tile (EG_NR512) */
+#define EG_COLS 32      /* output columns per work item (a multiple of every body's NR) */
+#define EG_SUB 24       /* rows multiplied together (a multiple of every body's MR: x in L1) */
 #define EG_ROWS 96      /* rows per work item (a multiple of EG_SUB) */
+
+/* Rows and weight rows of a body's register tile (the scalar twin follows the AVX2 one). */
+static inline int64_t eg_mr(int32_t body) { return body == EG_BODY_AVX512 ? EG_MR512 : EG_MR; }
+static inline int64_t eg_nr(int32_t body) { return body == EG_BODY_AVX512 ? EG_NR512 : EG_NR; }
 
 static float e4m3_value[256]; /* e4m3fn byte -> fp32, exact; 0x7f / 0xff -> quiet NaN */
 static const float e2m1_value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -502,6 +517,82 @@ static inline __attribute__((always_inline)) void eg_tile_avx2(
 }
 #endif
 
+#if defined(MOE_EP_AVX2) && (defined(__GNUC__) || defined(__clang__))
+/* The AVX-512F body: the same sum order in one zmm register per output (its 16 lanes are
+ * the order's 16 lanes), so the same bits as the AVX2 body and the scalar twin with half
+ * the instructions and, in 32 registers, a 4 x 4 tile (16 accumulators). Compiled by
+ * target attribute on any AVX2 build and chosen at run time by cpuid, so the library
+ * still builds and runs where the CPU lacks AVX-512. No vdpbf16ps: it treats denormal
+ * inputs as zero and flushes its outputs, so it cannot give these bits for every input. */
+#define MOE_EP_AVX512_GEMM 1
+#define EG_AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+/* Whether this CPU (and OS) runs AVX-512F: libgcc's cpuid and xgetbv check. */
+static int eg_avx512_supported(void) { return __builtin_cpu_supports("avx512f"); }
+
+/* eg_tile_avx2 on zmm registers, mr <= EG_MR512 x nr <= EG_NR512. A bf16 16-chunk (8
+ * dwords) is broadcast to both halves; lanes 0-7 shift each dword left by 16 (the even
+ * element), lanes 8-15 keep its high half (the odd one): the lane order, in two ops. */
+static inline __attribute__((always_inline)) EG_AVX512 void eg_tile_avx512(
+    const int mr, const int nr, const int bf16, const float *x, int64_t ldx,
+    const void *const *w, int64_t chunks, float *acc, int64_t ldacc, int64_t ahead) {
+    const __m512i shift = _mm512_setr_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0,
+                                            0, 0);
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 a[8][4]; /* the largest tile any mr, nr instantiates */
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) a[m][n] = _mm512_loadu_ps(acc + m * ldacc + n * EG_LANES);
+    for (int64_t c = 0; c < chunks; c++) {
+        if (bf16 && ahead && (c & 1) == 0) /* one 64-byte line per row every two chunks */
+            for (int n = 0; n < nr; n++)
+                _mm_prefetch((const char *)w[n] + c * 32 + ahead, _MM_HINT_T1);
+        __m512 wv[4];
+        for (int n = 0; n < nr; n++) {
+            if (bf16) {
+                const __m512i v = _mm512_broadcast_i64x4(
+                    _mm256_loadu_si256((const __m256i *)((const uint16_t *)w[n] + c * 16)));
+                wv[n] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_sllv_epi32(v, shift), high));
+            } else {
+                wv[n] = _mm512_loadu_ps((const float *)w[n] + c * 16);
+            }
+            __asm__("" : "+v"(wv[n])); /* loaded once, not folded into every fma */
+        }
+        for (int m = 0; m < mr; m++) {
+            __m512 xv = _mm512_loadu_ps(x + m * ldx + c * 16);
+            __asm__("" : "+v"(xv));
+            for (int n = 0; n < nr; n++) a[m][n] = _mm512_fmadd_ps(xv, wv[n], a[m][n]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) _mm512_storeu_ps(acc + m * ldacc + n * EG_LANES, a[m][n]);
+}
+
+#define EG_T512(m, n, b) eg_tile_avx512(m, n, b, x, ldx, w, chunks, acc, ldacc, ahead)
+#define EG_T512_N(m, b)                                                                       \
+    (nr == 4 ? EG_T512(m, 4, b) : nr == 3 ? EG_T512(m, 3, b) : nr == 2 ? EG_T512(m, 2, b)     \
+                                                                     : EG_T512(m, 1, b))
+#define EG_T512_MN(b)                                                                         \
+    (mr == 8   ? EG_T512_N(8, b)                                                             \
+     : mr == 7 ? EG_T512_N(7, b)                                                             \
+     : mr == 6 ? EG_T512_N(6, b)                                                             \
+     : mr == 5 ? EG_T512_N(5, b)                                                             \
+     : mr == 4 ? EG_T512_N(4, b)                                                             \
+     : mr == 3 ? EG_T512_N(3, b)                                                             \
+     : mr == 2 ? EG_T512_N(2, b)                                                             \
+               : EG_T512_N(1, b))
+
+/* Every shape and weight kind of eg_tile_avx512, each its own register-tiled loop. */
+static EG_AVX512 void eg_tile_avx512_any(int mr, int nr, int bf16, const float *x, int64_t ldx,
+                                         const void *const *w, int64_t chunks, float *acc,
+                                         int64_t ldacc, int64_t ahead) {
+    if (bf16) EG_T512_MN(1);
+    else EG_T512_MN(0);
+}
+#undef EG_T512_MN
+#undef EG_T512_N
+#undef EG_T512
+#endif
+
 /* The scalar twin of eg_tile_avx2 (fp32 weights in lane order, row n at w[n]): the same
  * fma per lane in the same order. */
 static void eg_tile_scalar(int mr, int nr, const float *x, int64_t ldx, const void *const *w,
@@ -523,11 +614,18 @@ static void eg_tile_scalar(int mr, int nr, const float *x, int64_t ldx, const vo
                : eg_tile_avx2(1, nr, bf16, x, ldx, w, chunks, acc, ldacc, ahead))
 #endif
 
-/* eg_tile_avx2 (vector) or its scalar twin (fp32 weights only), for mr <= EG_MR rows and
- * nr <= EG_NR weight rows: each shape and weight kind its own register-tiled loop. `ahead`:
- * bf16 weights are prefetched that many bytes past each line read (0: none). */
+/* eg_tile_avx512 (vector EG_BODY_AVX512), eg_tile_avx2 (EG_BODY_AVX2) or their scalar
+ * twin (fp32 weights only), for mr <= eg_mr(vector) rows and nr <= eg_nr(vector) weight
+ * rows: each shape and weight kind its own register-tiled loop. `ahead`: bf16 weights are
+ * prefetched that many bytes past each line read (0: none). */
 static void eg_tile(int mr, int nr, int bf16, const float *x, int64_t ldx, const void *const *w,
                     int64_t chunks, float *acc, int64_t ldacc, int32_t vector, int64_t ahead) {
+#ifdef MOE_EP_AVX512_GEMM
+    if (vector == EG_BODY_AVX512) {
+        eg_tile_avx512_any(mr, nr, bf16, x, ldx, w, chunks, acc, ldacc, ahead);
+        return;
+    }
+#endif
 #ifdef MOE_EP_AVX2
     if (vector) {
         if (bf16) nr == 2 ? EG_TILE_MR(mr, 2, 1) : EG_TILE_MR(mr, 1, 1);
@@ -648,13 +746,14 @@ static inline void eg_prefetch(const eg_args *a, const uint8_t *we, int64_t j, i
 }
 
 /* acc[r] += `chunks` chunks of x rows [0, rows) times weight rows w[n] (n < nr), in
- * register tiles of EG_MR rows: the weight chunks, read from memory by the first tile
+ * register tiles of eg_mr(body) rows: the weight chunks, read from memory by the first tile
  * (which prefetches bf16 ones `ahead` bytes on), stay in L1 for the later ones. */
 static void eg_row_tiles(const eg_args *a, int64_t rows, int nr, int bf16, const float *x,
                          const void *const *w, int64_t chunks, float *acc, int64_t ldacc,
                          int64_t ahead) {
-    for (int64_t r = 0; r < rows; r += EG_MR) {
-        const int mr = rows - r < EG_MR ? (int)(rows - r) : EG_MR;
+    const int64_t mr_max = eg_mr(a->vector);
+    for (int64_t r = 0; r < rows; r += mr_max) {
+        const int mr = rows - r < mr_max ? (int)(rows - r) : (int)mr_max;
         eg_tile(mr, nr, bf16, x + r * a->ldxs, a->ldxs, w, chunks, acc + r * ldacc, ldacc,
                 a->vector, r == 0 ? ahead : 0);
     }
@@ -668,9 +767,15 @@ static void eg_row_tiles(const eg_args *a, int64_t rows, int nr, int bf16, const
  * unchanged. */
 static void eg_rows(const eg_args *a, int64_t g, int64_t q0, int64_t rows, int64_t orow0,
                     int64_t j0, int64_t n1) {
-    float wbuf[EG_NR * EG_KC];
-    float acc[EG_SUB * EG_NR * EG_LANES];
-    const int64_t ldacc = EG_NR * EG_LANES;
+    float wbuf[EG_NR_MAX * EG_KC];
+    float acc[EG_SUB * EG_NR_MAX * EG_LANES];
+    eg_args own;
+    if (a->vector == EG_BODY_AUTO) { /* same bits either way: the faster body per row count */
+        own = *a;
+        own.vector = rows <= EG_AVX2_ROWS ? EG_BODY_AVX2 : EG_BODY_AVX512;
+        a = &own;
+    }
+    const int64_t ldacc = EG_NR_MAX * EG_LANES, nr_max = eg_nr(a->vector);
     const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
     const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
@@ -681,20 +786,22 @@ static void eg_rows(const eg_args *a, int64_t g, int64_t q0, int64_t rows, int64
     const int direct = 0;
 #endif
     const int64_t k_whole = a->k / EG_LANES * EG_LANES; /* elements in whole chunks */
-    const void *wbuf_rows[EG_NR] = {wbuf, wbuf + EG_KC};
+    const void *wbuf_rows[EG_NR_MAX] = {wbuf, wbuf + EG_KC, wbuf + 2 * EG_KC, wbuf + 3 * EG_KC};
     /* K in blocks whose weights stay in L1 for the later row tiles; with one row tile the
      * direct path streams whole rows (no accumulator round trips between blocks). */
-    const int64_t step = direct && rows <= EG_MR ? a->k : EG_KC;
+    const int64_t step = direct && rows <= eg_mr(a->vector) ? a->k
+                         : direct && a->vector == EG_BODY_AVX512 ? EG_KC512
+                                                                  : EG_KC;
     const int64_t ahead = eg_prefetch_ahead(a->w_row_bytes);
-    for (int64_t j = j0; j < n1; j += EG_NR) {
-        const int nr = n1 - j < EG_NR ? (int)(n1 - j) : EG_NR;
+    for (int64_t j = j0; j < n1; j += nr_max) {
+        const int nr = n1 - j < nr_max ? (int)(n1 - j) : (int)nr_max;
         memset(acc, 0, sizeof(float) * (size_t)(rows * ldacc));
         for (int64_t kc = 0; kc < a->k; kc += step) {
             const int64_t k1 = kc + step < a->k ? kc + step : a->k;
             int64_t kd = kc; /* where the decoded part of this block starts */
             if (direct) {
                 kd = k1 < k_whole ? k1 : k_whole > kc ? k_whole : kc;
-                const void *w_rows[EG_NR];
+                const void *w_rows[EG_NR_MAX];
                 for (int n = 0; n < nr; n++) w_rows[n] = we + (j + n) * a->w_row_bytes + 2 * kc;
                 if (kd > kc)
                     eg_row_tiles(a, rows, nr, 1, x + kc, w_rows, (kd - kc) / EG_LANES, acc,
@@ -739,8 +846,9 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
  * e * w_expert_bytes + j * w_row_bytes (bf16 elements, e4m3 bytes, or e2m1 pairs low nibble
  * first); its scale for elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of
  * s_kind values (s_block a multiple of 16). alpha may be NULL. xs: fp32 scratch of
- * q_start[groups] * round_up(k, 16) elements. vector = 0 runs the scalar twin. Returns 0, or
- * -1 when out of memory (nothing written). */
+ * q_start[groups] * (round_up(k, 16) + 16) elements. vector: the body (EG_BODY_*: 0 the scalar
+ * twin, 1 AVX2, 2 AVX-512F, 3 AVX-512F but AVX2 for items of at most EG_AVX2_ROWS rows). Returns 0, -1 when out of memory, -2 when this build or CPU
+ * lacks the body asked for (nothing written either way). */
 int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                         int64_t groups, const int64_t *q_start, const int64_t *g_expert,
                         const int64_t *out_row0, const float *alpha, const void *w,
@@ -749,6 +857,8 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
                         int32_t s_kind, int64_t s_block, void *out, int64_t ld_out,
                         int32_t out_kind, int64_t n, int64_t k, float *xs, int32_t threads,
                         int32_t vector) {
+    const int32_t bodies = moe_ep_vector_bodies(), need = vector == 1 ? 1 : vector > 1 ? 5 : 0;
+    if (vector < 0 || vector > 3 || (bodies & need) != need) return -2;
     const int64_t k16 = (k + EG_LANES - 1) / EG_LANES * EG_LANES;
     const int64_t tiles = (n + EG_COLS - 1) / EG_COLS;
     int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(groups + 1));
@@ -760,7 +870,10 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
     }
     const int64_t items = item_start[groups], total_rows = q_start[groups];
     const size_t x_elem = x_kind == EG_X_F32 ? 4 : 2;
-    eg_args a = {.xs = xs, .ldxs = k16, .q_start = q_start, .g_expert = g_expert,
+    /* x rows one cache line longer than k16: rows 2^n bytes apart (K = 2048) would share L1
+     * sets with each other and with the weight rows (4 KiB apart) and evict them. */
+    const int64_t ldxs = k16 + EG_LANES;
+    eg_args a = {.xs = xs, .ldxs = ldxs, .q_start = q_start, .g_expert = g_expert,
                  .out_row0 = out_row0, .alpha = alpha, .w = (const uint8_t *)w,
                  .s = (const uint8_t *)s, .w_expert_bytes = w_expert_bytes,
                  .w_row_bytes = w_row_bytes, .s_expert_bytes = s_expert_bytes,
@@ -774,7 +887,7 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
         for (int64_t q = 0; q < total_rows; q++) {
             const int64_t row = x_rows ? x_rows[q] : q;
             eg_widen_row((const char *)x + row * ld_x * (int64_t)x_elem, x_kind, k, k16,
-                         xs + q * k16);
+                         xs + q * ldxs);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
@@ -791,8 +904,8 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
     return 0;
 }
 
-/* Which vector bodies this build has: bit 0 the AVX2 expert GEMM, bit 1 the AVX-512
- * epilogues. */
+/* Which vector bodies this build has and this CPU runs: bit 0 the AVX2 expert GEMM, bit 1
+ * the AVX-512 epilogues, bit 2 the AVX-512F expert GEMM. */
 int32_t moe_ep_vector_bodies(void) {
     int32_t bodies = 0;
 #ifdef MOE_EP_AVX2
@@ -800,6 +913,9 @@ int32_t moe_ep_vector_bodies(void) {
 #endif
 #ifdef MOE_EP_AVX512
     bodies |= 2;
+#endif
+#ifdef MOE_EP_AVX512_GEMM
+    bodies |= eg_avx512_supported() ? 4 : 0;
 #endif
     return bodies;
 }

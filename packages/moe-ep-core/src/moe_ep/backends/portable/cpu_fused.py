@@ -419,16 +419,44 @@ class ExpertGroups:
         return int(self.q_start[-1])
 
 
+Body = Literal["avx512", "avx2"]
+_BODY_KIND: dict[Body, int] = {"avx2": 1, "avx512": 2}
+_BODY_BIT: dict[Body, int] = {"avx2": 1, "avx512": 4}
+
+
 def vector_bodies() -> int:
-    """Bit 0: the library has the AVX2 expert GEMM body; bit 1: the AVX-512 epilogues.
-    0 without the library."""
+    """Bit 0: the library has the AVX2 expert GEMM body; bit 1: the AVX-512 epilogues; bit
+    2: the AVX-512F expert GEMM body and this CPU runs it. 0 without the library."""
     lib = library()
     return 0 if lib is None else int(lib.moe_ep_vector_bodies())
 
 
+_BODY_AUTO = 3
+"""cpu_fused.c's EG_BODY_AUTO: AVX-512F, with AVX2 for items of 1-2 rows (faster there)."""
+
+
+def _body_kind(vector: bool | Body) -> int:
+    """`expert_gemm`'s `vector` as the C body number: True the fastest this CPU runs."""
+    if vector is False:
+        return 0
+    bodies = vector_bodies()
+    if vector is True:
+        return _BODY_AUTO if bodies & _BODY_BIT["avx512"] else bodies & _BODY_BIT["avx2"]
+    if vector not in _BODY_KIND:
+        raise ValueError(
+            f"expert_gemm vector must be True, False, 'avx512' or 'avx2', got {vector!r}"
+        )
+    if not bodies & _BODY_BIT[vector]:
+        raise ValueError(
+            f"expert_gemm vector={vector!r}: this build or CPU lacks that body "
+            f"(moe_ep_vector_bodies() = {bodies:#x})"
+        )
+    return _BODY_KIND[vector]
+
+
 def expert_gemm_scratch(rows: int, k: int) -> tuple[int]:
     """Shape of the fp32 scratch `expert_gemm` needs for `rows` rows of `k` elements."""
-    return (rows * (-(-k // 16) * 16),)
+    return (rows * (-(-k // 16) * 16 + 16),)  # rows a cache line longer (cpu_fused.c)
 
 
 def expert_gemm(
@@ -440,7 +468,7 @@ def expert_gemm(
     scratch: torch.Tensor,
     *,
     alpha: torch.Tensor | None = None,
-    vector: bool = True,
+    vector: bool | Body = True,
 ) -> bool:
     """`out[out_row0[g] + i] = x[row(q_start[g] + i)] @ w[expert[g]]^T` (times `alpha[g]`).
 
@@ -448,8 +476,10 @@ def expert_gemm(
     (None: row q is x's row q). out: `[*, N]` bf16 or fp32 rows. alpha: `[G]` fp32 or None.
     scratch: fp32 with at least `expert_gemm_scratch(Q, K)` elements. The sum order is fixed
     (cpu_fused.c): the result does not depend on the thread count, the vector body or the
-    grouping. `vector=False` runs the scalar twin (tests). Returns False (nothing written)
-    when the library is not available.
+    grouping. `vector`: True the fastest vector bodies this CPU runs (AVX-512F, with AVX2 for
+    row blocks of 1-2 rows; else AVX2; else the scalar twin), False the scalar twin,
+    "avx512" / "avx2" that body alone (ValueError where it is missing): tests force each.
+    Returns False (nothing written) when the library is not available.
     """
     lib = library()
     if lib is None:
@@ -469,6 +499,7 @@ def expert_gemm(
             raise ValueError("expert_gemm row and group indices must be contiguous int64")
     if alpha is not None and (alpha.dtype != torch.float32 or not alpha.is_contiguous()):
         raise ValueError("expert_gemm alpha must be contiguous fp32")
+    body = _body_kind(vector)
     s = w.scales
     rc = lib.moe_ep_expert_gemm(
         x.data_ptr(), x.stride(0), 1 if x.dtype == torch.float32 else 0,
@@ -482,8 +513,10 @@ def expert_gemm(
         0 if s is None else s.stride(1) * s.element_size(),
         _SCALE_KIND[w.scale], max(w.block, 16),
         out.data_ptr(), out.stride(0), 1 if out.dtype == torch.float32 else 0,
-        n, k, scratch.data_ptr(), max(1, torch.get_num_threads()), int(vector),
+        n, k, scratch.data_ptr(), max(1, torch.get_num_threads()), body,
     )  # fmt: skip
+    if rc == -2:
+        raise ValueError(f"expert_gemm: the library refused vector body {body}")
     if rc != 0:
         raise MemoryError("expert_gemm: out of memory for its work list")
     return True
