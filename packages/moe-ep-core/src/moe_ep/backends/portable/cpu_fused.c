@@ -317,7 +317,7 @@ enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2 };
 enum { EG_S_NONE = 0, EG_S_F32 = 1, EG_S_E8M0 = 2, EG_S_E4M3 = 3 };
 enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
 int32_t moe_ep_vector_bodies(void);
-/* moe_ep_expert_gemm's vector: EG_BODY_AUTO is AVX-512 but AVX2 for items of few rows. */
+/* moe_ep_expert_gemm's vector: EG_BODY_AUTO is AVX-512 but AVX2 for bf16 blocks of few rows. */
 enum { EG_BODY_SCALAR = 0, EG_BODY_AVX2 = 1, EG_BODY_AVX512 = 2, EG_BODY_AUTO = 3 };
 
 #define EG_LANES 16
@@ -327,8 +327,9 @@ enum { EG_BODY_SCALAR = 0, EG_BODY_AVX2 = 1, EG_BODY_AVX512 = 2, EG_BODY_AUTO = 
 #define EG_MR512 4      /* the AVX-512 body's rows and weight rows (16 zmm accumulators) */
 #define EG_NR512 4
 #define EG_KC512 1024   /* the AVX-512 body's K block of bf16 weights read where stored */
-/* EG_BODY_AUTO's choice: the AVX2 body for at most this many rows (measured 1 thread, 16
- * experts, N = K = 2048: 1-2 rows 3.6-3.9 ms AVX2 vs 4.3-4.9 ms AVX-512; 4 rows 7.2 vs 5.5). */
+/* EG_BODY_AUTO's choice: the AVX2 body for bf16 row blocks of at most this many rows
+ * (measured 1 thread, 16 experts, N = K = 2048: 1-2 rows 3.6-3.9 ms AVX2 vs 4.3-4.9 ms
+ * AVX-512; 4 rows 7.2 vs 5.5; the quantized decode is faster on AVX-512 at every count). */
 #define EG_AVX2_ROWS 2
 #define EG_NR_MAX 4     /* the most weight rows of any body's tile (EG_NR512) */
 #define EG_COLS 32      /* output columns per work item (a multiple of every body's NR) */
@@ -687,8 +688,76 @@ static inline __attribute__((always_inline)) void eg_decode_row_avx2(
     }
 }
 
+#ifdef MOE_EP_AVX512_GEMM
+/* eg_decode_chunk_avx2 on one zmm: the same values (e4m3: the same operations on 16 lanes,
+ * a mask instead of a blend for NaN; e2m1: one 16-entry table lookup, sign included). */
+static inline __attribute__((always_inline)) EG_AVX512 void eg_decode_chunk_avx512(
+    const uint8_t *w_row, int32_t w_kind, int64_t k, float s, int32_t scaled, float *dst) {
+    __m512 f;
+    if (w_kind == EG_W_E4M3) {
+        const __m128i lanes = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m512i b = _mm512_cvtepu8_epi32(
+            _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w_row + k)), lanes));
+        const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+        f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
+                          _mm512_set1_ps(1.329227995784916e36f)); /* 2^120 */
+        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+        f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+        const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
+        f = _mm512_mask_mov_ps(f, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+    } else if (w_kind == EG_W_E2M1) {
+        const __m512 table = _mm512_loadu_ps(e2m1_value);
+        const __m128i pairs = _mm_loadl_epi64((const __m128i *)(w_row + k / 2));
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(pairs, pairs));
+        const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+        f = _mm512_permutexvar_ps(_mm512_srlv_epi32(b, shift), table); /* low 4 bits index */
+    } else {
+        const __m512i v = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)w_row + k)));
+        const __m512i shift = _mm512_setr_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0,
+                                                0, 0);
+        f = _mm512_castsi512_ps(_mm512_and_si512(_mm512_sllv_epi32(v, shift),
+                                                 _mm512_set1_epi32((int)0xffff0000u)));
+    }
+    _mm512_storeu_ps(dst, scaled ? _mm512_mul_ps(f, _mm512_set1_ps(s)) : f);
+}
+
+/* eg_decode_row_avx2 with the AVX-512F chunk decode. */
+static inline __attribute__((always_inline)) EG_AVX512 void eg_decode_row_avx512(
+    const int32_t w_kind, const int32_t s_kind, const uint8_t *w_row, const uint8_t *s_row,
+    int64_t s_block, int64_t kc, int64_t k1, float *dst) {
+    const int32_t scaled = s_kind != EG_S_NONE;
+    const int64_t step = scaled ? s_block : k1 - kc;
+    for (int64_t kb = kc; kb < k1; kb += step) {
+        const float s = scaled ? eg_scale(s_row, s_kind, kb / s_block) : 1.0f;
+        const int64_t kb1 = kb + step < k1 ? kb + step : k1;
+        for (int64_t kk = kb; kk < kb1; kk += EG_LANES)
+            eg_decode_chunk_avx512(w_row, w_kind, kk, s, scaled, dst + (kk - kc));
+    }
+}
+
+static EG_AVX512 void eg_decode_row_vector512(const eg_args *a, const uint8_t *w_row,
+                                              const uint8_t *s_row, int64_t kc, int64_t k1,
+                                              float *dst) {
+#define EG_DECODE(w, s) eg_decode_row_avx512(w, s, w_row, s_row, a->s_block, kc, k1, dst)
+    if (a->w_kind == EG_W_BF16) EG_DECODE(EG_W_BF16, EG_S_NONE);
+    else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_F32) EG_DECODE(EG_W_E4M3, EG_S_F32);
+    else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_E8M0) EG_DECODE(EG_W_E4M3, EG_S_E8M0);
+    else if (a->w_kind == EG_W_E2M1 && a->s_kind == EG_S_E4M3) EG_DECODE(EG_W_E2M1, EG_S_E4M3);
+    else if (a->w_kind == EG_W_E2M1 && a->s_kind == EG_S_E8M0) EG_DECODE(EG_W_E2M1, EG_S_E8M0);
+    else EG_DECODE(a->w_kind, a->s_kind); /* other pairings: the generic loop */
+#undef EG_DECODE
+}
+#endif
+
 static void eg_decode_row_vector(const eg_args *a, const uint8_t *w_row, const uint8_t *s_row,
                                  int64_t kc, int64_t k1, float *dst) {
+#ifdef MOE_EP_AVX512_GEMM
+    if (a->vector == EG_BODY_AVX512) {
+        eg_decode_row_vector512(a, w_row, s_row, kc, k1, dst);
+        return;
+    }
+#endif
 #define EG_DECODE(w, s) eg_decode_row_avx2(w, s, w_row, s_row, a->s_block, kc, k1, dst)
     if (a->w_kind == EG_W_BF16) EG_DECODE(EG_W_BF16, EG_S_NONE);
     else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_F32) EG_DECODE(EG_W_E4M3, EG_S_F32);
@@ -772,7 +841,7 @@ static void eg_rows(const eg_args *a, int64_t g, int64_t q0, int64_t rows, int64
     eg_args own;
     if (a->vector == EG_BODY_AUTO) { /* same bits either way: the faster body per row count */
         own = *a;
-        own.vector = rows <= EG_AVX2_ROWS ? EG_BODY_AVX2 : EG_BODY_AVX512;
+        own.vector = rows <= EG_AVX2_ROWS && a->w_kind == EG_W_BF16 ? EG_BODY_AVX2 : EG_BODY_AVX512;
         a = &own;
     }
     const int64_t ldacc = EG_NR_MAX * EG_LANES, nr_max = eg_nr(a->vector);
@@ -847,7 +916,7 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
  * first); its scale for elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of
  * s_kind values (s_block a multiple of 16). alpha may be NULL. xs: fp32 scratch of
  * q_start[groups] * (round_up(k, 16) + 16) elements. vector: the body (EG_BODY_*: 0 the scalar
- * twin, 1 AVX2, 2 AVX-512F, 3 AVX-512F but AVX2 for items of at most EG_AVX2_ROWS rows). Returns 0, -1 when out of memory, -2 when this build or CPU
+ * twin, 1 AVX2, 2 AVX-512F, 3 AVX-512F but AVX2 for bf16 blocks of <= EG_AVX2_ROWS rows). Returns 0, -1 when out of memory, -2 when this build or CPU
  * lacks the body asked for (nothing written either way). */
 int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                         int64_t groups, const int64_t *q_start, const int64_t *g_expert,

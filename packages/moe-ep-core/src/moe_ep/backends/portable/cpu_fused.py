@@ -432,7 +432,7 @@ def vector_bodies() -> int:
 
 
 _BODY_AUTO = 3
-"""cpu_fused.c's EG_BODY_AUTO: AVX-512F, with AVX2 for items of 1-2 rows (faster there)."""
+"""cpu_fused.c's EG_BODY_AUTO: AVX-512F, with AVX2 for bf16 blocks of 1-2 rows (faster)."""
 
 
 def _body_kind(vector: bool | Body) -> int:
@@ -477,7 +477,7 @@ def expert_gemm(
     scratch: fp32 with at least `expert_gemm_scratch(Q, K)` elements. The sum order is fixed
     (cpu_fused.c): the result does not depend on the thread count, the vector body or the
     grouping. `vector`: True the fastest vector bodies this CPU runs (AVX-512F, with AVX2 for
-    row blocks of 1-2 rows; else AVX2; else the scalar twin), False the scalar twin,
+    bf16 row blocks of 1-2 rows; else AVX2; else the scalar twin), False the scalar twin,
     "avx512" / "avx2" that body alone (ValueError where it is missing): tests force each.
     Returns False (nothing written) when the library is not available.
     """
