@@ -540,14 +540,14 @@ static inline __attribute__((always_inline)) EG_AVX512 void eg_tile_avx512(
     const __m512i shift = _mm512_setr_epi32(16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0,
                                             0, 0);
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 a[8][4]; /* the largest tile any mr, nr instantiates */
+    __m512 a[EG_MR512][EG_NR512];
     for (int m = 0; m < mr; m++)
         for (int n = 0; n < nr; n++) a[m][n] = _mm512_loadu_ps(acc + m * ldacc + n * EG_LANES);
     for (int64_t c = 0; c < chunks; c++) {
         if (bf16 && ahead && (c & 1) == 0) /* one 64-byte line per row every two chunks */
             for (int n = 0; n < nr; n++)
                 _mm_prefetch((const char *)w[n] + c * 32 + ahead, _MM_HINT_T1);
-        __m512 wv[4];
+        __m512 wv[EG_NR512];
         for (int n = 0; n < nr; n++) {
             if (bf16) {
                 const __m512i v = _mm512_broadcast_i64x4(
@@ -573,14 +573,8 @@ static inline __attribute__((always_inline)) EG_AVX512 void eg_tile_avx512(
     (nr == 4 ? EG_T512(m, 4, b) : nr == 3 ? EG_T512(m, 3, b) : nr == 2 ? EG_T512(m, 2, b)     \
                                                                      : EG_T512(m, 1, b))
 #define EG_T512_MN(b)                                                                         \
-    (mr == 8   ? EG_T512_N(8, b)                                                             \
-     : mr == 7 ? EG_T512_N(7, b)                                                             \
-     : mr == 6 ? EG_T512_N(6, b)                                                             \
-     : mr == 5 ? EG_T512_N(5, b)                                                             \
-     : mr == 4 ? EG_T512_N(4, b)                                                             \
-     : mr == 3 ? EG_T512_N(3, b)                                                             \
-     : mr == 2 ? EG_T512_N(2, b)                                                             \
-               : EG_T512_N(1, b))
+    (mr == 4 ? EG_T512_N(4, b) : mr == 3 ? EG_T512_N(3, b) : mr == 2 ? EG_T512_N(2, b)        \
+                                                                     : EG_T512_N(1, b))
 
 /* Every shape and weight kind of eg_tile_avx512, each its own register-tiled loop. */
 static EG_AVX512 void eg_tile_avx512_any(int mr, int nr, int bf16, const float *x, int64_t ldx,

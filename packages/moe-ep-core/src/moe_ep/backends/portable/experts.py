@@ -61,13 +61,18 @@ EXPERT_GEMM_ROWS_BF16 = ROW_BLOCK
 GEMM is its portable fallback (no oneDNN bf16 kernels: this CPU lacks AVX-512 BF16 / AMX);
 measured 2.9-6.0x faster than the `mm` blocks from 16 to 1024 rows per expert; at 1-8 rows
 faster or slower with the box's load (docs/layer.md, `layer_speed.py --sections crossover`)."""
-EXPERT_GEMM_ROWS_BF16_ONEDNN = 16
-"""The same where torch runs bf16 GEMMs on oneDNN: an estimate, not measured (no such CPU
-here; docs/layer.md)."""
+EXPERT_GEMM_ROWS_BF16_ONEDNN = 8
+"""The same where torch runs bf16 GEMMs on oneDNN's bf16 kernels: measured on AMD EPYC with
+AVX-512 BF16 (2 threads, `layer_speed.py --sections crossover`, two runs): the expert GEMM
+1.3-2.0x faster than the `mm` blocks at 8 rows per expert, 0.76-0.86x at 16 (docs/layer.md)."""
 EXPERT_GEMM_ROWS_FP32 = 64
 """Quantized formats (fp32 GEMMs on the dequantized weights otherwise): experts with at most
 this many rows run `cpu_fused.expert_gemm` on the codes and scales; measured (mxfp8, 2
-threads) 1.1-2.4x faster than the fp32 `mm` blocks from 8 to 64 rows, slower from 128."""
+threads, AVX2 body) 1.1-2.4x faster than the fp32 `mm` blocks from 8 to 64 rows, slower
+from 128."""
+EXPERT_GEMM_ROWS_FP32_AVX512 = 1024
+"""The same with the AVX-512F body: measured (mxfp8, 2 threads) 1.1-2.1x faster than the
+fp32 `mm` blocks at every row count of the sweep, 1 to 1024 (docs/layer.md)."""
 
 
 def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name: str) -> None:
@@ -141,7 +146,8 @@ def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
     if cpu_fused.library() is None:
         return 0
     if weights.stored13.code != "bf16":
-        return EXPERT_GEMM_ROWS_FP32
+        avx512 = cpu_fused.vector_bodies() & 4
+        return EXPERT_GEMM_ROWS_FP32_AVX512 if avx512 else EXPERT_GEMM_ROWS_FP32
     return EXPERT_GEMM_ROWS_BF16_ONEDNN if _onednn_bf16() else EXPERT_GEMM_ROWS_BF16
 
 
