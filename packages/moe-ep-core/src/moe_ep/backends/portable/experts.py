@@ -61,10 +61,12 @@ EXPERT_GEMM_ROWS_BF16 = ROW_BLOCK
 GEMM is its portable fallback (no oneDNN bf16 kernels: this CPU lacks AVX-512 BF16 / AMX);
 measured 2.9-6.0x faster than the `mm` blocks from 16 to 1024 rows per expert; at 1-8 rows
 faster or slower with the box's load (docs/layer.md, `layer_speed.py --sections crossover`)."""
-EXPERT_GEMM_ROWS_BF16_ONEDNN = 8
+EXPERT_GEMM_ROWS_BF16_ONEDNN = 16
 """The same where torch runs bf16 GEMMs on oneDNN's bf16 kernels: measured on AMD EPYC with
-AVX-512 BF16 (2 threads, `layer_speed.py --sections crossover`, two runs): the expert GEMM
-1.3-2.0x faster than the `mm` blocks at 8 rows per expert, 0.76-0.86x at 16 (docs/layer.md)."""
+AVX-512 BF16 (2 threads, `layer_speed.py --sections crossover`, three runs): the expert GEMM
+1.3-2.6x faster than the `mm` blocks at 1-8 rows per expert, 0.76-1.61x at 16, 0.60-0.87x at
+32 and slower from there; decode T=64 (8 rows per expert on average) ran 39 ms with 16, 47
+ms with 8 (docs/layer.md)."""
 EXPERT_GEMM_ROWS_FP32 = 64
 """Quantized formats (fp32 GEMMs on the dequantized weights otherwise): experts with at most
 this many rows run `cpu_fused.expert_gemm` on the codes and scales; measured (mxfp8, 2
