@@ -38,8 +38,12 @@ class Placement:
         num_experts: E, the logical experts (what `topk_ids` name).
         world_size: W, the EP ranks.
         slots: `W * S` logical expert ids, slot p on rank `p // S`; every expert in `[0, E)`
-            appears at least once and at most once per rank (a second copy on the same rank
-            would add memory and spread nothing).
+            not in `masked` appears at least once and at most once per rank (a second copy
+            on the same rank would add memory and spread nothing).
+        masked: experts with no copy (sorted, in no slot): what mask-mode eviction leaves
+            when every copy of an expert was on failed ranks; the layer routes their pairs
+            nowhere (they contribute zero). Empty unless said, so a layout missing an
+            expert is never taken for a valid one.
 
     Raises:
         MoeEpUsageError: naming the argument, the value and the rule.
@@ -48,6 +52,7 @@ class Placement:
     num_experts: int
     world_size: int
     slots: tuple[int, ...]
+    masked: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         e = _check_count("num_experts", self.num_experts, "256")
@@ -71,7 +76,8 @@ class Placement:
             raise MoeEpUsageError(
                 f"slots must name logical experts in [0, num_experts={e}): slot {p} holds {s}"
             )
-        missing = sorted(set(range(e)) - set(self.slots))
+        self._check_masked(e)
+        missing = sorted(set(range(e)) - set(self.slots) - set(self.masked))
         if missing:
             raise MoeEpUsageError(
                 f"every expert needs at least one slot: experts {missing[:8]} have none "
@@ -86,6 +92,21 @@ class Placement:
                     f"a rank holds at most one copy of an expert: rank {r} holds expert {dup} "
                     f"{held.count(dup)} times (slots {list(held)})"
                 )
+
+    def _check_masked(self, e: int) -> None:
+        m = self.masked
+        if not isinstance(m, tuple) or not all(type(x) is int for x in m):
+            raise MoeEpUsageError(f"masked must be a tuple of ints, got {type(m).__name__}")
+        if list(m) != sorted(set(m)) or any(not 0 <= x < e for x in m):
+            raise MoeEpUsageError(
+                f"masked must list distinct experts in [0, num_experts={e}) in increasing "
+                f"order, got {list(m)}"
+            )
+        held = sorted(set(m) & set(self.slots))
+        if held:
+            raise MoeEpUsageError(
+                f"a masked expert has no copy, but experts {held} are masked and in slots"
+            )
 
     @classmethod
     def contiguous(cls, num_experts: int, world_size: int) -> Placement:
@@ -124,13 +145,13 @@ class Placement:
 
     @property
     def num_redundant(self) -> int:
-        """Slots beyond one per expert (`W * S - E`)."""
-        return len(self.slots) - self.num_experts
+        """Slots beyond one per held expert (`W * S - (E - len(masked))`)."""
+        return len(self.slots) - self.num_experts + len(self.masked)
 
     @cached_property
     def is_contiguous(self) -> bool:
         """True for the contiguous layout (the layer then runs its default path)."""
-        return self.slots == tuple(range(self.num_experts))
+        return not self.masked and self.slots == tuple(range(self.num_experts))
 
     def rank_of_slot(self, slot: int) -> int:
         return slot // self.slots_per_rank
@@ -144,7 +165,8 @@ class Placement:
 
     @cached_property
     def replicas(self) -> tuple[tuple[int, ...], ...]:
-        """Per logical expert, its physical slots in increasing order (replica 0 first)."""
+        """Per logical expert, its physical slots in increasing order (replica 0 first;
+        none for a masked expert)."""
         out: list[list[int]] = [[] for _ in range(self.num_experts)]
         for p, e in enumerate(self.slots):
             out[e].append(p)
@@ -170,12 +192,20 @@ class Placement:
 
     # -- identity -------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        return {"num_experts": self.num_experts, "world_size": self.world_size,
-                "slots": list(self.slots)}  # fmt: skip
+        out: dict[str, Any] = {"num_experts": self.num_experts, "world_size": self.world_size,
+                               "slots": list(self.slots)}  # fmt: skip
+        if self.masked:  # absent otherwise: the digests of unmasked placements stay as they were
+            out["masked"] = list(self.masked)
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Placement:
-        return cls(int(data["num_experts"]), int(data["world_size"]), tuple(data["slots"]))
+        return cls(
+            int(data["num_experts"]),
+            int(data["world_size"]),
+            tuple(data["slots"]),
+            tuple(int(x) for x in data.get("masked", ())),
+        )
 
     @cached_property
     def digest(self) -> str:
@@ -186,6 +216,8 @@ class Placement:
     def __repr__(self) -> str:
         # the slots can be thousands of ints: the agreement check and errors print this
         kind = "contiguous" if self.is_contiguous else f"{self.num_redundant} redundant"
+        if self.masked:
+            kind += f", {len(self.masked)} masked"
         return (
             f"Placement(num_experts={self.num_experts}, world_size={self.world_size}, "
             f"slots_per_rank={self.slots_per_rank}, {kind}, digest={self.digest[:16]})"

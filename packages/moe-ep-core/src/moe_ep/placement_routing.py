@@ -28,8 +28,9 @@ def expert_pair_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor
 
 def replica_table(placement: Placement, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(`[E, R_max]` int64 physical slots per expert, replica order, padded with replica 0;
-    `[E]` int64 copies per expert)."""
-    reps = placement.replicas
+    `[E]` int64 copies per expert). A masked expert's row is `-1` with one "copy", so its
+    pairs route to `-1` (nowhere)."""
+    reps = [r or (-1,) for r in placement.replicas]
     most = max(len(r) for r in reps)
     table = torch.tensor([list(r) + [r[0]] * (most - len(r)) for r in reps], dtype=torch.int64)
     copies = torch.tensor([len(r) for r in reps], dtype=torch.int64)

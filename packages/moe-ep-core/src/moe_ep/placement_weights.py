@@ -50,6 +50,12 @@ def transfer_sources(old: Placement, new: Placement) -> list[int]:
             f"a new placement must keep num_experts and world_size: the layer has "
             f"({old.num_experts}, {old.world_size}), got ({new.num_experts}, {new.world_size})"
         )
+    lost = sorted(set(new.slots) & set(old.masked))
+    if lost:
+        raise MoeEpUsageError(
+            f"the new placement holds experts {lost}, which the layer's placement has masked "
+            "(their weights were lost with the failed ranks): keep them masked"
+        )
     sources = []
     for p, e in enumerate(new.slots):
         rank = new.rank_of_slot(p)

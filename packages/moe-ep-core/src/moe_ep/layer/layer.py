@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from moe_ep.contract import KernelConfig, MegaKernel, caller_validated_weights
 from moe_ep.device import resolve_local_device
 from moe_ep.errors import MoeEpPeerError, MoeEpUnavailableError, MoeEpUsageError
 from moe_ep.layer.agreement import agree, agree_on_setup, setup_fingerprint
+from moe_ep.layer.eviction import check_eviction, check_mode, rebuild_group, survivor_placement
 from moe_ep.layer.weight_moves import move_weights
 from moe_ep.placement import Placement
 from moe_ep.placement_routing import expert_pair_counts
@@ -127,6 +129,9 @@ class MoEEpLayer:
             (`moe_ep.compat.flashinfer`).
         count_load: count each forward's pairs per logical expert (`expert_load`); off by
             default (then it costs nothing).
+        eviction: None (default: `evict()` refused), "mask" or "replicate" (needs every
+            expert on at least two ranks): how `evict()` goes on without failed ranks
+            (docs/placement.md, "Eviction").
 
     Bad input on one rank raises `MoeEpUsageError` on that rank before any collective; at
     world size > 1 that rank also writes its reason into the store, so the peers waiting
@@ -154,6 +159,7 @@ class MoEEpLayer:
         backend: str | KernelConfig | object = None,
         *,
         count_load: bool = False,
+        eviction: str | None = None,
     ) -> None:
         if not isinstance(bootstrap, BootstrapConfig):
             raise MoeEpUsageError(
@@ -173,6 +179,13 @@ class MoEEpLayer:
         chosen = layer_backend(fleet_knobs, backend)
         kernel_cls, config = resolve_backend(chosen)
         _check_placement(kernel_cls, fleet_params.placement)
+        if eviction is not None:
+            fleet_params.experts_per_rank(bootstrap.world_size)  # the placement's world size
+            check_mode(
+                eviction,
+                fleet_params.placement
+                or Placement.contiguous(fleet_params.num_experts, bootstrap.world_size),
+            )
         ok, reason = kernel_cls.availability()
         if not ok:
             raise MoeEpUnavailableError(f"kernel {kernel_cls.kernel_name!r}: {reason}")
@@ -189,6 +202,8 @@ class MoEEpLayer:
         self._weights = weights
         self._destroyed = False
         self._load: torch.Tensor | None = None
+        self.eviction = eviction
+        self._masked: torch.Tensor | None = None  # experts evicted in mask mode
         from moe_ep.runtime import acquire
 
         self._runtime = acquire(bootstrap, requirements=kernel_cls.requirements)
@@ -322,6 +337,10 @@ class MoEEpLayer:
                 )
             self._check_not_capturing(rt.device)
             live = self._live_tokens(tensors, rt.device, unfinalized)
+            if self._masked is not None:  # no surviving copy: routed nowhere, not renormalised
+                ids = tensors.topk_ids
+                ids = torch.where(torch.isin(ids, self._masked), torch.full_like(ids, -1), ids)
+                tensors = dataclasses.replace(tensors, topk_ids=ids)
             if tensors.topk_weights.dtype != torch.float32:  # bf16 / fp16: exact
                 tensors = dataclasses.replace(tensors, topk_weights=tensors.topk_weights.float())
             if out is None:
@@ -477,6 +496,63 @@ class MoEEpLayer:
             self._kernel.destroy()
             self._kernel, self._weights, self.fleet = kernel, weights, fleet
             rt.barrier()
+
+    # -- eviction -----------------------------------------------------------------------
+    def evict(self, failed_ranks: Sequence[int]) -> list[int]:
+        """Collective over the survivors, after a `MoeEpPeerError` whose `failed_ranks` this
+        rank raised: rebuild the EP group over the others (a new gloo group through the
+        store, every wait bounded by `timeout_s`) and go on serving the same logical
+        experts; the layer's rank and world size become the survivors' (new rank i was old
+        rank `survivors[i]`, returned). Mode "replicate": every expert still has a copy, and
+        the outputs equal the layer's before the failure, bit for bit. Mode "mask": pairs
+        routed to an expert with no surviving copy contribute zero, their top-k weights
+        not renormalised (a `RuntimeWarning` names the experts).
+
+        Raises:
+            MoeEpUsageError: no eviction mode, a healthy group, `failed_ranks` other than
+                the verdict's, this rank among them (an evicted rank cannot rejoin), or
+                replicate mode with an expert whose every copy was lost (every survivor,
+                before any collective); the survivors disagreeing (every survivor).
+            MoeEpUnavailableError: a host's group, or the store's host among the failed.
+            MoeEpPeerError / MoeEpTimeoutError: a survivor failed during the eviction; the
+                same verdict on every other survivor, in the numbering before it (evict
+                again with it).
+        """
+        rt = self._live()
+        state, failed = check_eviction(rt, self.eviction, failed_ranks)
+        assert self.eviction is not None
+        placement = survivor_placement(self.placement, failed, self.eviction)
+        fleet = dataclasses.replace(self.fleet, placement=placement)
+        with contextlib.suppress(MoeEpPeerError):  # broken: its collective frees raise at once
+            self._kernel.destroy()
+        survivors = rebuild_group(state, failed)
+        agree(
+            rt,
+            {
+                "eviction": str(self.eviction),
+                "failed ranks": str(list(failed)),
+                "placement digest": placement.digest,
+            },
+            subject="evictions",
+            what="moe-ep evict (agreement)",
+        )
+        with self._collective("moe-ep evict (rebuild)"), self._on_stream():
+            self._kernel = self._kernel_cls(
+                config=self.config, fleet=fleet, runtime=rt, weights=self._weights
+            )
+            self.fleet = fleet
+            if placement.masked:
+                self._masked = torch.tensor(placement.masked, dtype=torch.int64, device=rt.device)
+                warnings.warn(
+                    f"moe-ep evict (mask mode): experts {list(placement.masked)} have no copy "
+                    f"on the surviving ranks (failed: {list(failed)}); tokens routed to them "
+                    "now contribute ZERO and their top-k weights are NOT renormalised, so "
+                    "those tokens' outputs are degraded (docs/placement.md, 'Eviction')",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            rt.barrier()
+        return survivors
 
     # -- lifecycle ----------------------------------------------------------------------
     def warmup(self) -> None:

@@ -1,0 +1,173 @@
+"""`MoEEpLayer.evict`: survivors rebuild the EP group and go on serving (docs/placement.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from evict_cases import evict_worker
+from layer_cases import from_wire
+
+from moe_ep.spawn import launch_local
+
+
+def _run(world_size: int, plan: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    run = launch_local(evict_worker, world_size, plan, timeout_s=120, failure_grace_s=60)
+    bad = [f for f in run.failures if f.rank not in plan.get("kill", []) + plan.get("die", [])]
+    assert not bad, bad
+    return run.results
+
+
+def _survivors(results: dict[int, dict[str, Any]], plan: dict[str, Any]) -> list[dict[str, Any]]:
+    gone = set(plan.get("kill", [])) | set(plan.get("stop", [])) | set(plan.get("die", []))
+    return [results[r] for r in sorted(results) if r not in gone]
+
+
+@pytest.mark.parametrize("victim", [1, 3])
+def test_replicate_keeps_the_bits_after_losing_a_rank(victim: int) -> None:
+    plan = {"mode": "replicate", "kill": [victim]}
+    results = _run(4, plan)
+    alive = _survivors(results, plan)
+    assert len(alive) == 3
+    for i, res in enumerate(alive):
+        assert res["verdict"]["failed_ranks"] == [victim], res["verdict"]
+        assert res["survivors"] == [[r for r in range(4) if r != victim]]
+        assert (res["new_rank"], res["new_world"]) == (i, 3)
+        assert torch.equal(from_wire(res["after"]), from_wire(res["before"]))
+        assert torch.equal(from_wire(res["after2"]), from_wire(res["before"]))
+        assert res["warnings"] == []
+        assert res["destroy_s"] < 3.0 + 2.0
+
+
+def test_mask_zeroes_the_lost_experts_without_renormalising() -> None:
+    plan = {"mode": "mask", "kill": [2]}
+    alive = _survivors(_run(4, plan), plan)
+    assert len(alive) == 3
+    for res in alive:
+        assert res["verdict"]["failed_ranks"] == [2]
+        # experts 4, 5 lived on rank 2 only: the output is the one with their weights zeroed
+        assert torch.equal(from_wire(res["after"]), from_wire(res["zeroed"]))
+        assert not torch.equal(from_wire(res["after"]), from_wire(res["before"]))
+        assert len(res["warnings"]) == 1 and "experts [4, 5]" in res["warnings"][0]
+        assert "NOT renormalised" in res["warnings"][0]
+
+
+def test_two_failures_at_once_give_one_verdict_and_mask_goes_on() -> None:
+    plan = {"mode": "mask", "kill": [2, 3]}
+    alive = _survivors(_run(4, plan), plan)
+    assert [r["verdict"]["failed_ranks"] for r in alive] == [[2, 3], [2, 3]]
+    assert len({r["verdict"]["error"].split(":")[0] for r in alive}) == 1
+    for res in alive:
+        assert res["new_world"] == 2
+        assert torch.equal(from_wire(res["after"]), from_wire(res["zeroed"]))
+
+
+def test_replicate_refuses_when_both_copies_are_lost() -> None:
+    plan = {"mode": "replicate", "kill": [2, 3]}
+    alive = _survivors(_run(4, plan), plan)
+    for res in alive:
+        assert res["verdict"]["failed_ranks"] == [2, 3]
+        (err,) = res["evict_errors"]
+        assert err["error"].startswith("MoeEpUsageError") and "experts [6, 7]" in err["error"]
+
+
+def test_a_failure_during_the_eviction_ends_in_one_verdict() -> None:
+    # rank 3 dies in forward 2; rank 2 dies inside the eviction: ranks 0 and 1 agree on
+    # [2, 3] (old numbering) and evict again with it
+    plan = {"mode": "mask", "kill": [3], "die": [2], "die_in_evict": [2]}
+    alive = _survivors(_run(4, plan), plan)
+    assert len(alive) == 2
+    for res in alive:
+        assert res["verdict"]["failed_ranks"] == [3]
+        (err,) = res["evict_errors"]
+        assert err["failed_ranks"] == [2, 3], err
+        assert res["survivors"] == [[0, 1]] and res["new_world"] == 2
+        assert torch.equal(from_wire(res["after"]), from_wire(res["after2"]))
+    assert (
+        alive[0]["evict_errors"][0]["error"].split(":")[0]
+        == alive[1]["evict_errors"][0]["error"].split(":")[0]
+    )
+
+
+def test_an_evicted_rank_that_calls_in_again_is_refused() -> None:
+    # rank 0 freezes rank 1 (SIGSTOP) before forward 2, the others time out on it and evict
+    # it, then rank 0 resumes it: its forward raises the verdict naming it, and evict refuses
+    plan = {"mode": "replicate", "stop": [1]}
+    results = _run(4, plan)
+    stopped = results[1]
+    assert stopped["verdict"]["failed_ranks"] == [1], stopped["verdict"]
+    first, second = stopped["rejoin"]
+    assert first.startswith("MoeEpUsageError") and "cannot rejoin" in first
+    assert second.startswith("MoeEpUsageError") and "must name the ranks" in second
+    assert stopped["rejoin_forward"].startswith("MoeEpPeerError")
+    for res in _survivors(results, plan):
+        assert res["verdict"]["error"].startswith("MoeEpTimeoutError")
+        assert res["verdict"]["failed_ranks"] == [1]
+        assert torch.equal(from_wire(res["after"]), from_wire(res["before"]))
+        assert torch.equal(from_wire(res["after2"]), from_wire(res["before"]))
+
+
+def test_the_store_host_lost_is_refused_clearly() -> None:
+    plan = {"mode": "replicate", "kill": [0]}
+    for res in _survivors(_run(4, plan), plan):
+        assert res["verdict"]["failed_ranks"] == [0]
+        (err,) = res["evict_errors"]
+        assert err["error"].startswith("MoeEpUnavailableError") and "store" in err["error"]
+
+
+def _layer(**kw: Any) -> Any:
+    from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEWeightPack
+
+    w13 = torch.zeros(8, 2 * 32, 64, dtype=torch.bfloat16)
+    w2 = torch.zeros(8, 64, 32, dtype=torch.bfloat16)
+    return MoEEpLayer(
+        BootstrapConfig(1, 0),
+        FleetParams(8, 4, 64),
+        MoEWeightPack(w13, w2),
+        "any_bf16_bf16_bf16_torch",
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "match"),
+    [("bogus", "eviction must be None, 'mask' or 'replicate', got 'bogus'"),
+     ("replicate", "at least two ranks: experts \\[0, 1, 2, 3, 4, 5, 6, 7\\]")],
+)  # fmt: skip
+def test_construction_refuses_a_bad_eviction_mode(mode: str, match: str) -> None:
+    from moe_ep import MoeEpUsageError
+
+    with pytest.raises(MoeEpUsageError, match=match):
+        _layer(eviction=mode)
+
+
+def test_evict_is_refused_without_a_mode_or_a_verdict() -> None:
+    from moe_ep import MoeEpUsageError
+
+    with _layer() as layer, pytest.raises(MoeEpUsageError, match="eviction='mask'"):
+        layer.evict([1])
+    with _layer(eviction="mask") as layer:
+        with pytest.raises(MoeEpUsageError, match="healthy"):
+            layer.evict([1])
+        with pytest.raises(MoeEpUsageError, match="sequence of EP ranks"):
+            layer.evict("1")  # type: ignore[arg-type]
+
+
+def test_masked_placement_rules_and_digests() -> None:
+    from moe_ep import MoeEpUsageError
+    from moe_ep.layer.eviction import survivor_placement
+    from moe_ep.placement import Placement
+
+    p = Placement.contiguous(8, 4)
+    left = survivor_placement(p, [2], "mask")
+    assert left.slots == (0, 1, 2, 3, 6, 7) and left.masked == (4, 5)
+    assert left.replicas[4] == () and not left.is_contiguous
+    assert Placement.from_json(left.to_json()) == left
+    assert "masked" not in p.to_json()  # unmasked digests are unchanged
+    with pytest.raises(MoeEpUsageError, match="experts \\[4, 5\\] had every copy"):
+        survivor_placement(p, [2], "replicate")
+    with pytest.raises(MoeEpUsageError, match="masked and in slots"):
+        Placement(8, 1, tuple(range(8)), (3,))
+    with pytest.raises(MoeEpUsageError, match="experts \\[5\\] have none"):
+        Placement(8, 1, (0, 1, 2, 3, 6, 7, 0, 1)[:6], (4,))
