@@ -1,4 +1,4 @@
-"""The `moe-ep` command line: `info`, `kernels`, `demo`, `run`, `bench`, `tune` (also
+"""The `moe-ep` command line: `info`, `kernels`, `demo`, `run`, `bench`, `tune`, `smoke` (also
 `python -m moe_ep.cli`).
 
 Usage:
@@ -8,6 +8,7 @@ Usage:
   moe-ep run --kernel NAME .. one kernel on any shape, optionally checked (`run --help`)
   moe-ep bench [--quick] ..   the layer vs measured limits and peers (`bench --help`)
   moe-ep tune [--quick] ..    sweep a kernel's knobs, cache the winner (`tune --help`)
+  moe-ep smoke --kill-rank R  serving loop, a rank killed, survivors evict (`smoke --help`)
 
 Every failure prints one `moe-ep: error: ...` line (with `--debug` or MOE_EP_DEBUG=1, the
 traceback above it) and exits with its kind's code: 0 success; 1 a check failed; 2 usage
@@ -60,11 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="environment report; exit 2 if a variable is malformed")
     kernels = sub.add_parser("kernels", help="list kernels and their availability")
     kernels.add_argument("--json", action="store_true", help="print a JSON list")
-    from moe_ep.cli import bench, jobs, tune
+    from moe_ep.cli import bench, jobs, smoke, tune
 
     jobs.add_parsers(sub)
     bench.add_parser(sub)
     tune.add_parser(sub)
+    smoke.add_parser(sub)
     return parser
 
 
@@ -89,6 +91,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from moe_ep.cli import tune
 
         return tune.run(args)
+    if args.command == "smoke":
+        from moe_ep.cli import smoke
+
+        return smoke.run(args)
     from moe_ep.cli import jobs
 
     return jobs.run_command(args)
