@@ -126,6 +126,11 @@ def check_eviction(
             "evict() needs the EP group moe-ep created (a host's process_group or default "
             "group is the host's to rebuild)"
         )
+    if state.backend != "gloo":
+        raise MoeEpUnavailableError(
+            f"evict() rebuilds a gloo group (CPU); this runtime's group is {state.backend}, "
+            "whose rebuild is not supported: restart the processes"
+        )
     if state.store.host_rank in failed or state.store.lost is not None:
         raise MoeEpUnavailableError(
             f"evict(): the rendezvous store's host (EP rank {state.store.host_rank}) is among "
