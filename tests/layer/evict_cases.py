@@ -48,6 +48,15 @@ def _error(exc: BaseException) -> dict[str, Any]:
     }
 
 
+def _die_in_eviction(eviction: Any) -> None:
+    """This rank exits as it builds the eviction's fault board (before its first barrier)."""
+
+    def dying_board(*a: Any, **k: Any) -> Any:
+        os._exit(23)
+
+    eviction.FaultBoard = dying_board
+
+
 def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
     """Forward 1 (healthy), then the plan's fault in forward 2, then (survivors) evict
     and forward the same tokens again. `plan`: mode, kill (ranks that SIGKILL themselves
@@ -68,6 +77,7 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
         slice_weights(MoEWeightPack(p["w13"], p["w2"]), layout, rank),
         "any_bf16_bf16_bf16_torch",
         eviction=mode,
+        auto_evict=bool(plan.get("auto")),
     )
     out: dict[str, Any] = {"rank": rank}
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
@@ -86,9 +96,10 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
     if rank == 0:
         for r in plan.get("stop", []):
             os.kill(pids[r], signal.SIGSTOP)
+    if plan.get("auto") and rank in plan.get("die_in_evict", []):
+        _die_in_eviction(eviction)  # the eviction happens inside forward 2
     try:
-        layer(tensors)
-        out["forward2"] = "completed"
+        out["forward2"] = to_wire(layer(tensors))
     except Exception as exc:  # the verdict
         out["verdict"] = _error(exc)
         out["t_verdict"] = time.monotonic()
@@ -106,14 +117,12 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
             out["rejoin_forward"] = _error(exc)["error"]
         layer.destroy()
         return out
+    if plan.get("auto"):
+        out["new_rank"], out["new_world"] = layer.rank, layer.world_size
+        layer.destroy()
+        return out
     if rank in plan.get("die_in_evict", []):
-        real = eviction.FaultBoard
-
-        def dying_board(*a: Any, **k: Any) -> Any:
-            os._exit(23)
-
-        eviction.FaultBoard = dying_board  # type: ignore[assignment,misc]
-        del real
+        _die_in_eviction(eviction)
     failed = out["verdict"]["failed_ranks"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

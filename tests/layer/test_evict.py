@@ -171,3 +171,22 @@ def test_masked_placement_rules_and_digests() -> None:
         Placement(8, 1, tuple(range(8)), (3,))
     with pytest.raises(MoeEpUsageError, match="experts \\[5\\] have none"):
         Placement(8, 1, (0, 1, 2, 3, 6, 7, 0, 1)[:6], (4,))
+
+
+def test_auto_evict_serves_through_a_failure_and_one_inside_the_eviction() -> None:
+    # rank 3 dies before forward 2, rank 1 inside the eviction (ranks 0 and 2 still hold
+    # every expert): their forward 2 evicts twice on its own and returns forward 1's bits
+    plan = {"mode": "replicate", "kill": [3], "die": [1], "die_in_evict": [1], "auto": True}
+    alive = _survivors(_run(4, plan), plan)
+    assert len(alive) == 2
+    for res in alive:
+        assert "verdict" not in res, res["verdict"]
+        assert torch.equal(from_wire(res["forward2"]), from_wire(res["before"]))
+        assert res["new_world"] == 2
+
+
+def test_auto_evict_needs_a_mode() -> None:
+    from moe_ep import MoeEpUsageError
+
+    with pytest.raises(MoeEpUsageError, match="auto_evict must be a bool, and True only"):
+        _layer(auto_evict=True)

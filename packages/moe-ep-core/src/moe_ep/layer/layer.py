@@ -132,6 +132,9 @@ class MoEEpLayer:
         eviction: None (default: `evict()` refused), "mask" or "replicate" (needs every
             expert on at least two ranks): how `evict()` goes on without failed ranks
             (docs/placement.md, "Eviction").
+        auto_evict: the automatic policy (needs `eviction`): `forward()` that meets a
+            verdict naming other ranks evicts them and computes the same tokens again
+            over the survivors, instead of raising.
 
     Bad input on one rank raises `MoeEpUsageError` on that rank before any collective; at
     world size > 1 that rank also writes its reason into the store, so the peers waiting
@@ -160,6 +163,7 @@ class MoEEpLayer:
         *,
         count_load: bool = False,
         eviction: str | None = None,
+        auto_evict: bool = False,
     ) -> None:
         if not isinstance(bootstrap, BootstrapConfig):
             raise MoeEpUsageError(
@@ -179,6 +183,11 @@ class MoEEpLayer:
         chosen = layer_backend(fleet_knobs, backend)
         kernel_cls, config = resolve_backend(chosen)
         _check_placement(kernel_cls, fleet_params.placement)
+        if type(auto_evict) is not bool or (auto_evict and eviction is None):
+            raise MoeEpUsageError(
+                f"auto_evict must be a bool, and True only with eviction='mask' or "
+                f"'replicate': got auto_evict={auto_evict!r}, eviction={eviction!r}"
+            )
         if eviction is not None:
             fleet_params.experts_per_rank(bootstrap.world_size)  # the placement's world size
             check_mode(
@@ -203,6 +212,7 @@ class MoEEpLayer:
         self._destroyed = False
         self._load: torch.Tensor | None = None
         self.eviction = eviction
+        self.auto_evict = auto_evict
         self._masked: torch.Tensor | None = None  # experts evicted in mask mode
         from moe_ep.runtime import acquire
 
@@ -429,8 +439,31 @@ class MoEEpLayer:
             return out
 
     def forward(self, tensors: MoEEpTensors) -> torch.Tensor:
-        """Collective: `[n, H]` bf16 = sum over k of `topk_weights[:, k] * expert(x)`."""
-        return self.compute_staged(self.stage_inputs(tensors))
+        """Collective: `[n, H]` bf16 = sum over k of `topk_weights[:, k] * expert(x)`.
+
+        With `auto_evict`, a verdict naming other ranks is evicted and the same tokens
+        computed again over the survivors (a survivor failing in the eviction too)."""
+        if not self.auto_evict:
+            return self.compute_staged(self.stage_inputs(tensors))
+        return self._forward_evicting(tensors)
+
+    def _forward_evicting(self, tensors: MoEEpTensors) -> torch.Tensor:
+        failure: MoeEpPeerError | None = None
+        for _ in range(self.world_size):  # each eviction loses at least one rank
+            try:
+                return self.compute_staged(self.stage_inputs(tensors))
+            except MoeEpPeerError as exc:
+                failure = exc
+            for _ in range(self.world_size):
+                if self.rank in failure.failed_ranks or not failure.failed_ranks:
+                    raise failure  # this rank was evicted, or nobody could be named
+                try:
+                    self.evict(failure.failed_ranks)
+                    break
+                except MoeEpPeerError as again:  # a survivor failed during the eviction
+                    failure = again
+        assert failure is not None
+        raise failure
 
     def forward_unfinalized(
         self, tensors: MoEEpTensors
