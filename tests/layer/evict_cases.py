@@ -76,7 +76,7 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
         FleetParams(E, T, H, placement=placement),
         slice_weights(MoEWeightPack(p["w13"], p["w2"]), layout, rank),
         "any_bf16_bf16_bf16_torch",
-        eviction=mode,
+        eviction=plan.get("mode_of", {}).get(rank, mode),
         auto_evict=bool(plan.get("auto")),
     )
     out: dict[str, Any] = {"rank": rank}
@@ -136,6 +136,11 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
                 if attempt or not out["evict_errors"][-1]["error"].startswith(
                     ("MoeEpPeerError", "MoeEpTimeoutError")
                 ):
+                    try:  # a refused or disagreeing eviction: is the layer still served?
+                        layer(tensors)
+                        out["after_refusal"] = "served"
+                    except Exception as again:
+                        out["after_refusal"] = _error(again)["error"]
                     layer.destroy()
                     return out
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]

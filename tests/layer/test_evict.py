@@ -190,3 +190,4 @@ def test_auto_evict_needs_a_mode() -> None:
 
     with pytest.raises(MoeEpUsageError, match="auto_evict must be a bool, and True only"):
         _layer(auto_evict=True)
+

@@ -157,6 +157,7 @@ def rebuild_group(state: RuntimeState, failed: tuple[int, ...]) -> list[int]:
     new_rank = survivors.index(old_rank)
     timeout_s = state.timeout_s
     saved = (state.rank, state.world_size, state.keys, state.board, state.barrier_gen)
+    old_group, old_backend = state.group, state.backend
     state.rank, state.world_size, state.keys = new_rank, len(survivors), keys
     state.board = FaultBoard(
         state.store,
@@ -179,7 +180,7 @@ def rebuild_group(state: RuntimeState, failed: tuple[int, ...]) -> list[int]:
             timeout_s,
             "creating the survivors' gloo group",
         )
-        _ABANDONED.append(state.group)
+        _ABANDONED.append(old_group)
         state.group = group
         state.backend = "gloo"
         state.store_barrier("ready", "moe-ep evict (survivors' group created)")
@@ -191,6 +192,9 @@ def rebuild_group(state: RuntimeState, failed: tuple[int, ...]) -> list[int]:
             )
         error = _in_old_numbering(seen, failed, survivors, old_rank, old_size, timeout_s)
         state.rank, state.world_size, state.keys, state.board, state.barrier_gen = saved
+        if state.group is not old_group:  # made, then a survivor failed: keep it referenced
+            _ABANDONED.append(state.group)
+            state.group, state.backend = old_group, old_backend
         state.broken = error
         raise error from exc
     return survivors
