@@ -191,3 +191,15 @@ def test_auto_evict_needs_a_mode() -> None:
     with pytest.raises(MoeEpUsageError, match="auto_evict must be a bool, and True only"):
         _layer(auto_evict=True)
 
+
+def test_survivors_that_disagree_on_the_mode_all_refuse_and_stop_serving() -> None:
+    plan = {"mode": "replicate", "kill": [3], "mode_of": {1: "mask"}}
+    alive = _survivors(_run(4, plan), plan)
+    assert len(alive) == 3
+    for res in alive:
+        (err,) = res["evict_errors"]
+        assert err["error"].startswith("MoeEpUsageError") and "different evictions" in err["error"]
+        assert "eviction: rank(s) [0, 2] replicate; rank(s) [1] mask" in err["error"]
+        assert (
+            res["after_refusal"].startswith("MoeEpPeerError") and "broken" in res["after_refusal"]
+        )

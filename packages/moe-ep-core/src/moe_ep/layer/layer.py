@@ -559,16 +559,20 @@ class MoEEpLayer:
         with contextlib.suppress(MoeEpPeerError):  # broken: its collective frees raise at once
             self._kernel.destroy()
         survivors = rebuild_group(state, failed)
-        agree(
-            rt,
-            {
-                "eviction": str(self.eviction),
-                "failed ranks": str(list(failed)),
-                "placement digest": placement.digest,
-            },
-            subject="evictions",
-            what="moe-ep evict (agreement)",
-        )
+        try:
+            agree(
+                rt,
+                {
+                    "eviction": str(self.eviction),
+                    "failed ranks": str(list(failed)),
+                    "placement digest": placement.digest,
+                },
+                subject="evictions",
+                what="moe-ep evict (agreement)",
+            )
+        except MoeEpUsageError as exc:  # the old kernel is gone: nothing left to serve with
+            state.mark_broken(MoeEpPeerError(f"moe-ep evict: {exc}", failed_ranks=()))
+            raise
         with self._collective("moe-ep evict (rebuild)"), self._on_stream():
             self._kernel = self._kernel_cls(
                 config=self.config, fleet=fleet, runtime=rt, weights=self._weights
