@@ -140,9 +140,11 @@ class MegaKernel(ABC):
     supports_live_tokens: ClassVar[bool] = False
     """Honours `MoEEpTensors.num_valid_tokens_tensor` (the layer then hands it only the live
     rows; refused for a kernel without this, before any collective)."""
-    capturable: ClassVar[bool] = False
+    capturable: bool = False
     """A warmed forward makes no host synchronisation, so it can be captured in a CUDA
-    graph (the layer refuses a forward under capture for a kernel without this)."""
+    graph (the layer refuses a forward under capture for a kernel without this). Per
+    instance: a kernel sets it in `__init__` for the configs it holds for (the portable
+    bf16 kernel with `capture_safe=True`)."""
 
     @classmethod
     def availability(cls) -> tuple[bool, str]:

@@ -47,6 +47,9 @@ def check_bool(name: str, value: object) -> None:
 class PortableConfig(KernelConfig):
     """Options shared by every portable (`any_*_torch`) kernel."""
 
+    capture_safe_formats: ClassVar[bool] = False
+    """Whether this format has a capture-safe forward (`capture_safe`)."""
+
     swiglu_clamp: float | None = None
     """If set, SwiGLU clamps the gate to `<= c` and the up projection to `[-c, c]`."""
     dedup: bool = True
@@ -57,6 +60,11 @@ class PortableConfig(KernelConfig):
     (`apply_topk_in_fc1`) and DeepGEMM's mega-MoE do; False (None = not given) keeps the
     public math (the weight applied in the fp32 top-k sum). Same value, different rounding.
     flashinfer 0.7.4's name; a bool once constructed."""
+    capture_safe: bool = False
+    """True: the capture-safe forward (`capture_safe.py`): fixed-capacity dispatch and
+    device-only routing, no host synchronisation, so a warmed forward can be captured in a
+    CUDA graph (docs/runtime.md, "Graph capture"). bf16 only, contiguous placement, no
+    `forward_unfinalized`; refused elsewhere."""
     topk_weight_before_fc2: InitVar[bool | None] = None
     """Deprecated alias of `apply_routing_weights_before_fc2` (warns; both with different
     values are refused)."""
@@ -65,6 +73,12 @@ class PortableConfig(KernelConfig):
         if self.swiglu_clamp is not None:
             check_positive_float("swiglu_clamp", self.swiglu_clamp)
         check_bool("dedup", self.dedup)
+        check_bool("capture_safe", self.capture_safe)
+        if self.capture_safe and not self.capture_safe_formats:
+            raise MoeEpUsageError(
+                f"capture_safe=True is not built for {self.kernel_name}: only "
+                "any_bf16_bf16_bf16_torch has a capture-safe forward"
+            )
         before_fc2 = either_name(
             type(self).__name__,
             "apply_routing_weights_before_fc2",
@@ -82,6 +96,7 @@ class PortableConfig(KernelConfig):
 @dataclass(frozen=True, kw_only=True)
 class Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(PortableConfig):
     kernel_name: ClassVar[str] = "any_bf16_bf16_bf16_torch"
+    capture_safe_formats: ClassVar[bool] = True
 
     fc1_output_high_precision: bool = False
     """Keep FC1's output in fp32 into SwiGLU, as the fused sm90 bf16 pull kernel does (and
@@ -91,6 +106,11 @@ class Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(PortableConfig):
     def __post_init__(self, topk_weight_before_fc2: bool | None) -> None:
         super().__post_init__(topk_weight_before_fc2)
         check_bool("fc1_output_high_precision", self.fc1_output_high_precision)
+        if self.capture_safe and self.fc1_output_high_precision:
+            raise MoeEpUsageError(
+                "capture_safe=True needs fc1_output_high_precision=False (its grouped GEMM "
+                "writes FC1's output in bf16)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,7 @@ import torch
 
 from moe_ep.backends.portable import cpu_fused
 from moe_ep.backends.portable.all_to_all import AllToAllPrepareFinalize, Replicas
+from moe_ep.backends.portable.capture_safe import CaptureSafeForward
 from moe_ep.backends.portable.configs import (
     Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig,
     Any_Fp8_Fp4_Bf16_Torch_MegaMoeConfig,
@@ -19,7 +20,12 @@ from moe_ep.backends.portable.configs import (
     Any_Nvfp4_Nvfp4_Bf16_Torch_MegaMoeConfig,
     PortableConfig,
 )
-from moe_ep.backends.portable.experts import ROW_BLOCK, TorchExperts, expert_gemm_rows
+from moe_ep.backends.portable.experts import (
+    ROW_BLOCK,
+    TorchExperts,
+    _grouped_mm_operands_ok,
+    expert_gemm_rows,
+)
 from moe_ep.backends.portable.modular import ModularKernel
 from moe_ep.backends.portable.recipes import (
     Bf16Recipe,
@@ -141,24 +147,64 @@ class PortableTorchKernel(MegaKernel):
             ),
             TorchExperts(self.recipe, self.pconfig.swiglu_clamp),
         )
+        self.capture: CaptureSafeForward | None = None
+        """The capture-safe forward (`PortableConfig.capture_safe`), else None."""
+        if self.pconfig.capture_safe:
+            self.capture = self._capture_safe(fleet, runtime)
+            self.capturable = True
+
+    def _capture_safe(self, fleet: FleetParams, runtime: Runtime) -> CaptureSafeForward:
+        if fleet.placement is not None and not fleet.placement.is_contiguous:
+            raise MoeEpUsageError(
+                "capture_safe=True needs the contiguous placement (placement=None): its "
+                f"fixed-capacity dispatch does not route to slots, got {fleet.placement!r}"
+            )
+        p = self.prepared
+        if p.alpha13 is not None or p.alpha2 is not None or not _grouped_mm_operands_ok(p):
+            raise MoeEpUsageError(
+                "capture_safe=True needs torch._grouped_mm's operands: hidden_size and "
+                "intermediate_size multiples of 8 and 16-byte aligned weights"
+            )
+        return CaptureSafeForward(
+            runtime,
+            num_experts=fleet.num_experts,
+            num_local_experts=self.e_local,
+            hidden_size=fleet.hidden_size,
+            max_tokens=fleet.max_tokens_per_rank,
+            dedup=self.pconfig.dedup,
+            before_fc2=bool(self.pconfig.apply_routing_weights_before_fc2),
+            swiglu_clamp=self.pconfig.swiglu_clamp,
+        )
 
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
-        """Plan routing and quantize this rank's tokens into the dispatch payload."""
+        """Plan routing and quantize this rank's tokens into the dispatch payload (the
+        capture-safe forward: route on device, fill the fixed send slots)."""
+        if self.capture is not None:
+            return self.capture.stage(tensors, output)
         return self.modular.stage(tensors, output)
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
         """Dispatch, run the local experts, return rows and combine into the output."""
+        if self.capture is not None:
+            return self.capture.compute(staged, self.prepared)
         return self.modular.compute(staged, self.prepared)
 
     def compute_unfinalized(
         self, *, staged: Any
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dispatch, run the local experts, return the rows home unreduced."""
+        if self.capture is not None:
+            raise MoeEpUsageError(
+                "forward_unfinalized() has no capture-safe form: construct the kernel with "
+                "capture_safe=False for it"
+            )
         return self.modular.compute_unfinalized(staged, self.prepared)
 
     def destroy(self) -> None:
         """Drop the receive buffers (idempotent)."""
         self.modular.clear()
+        if self.capture is not None:
+            self.capture.clear()
 
 
 @register_mega_kernel("any_bf16_bf16_bf16_torch")
