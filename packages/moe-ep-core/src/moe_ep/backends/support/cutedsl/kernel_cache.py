@@ -13,8 +13,10 @@ the geometry's fields, the cutlass-dsl / CUDA / torch versions and the sha256 of
 sources that build the kernel and its arguments. An entry whose manifest does not verify,
 whose `key.json` differs or whose object the DSL refuses is rebuilt and replaced, never run.
 
-Used by the compile-only checks (`compile_fakes.timed_compile`) when `MOE_EP_CUTEDSL_CACHE`
-is set. The launch path does not use it yet: a loaded kernel has never been launched (no GPU).
+Used, when `MOE_EP_CUTEDSL_CACHE` is set, by the compile-only checks
+(`compile_fakes.timed_compile`) and by the launch path (`pooled_kernel.compile_collective`),
+with the same key; each rank has its own entry (the geometry's rank is in the key). A loaded
+kernel has never been launched (no GPU).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "drop_digest",
     "kernel_cache_root",
     "kernel_key",
+    "launch_arch",
     "load_or_compile",
 ]
 
@@ -126,9 +129,17 @@ def _sources_digest(modules: Iterable[str]) -> str:
     return h.hexdigest()
 
 
-def kernel_key(kernel: Any, *, config: Any, geometry: Any, arch: str) -> KernelKey:
+def kernel_key(
+    kernel: Any,
+    *,
+    config: Any,
+    geometry: Any,
+    arch: str,
+    max_active_clusters: int | None = None,
+) -> KernelKey:
     """The key of `kernel` (a drop kernel object) built from `config` (a `KernelConfig`
-    dataclass) and `geometry` (a `LaunchGeometry`) for `arch`."""
+    dataclass) and `geometry` (a `LaunchGeometry`) for `arch`, with the cluster budget
+    `max_active_clusters` (a compile-time constant that depends on the GPU's SM count)."""
     top = type(config).__module__.split(".")[0]  # the backend package that built it
     return KernelKey(
         kernel=config.kernel_name,
@@ -137,6 +148,7 @@ def kernel_key(kernel: Any, *, config: Any, geometry: Any, arch: str) -> KernelK
         knobs={
             "config": dataclasses.asdict(config),
             "geometry": dataclasses.asdict(geometry),
+            "max_active_clusters": max_active_clusters,
         },
         versions=_versions(),
         code=_sources_digest([top, __name__]),
@@ -152,6 +164,18 @@ def kernel_cache_root() -> Path | None:
     """
     value = env.cutedsl_cache_dir()
     return None if value is None else cache_trust.cache_dir(CACHE_VAR, value, "cutedsl")
+
+
+def launch_arch(device: Any) -> str:
+    """The arch a launch compiles for: `CUTE_DSL_ARCH` when set (the DSL's own choice),
+    else `sm_<major><minor>a` of `device`'s compute capability (`sm_90a`, `sm_100a`)."""
+    chosen = env.cute_dsl_arch()
+    if chosen:
+        return chosen
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a"
 
 
 def _load(entry: Path, key: KernelKey) -> Any | None:
@@ -188,10 +212,18 @@ def load_or_compile(key: KernelKey, compile: Callable[[], Any], root: Path) -> t
 
 
 def compile_cached(
-    kernel: Any, args: dict[str, Any], *, config: Any, geometry: Any, arch: str
+    kernel: Any,
+    args: dict[str, Any],
+    *,
+    config: Any,
+    geometry: Any,
+    arch: str,
+    root: Path | None = None,
 ) -> tuple[Any, bool, float]:
-    """`cute.compile(kernel, **args, options="--gpu-arch <arch>")` through the cache when
-    `kernel_cache_root` names one; (compiled, whether it came from the cache, seconds)."""
+    """`cute.compile(kernel, **args, options="--gpu-arch <arch>")` through the cache under
+    `root` (default: `kernel_cache_root()`; every compile runs when that is None);
+    (compiled, whether it came from the cache, seconds). The key holds `args`'
+    `max_active_clusters`, so the compile-only checks and the launch key alike."""
     import cutlass.cute as cute
 
     start = time.perf_counter()
@@ -199,10 +231,17 @@ def compile_cached(
     def compile() -> Any:
         return cute.compile(kernel, **args, options=f"--gpu-arch {arch}")
 
-    root = kernel_cache_root()
+    if root is None:
+        root = kernel_cache_root()
     if root is None:
         compiled, hit = compile(), False
     else:
-        key = kernel_key(kernel, config=config, geometry=geometry, arch=arch)
+        key = kernel_key(
+            kernel,
+            config=config,
+            geometry=geometry,
+            arch=arch,
+            max_active_clusters=args.get("max_active_clusters"),
+        )
         compiled, hit = load_or_compile(key, compile, root)
     return compiled, hit, time.perf_counter() - start

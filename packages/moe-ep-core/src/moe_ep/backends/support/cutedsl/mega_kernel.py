@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from moe_ep.backends.support.cutedsl.kernel_cache import kernel_cache_root, launch_arch
 from moe_ep.backends.support.cutedsl.launch_glue import (
     check_symmetric_heap,
     clear_padded_cells,
@@ -27,6 +28,7 @@ from moe_ep.backends.support.cutedsl.launch_glue import (
     peer_offsets,
 )
 from moe_ep.backends.support.pooling.pooled_kernel import (
+    KernelCacheUse,
     PooledKernel,
     StagedCall,
     compile_collective,
@@ -277,6 +279,7 @@ class CutedslMegaKernel(PooledKernel):
         import torch
 
         dev = self.runtime.device
+        cache = self._cache_use(g)  # a refused cache directory raises before any allocation
         kernel, api, clusters = self._make_kernel(g)
         cells_at = self._combine_region(kernel, g)  # the drop still has the cells we clear
         local_bytes, shared_bytes = kernel.get_workspace_sizes()
@@ -326,7 +329,7 @@ class CutedslMegaKernel(PooledKernel):
         )
         args = self._call_args(g, (local_ws, shared_ws), common)
         compiled, launch_args, self._weight_args = compile_collective(
-            kernel, args, self.runtime, per_layer=tuple(weights)
+            kernel, args, self.runtime, per_layer=tuple(weights), cache=cache
         )
         return CompiledEntry(
             compiled,
@@ -338,6 +341,18 @@ class CutedslMegaKernel(PooledKernel):
             launch_args,
             combine=cells,
         )
+
+    def _cache_use(self, g: LaunchGeometry) -> KernelCacheUse | None:
+        """This rank's kernel-cache use when `MOE_EP_CUTEDSL_CACHE` is set, else None.
+
+        Each rank has its own entry (the key holds the rank), so ranks never have to agree
+        on hit or miss: nothing collective depends on it, and `compile_collective`'s
+        bounded barrier waits for a rank that compiles while others load.
+        """
+        root = kernel_cache_root()
+        if root is None:
+            return None
+        return KernelCacheUse(root, self.cfg, g, launch_arch(self.runtime.device))
 
     def _build_weight_args(self) -> dict[str, Any]:
         """This layer's weight arguments (cute tensors of its own prepared weights, built as

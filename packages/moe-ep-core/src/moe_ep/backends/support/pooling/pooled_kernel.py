@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from moe_ep.backends.support.cutedsl.kernel_cache import compile_cached
 from moe_ep.backends.support.launch_args import LaunchGeometry, check_config_geometry
 from moe_ep.backends.support.pooling.workspace_pool import WorkspacePool
 from moe_ep.contract import MegaKernel, validated_shape
@@ -25,7 +27,13 @@ if TYPE_CHECKING:
     from moe_ep.types import FleetParams, MoEWeightPack
 
 
-__all__ = ["PooledKernel", "StagedCall", "compile_collective", "require_config"]
+__all__ = [
+    "KernelCacheUse",
+    "PooledKernel",
+    "StagedCall",
+    "compile_collective",
+    "require_config",
+]
 
 
 def require_config(config: Any, config_cls: type) -> None:
@@ -37,10 +45,17 @@ def require_config(config: Any, config_cls: type) -> None:
 
 
 def compile_collective(
-    kernel: Any, args: dict[str, Any], runtime: Any, *, per_layer: tuple[str, ...] = ()
+    kernel: Any,
+    args: dict[str, Any],
+    runtime: Any,
+    *,
+    per_layer: tuple[str, ...] = (),
+    cache: KernelCacheUse | None = None,
 ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """`cute.compile(kernel, **args)`, then wait for the device and for every rank (so every
-    rank's symmetric buffers are zeroed before any launch). Collective; GPU only (never run).
+    """`cute.compile(kernel, **args)`, or, with `cache`, this rank's kernel-cache entry
+    (loaded, else compiled for `cache.arch` and stored), then wait for the device and for
+    every rank (so every rank's symmetric buffers are zeroed before any launch). Collective;
+    GPU only (never run on one; a loaded kernel has never been launched).
 
     Returns (compiled, the pooled launch arguments, the compiling layer's own ones): the
     pooled ones are `args` without `max_active_clusters`, `stream` (each launch passes the
@@ -50,12 +65,32 @@ def compile_collective(
     import cutlass.cute as cute
     import torch
 
-    compiled = cute.compile(kernel, **args)
+    if cache is None:
+        compiled = cute.compile(kernel, **args)
+    else:
+        compiled, _, _ = compile_cached(
+            kernel,
+            args,
+            config=cache.config,
+            geometry=cache.geometry,
+            arch=cache.arch,
+            root=cache.root,
+        )
     dropped = {"max_active_clusters", "stream", *per_layer}
     launch_args = {k: v for k, v in args.items() if k not in dropped}
     torch.cuda.synchronize(runtime.device)
     runtime.barrier()
     return compiled, launch_args, {name: args[name] for name in per_layer}
+
+
+@dataclass(frozen=True)
+class KernelCacheUse:
+    """What `compile_collective` keys a kernel-cache entry by, and where the cache is."""
+
+    root: Path
+    config: Any
+    geometry: LaunchGeometry
+    arch: str
 
 
 @dataclass
