@@ -239,6 +239,24 @@ def test_capture_safe_sets_capturable_per_instance() -> None:
         default.destroy()
 
 
+def test_ids_out_of_range_given_to_the_kernel_are_routed_nowhere() -> None:
+    """The layer refuses them (a host check); the kernel alone masks them on device."""
+    safe = _layer(1, 0, capture_safe=True)
+    try:
+        x, ids, w = _step_inputs(0, 0)
+        x = x.nan_to_num()
+        bad, pad = ids.clone(), ids.clone()
+        bad[0, 0], bad[3, 2] = E, -5
+        pad[0, 0], pad[3, 2] = -1, -1
+        assert torch.equal(
+            _kernel_forward(safe, x, bad, w, MAX_T), _kernel_forward(safe, x, pad, w, MAX_T)
+        )
+        with pytest.raises(MoeEpUsageError, match=r"topk_ids has values outside"):
+            safe.forward(MoEEpTensors(x, bad, w))
+    finally:
+        safe.destroy()
+
+
 def test_capture_safe_refusals() -> None:
     with pytest.raises(MoeEpUsageError, match=r"capture_safe must be a bool, got 1"):
         Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(capture_safe=1)  # type: ignore[arg-type]
@@ -251,6 +269,10 @@ def test_capture_safe_refusals() -> None:
         x, ids, w = _step_inputs(0, 0)
         with pytest.raises(MoeEpUsageError, match=r"no capture-safe form"):
             safe.forward_unfinalized(MoEEpTensors(x.nan_to_num(), ids, w))
+        big = torch.zeros((MAX_T + 1, H), dtype=torch.bfloat16)
+        more = MoEEpTensors(big, torch.zeros((MAX_T + 1, K), dtype=torch.int64), w[:1].repeat(7, 1))
+        with pytest.raises(MoeEpUsageError, match=r"n = 7 rows, more than max_tokens_per_rank = 6"):
+            safe._kernel.stage_inputs(tensors=more, output=big)
     finally:
         safe.destroy()
     p = make_problem(WEIGHTS, 1)

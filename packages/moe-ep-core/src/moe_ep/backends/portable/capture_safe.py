@@ -32,6 +32,7 @@ from moe_ep.backends.portable import comm, cpu_fused
 from moe_ep.backends.portable.experts import _swiglu
 from moe_ep.backends.portable.recipes import PreparedWeights
 from moe_ep.contract import KernelRuntime
+from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEEpTensors
 
 __all__ = ["CaptureSafeForward"]
@@ -95,6 +96,11 @@ class CaptureSafeForward:
         """Route on device and fill the fixed-capacity send slots (local)."""
         x, ids, w = tensors.hidden_states, tensors.topk_ids, tensors.topk_weights.float()
         n, k = int(ids.shape[0]), int(ids.shape[1])
+        if n > self.max_tokens:  # more would overflow into the next destination's slots
+            raise MoeEpUsageError(
+                f"hidden_states has n = {n} rows, more than max_tokens_per_rank = "
+                f"{self.max_tokens} (the capture-safe dispatch's capacity)"
+            )
         world, dev = self.runtime.world_size, x.device
         c = self.capacity(k)
         units, sub = (n, k) if self.dedup else (n * k, 1)
@@ -114,7 +120,6 @@ class CaptureSafeForward:
         to_rank = u_dest[:, None, :] == ranks[None, :, None]  # [U, W, S]
         has = to_rank.any(dim=2)  # [U, W]
         pos = torch.cumsum(has.long(), 0) - 1  # slot within its destination, (token, slot) order
-        # a forward of more than max_tokens rows is refused by the layer, so pos < c
         slot = torch.where(has, ranks[None, :] * c + pos, world * c)  # world * c: the dump slot
         token = torch.arange(units, device=dev) // (k // sub)
         slot_token = torch.full((world * c + 1,), n, dtype=torch.int64, device=dev)
