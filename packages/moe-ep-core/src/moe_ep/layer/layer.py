@@ -383,12 +383,13 @@ class MoEEpLayer:
         if (
             device.type == "cuda"
             and torch.cuda.is_current_stream_capturing()
-            and not self._kernel_cls.capturable
+            and not self._kernel.capturable
         ):
             raise MoeEpUsageError(
                 f"kernel {self.kernel_name!r} cannot be captured in a CUDA graph: its forward "
                 "reads routing counts on the host (docs/runtime.md, 'Graph capture'); run "
-                "this layer outside the capture"
+                "this layer outside the capture, or use any_bf16_bf16_bf16_torch with "
+                "capture_safe=True"
             )
 
     def _live_tokens(
