@@ -317,8 +317,16 @@ enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2 };
 enum { EG_S_NONE = 0, EG_S_F32 = 1, EG_S_E8M0 = 2, EG_S_E4M3 = 3 };
 enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
 int32_t moe_ep_vector_bodies(void);
-/* moe_ep_expert_gemm's vector: EG_BODY_AUTO is AVX-512 but AVX2 for bf16 blocks of few rows. */
-enum { EG_BODY_SCALAR = 0, EG_BODY_AVX2 = 1, EG_BODY_AVX512 = 2, EG_BODY_AUTO = 3 };
+/* moe_ep_expert_gemm's vector: EG_BODY_AUTO is the dot body for bf16 x and weights where the
+ * CPU has AVX-512 BF16, else AVX-512F but AVX2 for bf16 blocks of few rows. */
+enum {
+    EG_BODY_SCALAR = 0,
+    EG_BODY_AVX2 = 1,
+    EG_BODY_AVX512 = 2,
+    EG_BODY_AUTO = 3,
+    EG_BODY_BF16DOT = 4,        /* AVX-512 BF16 vdpbf16ps: bf16 x and w only, its own order */
+    EG_BODY_BF16DOT_SCALAR = 5  /* its scalar twin */
+};
 
 #define EG_LANES 16
 #define EG_KC 256       /* K elements of each weight row per block (multiple of 16) */
@@ -331,6 +339,8 @@ enum { EG_BODY_SCALAR = 0, EG_BODY_AVX2 = 1, EG_BODY_AVX512 = 2, EG_BODY_AUTO = 
  * (measured 1 thread, 16 experts, N = K = 2048: 1-2 rows 3.6-3.9 ms AVX2 vs 4.3-4.9 ms
  * AVX-512; 4 rows 7.2 vs 5.5; the quantized decode is faster on AVX-512 at every count). */
 #define EG_AVX2_ROWS 2
+/* EG_BODY_AUTO takes EG_BODY_BF16DOT for bf16 x and bf16 weights where the CPU has it. */
+#define EG_AUTO_BF16DOT 1
 #define EG_NR_MAX 4     /* the most weight rows of any body's tile (EG_NR512) */
 #define EG_COLS 32      /* output columns per work item (a multiple of every body's NR) */
 #define EG_SUB 24       /* rows multiplied together (a multiple of every body's MR: x in L1) */
@@ -523,8 +533,9 @@ static inline __attribute__((always_inline)) void eg_tile_avx2(
  * the order's 16 lanes), so the same bits as the AVX2 body and the scalar twin with half
  * the instructions and, in 32 registers, a 4 x 4 tile (16 accumulators). Compiled by
  * target attribute on any AVX2 build and chosen at run time by cpuid, so the library
- * still builds and runs where the CPU lacks AVX-512. No vdpbf16ps: it treats denormal
- * inputs as zero and flushes its outputs, so it cannot give these bits for every input. */
+ * still builds and runs where the CPU lacks AVX-512. No vdpbf16ps here: it treats subnormal
+ * inputs as zero and flushes its results, so it cannot give these bits for every input (the
+ * bf16 dot bodies below sum in their own order). */
 #define MOE_EP_AVX512_GEMM 1
 #define EG_AVX512 __attribute__((target("avx512f,avx2,fma")))
 
@@ -660,10 +671,156 @@ typedef struct {
     const float *alpha;
     const uint8_t *w, *s;
     int64_t w_expert_bytes, w_row_bytes, s_expert_bytes, s_row_bytes, s_block;
-    int32_t w_kind, s_kind, out_kind, vector;
+    int32_t w_kind, s_kind, out_kind, vector, auto_dot;
     void *out;
     int64_t ld_out, n, k;
 } eg_args;
+
+/* ---------------------------------------------------------------------------------------
+ * The bf16 dot-product bodies (EG_BODY_BF16DOT: AVX-512 BF16 `vdpbf16ps`; its scalar twin
+ * EG_BODY_BF16DOT_SCALAR), for bf16 activations and bf16 weights only, in their own order:
+ * 16 fp32 lanes per output, lane l taking the pair (32c + 2l, 32c + 2l + 1) of every
+ * 32-chunk c in increasing c, K padded to a multiple of 32 with zeros, by the instruction's
+ * arithmetic as measured on AMD Zen 5 (and as Intel's SDM states it): per pair
+ *   a = ftz(fma(daz(x[2l + 1]), daz(w[2l + 1]), a)); a = ftz(fma(daz(x[2l]), daz(w[2l]), a))
+ * (odd element first; each bf16 x bf16 product exact, one RNE rounding per add; daz / ftz:
+ * an fp32 subnormal input or result becomes a zero of its sign), starting at +0; then the
+ * fixed reduction of eg_lane_sum (plain fp32 adds), times alpha, rounded to bf16 or stored
+ * as fp32 as above. The activations are copied as bf16 into the scratch (rows of
+ * round_up(k, 32) + 32 elements, zero-padded) instead of widened. */
+#define EG_DOT 32 /* bf16 elements per chunk (one zmm) */
+#define EG_MRD 4  /* rows x weight rows of the register tile: 16 zmm accumulators */
+#define EG_NRD 4
+
+/* Whether a group of `rows` rows runs a dot body: asked for, and under auto more than
+ * EG_AVX2_ROWS rows (smaller experts measured faster on the AVX2 body). */
+static inline int eg_group_dot(const eg_args *a, int64_t rows) {
+    return a->vector >= EG_BODY_BF16DOT && !(a->auto_dot && rows <= EG_AVX2_ROWS);
+}
+
+/* fp32 subnormal -> zero of its sign (vdpbf16ps's DAZ on inputs and FTZ on outputs). */
+static inline float eg_flush(float v) {
+    bits32 b;
+    b.f = v;
+    if ((b.u & 0x7f800000u) == 0) b.u &= 0x80000000u;
+    return b.f;
+}
+
+/* One output of the dot order, element by element (the twin and the definition). */
+static float eg_dot_scalar(const uint16_t *x, const uint16_t *w, int64_t k) {
+    float a[EG_LANES] = {0};
+    for (int64_t c = 0; c < k; c += EG_DOT)
+        for (int64_t l = 0; l < EG_LANES; l++) {
+            const int64_t e = c + 2 * l, o = e + 1;
+            const float xo = o < k ? eg_flush(bf16_to_f32(x[o])) : 0.0f;
+            const float wo = o < k ? eg_flush(bf16_to_f32(w[o])) : 0.0f;
+            const float xe = e < k ? eg_flush(bf16_to_f32(x[e])) : 0.0f;
+            const float we = e < k ? eg_flush(bf16_to_f32(w[e])) : 0.0f;
+            a[l] = eg_flush(__builtin_fmaf(xo, wo, a[l]));
+            a[l] = eg_flush(__builtin_fmaf(xe, we, a[l]));
+        }
+    return eg_lane_sum(a);
+}
+
+#if defined(MOE_EP_AVX2) && (defined(__GNUC__) || defined(__clang__))
+#define MOE_EP_BF16DOT_GEMM 1
+#define EG_BF16DOT __attribute__((target("avx512bf16,avx512f,avx512bw,avx2,fma")))
+
+static int eg_bf16dot_supported(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512bf16");
+}
+
+/* sums[m * EG_NRD + n] = the dot order's result for x row m (stride ldx, bf16, zero-padded
+ * to whole chunks) and weight row w[n] (bf16 where stored: the last partial chunk by a
+ * masked load), mr x nr accumulators in registers over the whole of K. */
+static inline __attribute__((always_inline)) EG_BF16DOT void eg_dot_tile(
+    const int mr, const int nr, const uint16_t *x, int64_t ldx, const uint16_t *const *w,
+    int64_t k, float *sums, int64_t ahead) {
+    __m512 a[EG_MRD][EG_NRD];
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) a[m][n] = _mm512_setzero_ps();
+    const int64_t whole = k / EG_DOT * EG_DOT;
+    for (int64_t c = 0; c < whole; c += EG_DOT) {
+        __m512i wv[EG_NRD];
+        for (int n = 0; n < nr; n++) {
+            if (ahead) _mm_prefetch((const char *)(w[n] + c) + ahead, _MM_HINT_T1);
+            wv[n] = _mm512_loadu_si512((const void *)(w[n] + c));
+            __asm__("" : "+v"(wv[n])); /* loaded once, not folded into every dot product */
+        }
+        for (int m = 0; m < mr; m++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(x + m * ldx + c));
+            __asm__("" : "+v"(xv));
+            for (int n = 0; n < nr; n++)
+                a[m][n] = _mm512_dpbf16_ps(a[m][n], (__m512bh)xv, (__m512bh)wv[n]);
+        }
+    }
+    if (whole < k) { /* the last partial chunk: weights by a masked load, x zero-padded */
+        const __mmask32 keep = (__mmask32)((1ull << (k - whole)) - 1);
+        for (int m = 0; m < mr; m++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(x + m * ldx + whole));
+            for (int n = 0; n < nr; n++)
+                a[m][n] = _mm512_dpbf16_ps(a[m][n], (__m512bh)xv,
+                                           (__m512bh)_mm512_maskz_loadu_epi16(keep, w[n] + whole));
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) {
+            float lanes[EG_LANES];
+            _mm512_storeu_ps(lanes, a[m][n]);
+            sums[m * EG_NRD + n] = eg_lane_sum(lanes);
+        }
+}
+
+#define EG_DT(m, n) eg_dot_tile(m, n, x, ldx, w, k, sums, ahead)
+#define EG_DT_N(m) (nr == 4 ? EG_DT(m, 4) : nr == 3 ? EG_DT(m, 3) : nr == 2 ? EG_DT(m, 2) : EG_DT(m, 1))
+/* eg_dot_tile for every shape, each its own register-tiled loop. */
+static EG_BF16DOT void eg_dot_tile_any(int mr, int nr, const uint16_t *x, int64_t ldx,
+                                       const uint16_t *const *w, int64_t k, float *sums,
+                                       int64_t ahead) {
+    mr == 4 ? EG_DT_N(4) : mr == 3 ? EG_DT_N(3) : mr == 2 ? EG_DT_N(2) : EG_DT_N(1);
+}
+#undef EG_DT_N
+#undef EG_DT
+#endif
+
+/* eg_rows for the dot bodies: rows [q0, q0 + rows) of group g times output columns
+ * [j0, n1), per EG_NRD weight rows every EG_MRD x EG_NRD tile over the whole of K (the
+ * weight rows, read from memory by the first row tile, stay in L1 / L2 for the others). */
+static void eg_rows_dot(const eg_args *a, int64_t g, int64_t q0, int64_t rows, int64_t orow0,
+                        int64_t j0, int64_t n1) {
+    const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
+    const float alpha = a->alpha ? a->alpha[g] : 1.0f;
+    const int64_t ldx = 2 * a->ldxs; /* bf16 elements in the fp32 scratch rows */
+    const uint16_t *x = (const uint16_t *)(a->xs + q0 * a->ldxs);
+    const int64_t ahead = (EG_PREFETCH_BYTES + a->w_row_bytes - 1) / a->w_row_bytes * a->w_row_bytes;
+    (void)ahead; /* only the vector body prefetches */
+    for (int64_t j = j0; j < n1; j += EG_NRD) {
+        const int nr = n1 - j < EG_NRD ? (int)(n1 - j) : EG_NRD;
+        const uint16_t *w_rows[EG_NRD];
+        for (int n = 0; n < nr; n++) w_rows[n] = (const uint16_t *)(we + (j + n) * a->w_row_bytes);
+        for (int64_t r = 0; r < rows; r += EG_MRD) {
+            const int mr = rows - r < EG_MRD ? (int)(rows - r) : EG_MRD;
+            float sums[EG_MRD * EG_NRD];
+#ifdef MOE_EP_BF16DOT_GEMM
+            if (a->vector == EG_BODY_BF16DOT)
+                eg_dot_tile_any(mr, nr, x + r * ldx, ldx, w_rows, a->k, sums, r == 0 ? ahead : 0);
+            else
+#endif
+                for (int m = 0; m < mr; m++)
+                    for (int n = 0; n < nr; n++)
+                        sums[m * EG_NRD + n] = eg_dot_scalar(x + (r + m) * ldx, w_rows[n], a->k);
+            for (int m = 0; m < mr; m++)
+                for (int n = 0; n < nr; n++) {
+                    const int64_t o = (orow0 + r + m) * a->ld_out + j + n;
+                    float v = sums[m * EG_NRD + n];
+                    v = a->alpha ? v * alpha : v;
+                    if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
+                    else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
+                }
+        }
+    }
+}
 
 #ifdef MOE_EP_AVX2
 /* eg_decode_rows' vector body for one row: whole chunks [kc, k1) into dst, one scale per
@@ -898,8 +1055,15 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
     const int64_t q0 = a->q_start[g] + block * EG_ROWS;
     const int64_t rows = a->q_start[g + 1] - q0 < EG_ROWS ? a->q_start[g + 1] - q0 : EG_ROWS;
     const int64_t n1 = tile * EG_COLS + EG_COLS < a->n ? tile * EG_COLS + EG_COLS : a->n;
+    const int dot = eg_group_dot(a, a->q_start[g + 1] - a->q_start[g]);
+    eg_args own;
+    if (!dot && a->auto_dot) { /* a small expert under auto: AVX2 (eg_rows) */
+        own = *a;
+        own.vector = EG_BODY_AUTO;
+        a = &own;
+    }
     for (int64_t r = 0; r < rows; r += EG_SUB)
-        eg_rows(a, g, q0 + r, rows - r < EG_SUB ? rows - r : EG_SUB,
+        (dot ? eg_rows_dot : eg_rows)(a, g, q0 + r, rows - r < EG_SUB ? rows - r : EG_SUB,
                 a->out_row0[g] + block * EG_ROWS + r, tile * EG_COLS, n1);
 }
 
@@ -910,8 +1074,11 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
  * first); its scale for elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of
  * s_kind values (s_block a multiple of 16). alpha may be NULL. xs: fp32 scratch of
  * q_start[groups] * (round_up(k, 16) + 16) elements. vector: the body (EG_BODY_*: 0 the scalar
- * twin, 1 AVX2, 2 AVX-512F, 3 AVX-512F but AVX2 for bf16 blocks of <= EG_AVX2_ROWS rows). Returns 0, -1 when out of memory, -2 when this build or CPU
- * lacks the body asked for (nothing written either way). */
+ * twin, 1 AVX2, 2 AVX-512F, 3 auto: the dot body for bf16 x and weights where the CPU has
+ * AVX-512 BF16 (EG_AUTO_BF16DOT), else AVX-512F but AVX2 for bf16 blocks of <= EG_AVX2_ROWS
+ * rows; 4 the AVX-512 BF16 dot body, 5 its scalar twin: bf16 x and weights only, the dot
+ * order). Returns 0, -1 when out of memory, -2 when this build or CPU lacks the body asked
+ * for, -3 when a dot body is asked for other kinds (nothing written in any of these). */
 int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                         int64_t groups, const int64_t *q_start, const int64_t *g_expert,
                         const int64_t *out_row0, const float *alpha, const void *w,
@@ -920,9 +1087,19 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
                         int32_t s_kind, int64_t s_block, void *out, int64_t ld_out,
                         int32_t out_kind, int64_t n, int64_t k, float *xs, int32_t threads,
                         int32_t vector) {
-    const int32_t bodies = moe_ep_vector_bodies(), need = vector == 1 ? 1 : vector > 1 ? 5 : 0;
-    if (vector < 0 || vector > 3 || (bodies & need) != need) return -2;
+    const int32_t bodies = moe_ep_vector_bodies();
+    const int bf16_only = x_kind == EG_X_BF16 && w_kind == EG_W_BF16;
+    /* auto on bf16 with AVX-512 BF16: the dot body, but experts of <= EG_AVX2_ROWS rows stay
+     * on the AVX2 body (eg_item), faster there */
+    const int auto_dot = vector == EG_BODY_AUTO && EG_AUTO_BF16DOT && bf16_only && (bodies & 8);
+    vector = auto_dot ? EG_BODY_BF16DOT : vector;
+    const int32_t need = vector == EG_BODY_BF16DOT ? 8 : vector == EG_BODY_BF16DOT_SCALAR ? 0
+                         : vector == 1 ? 1 : vector > 1 ? 5 : 0;
+    if (vector < 0 || vector > 5 || (bodies & need) != need) return -2;
+    const int dot = vector >= EG_BODY_BF16DOT;
+    if (dot && !bf16_only) return -3;
     const int64_t k16 = (k + EG_LANES - 1) / EG_LANES * EG_LANES;
+    const int64_t k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
     const int64_t tiles = (n + EG_COLS - 1) / EG_COLS;
     int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(groups + 1));
     if (item_start == NULL) return -1;
@@ -935,13 +1112,14 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
     const size_t x_elem = x_kind == EG_X_F32 ? 4 : 2;
     /* x rows one cache line longer than k16: rows 2^n bytes apart (K = 2048) would share L1
      * sets with each other and with the weight rows (4 KiB apart) and evict them. */
-    const int64_t ldxs = k16 + EG_LANES;
+    const int64_t ldxs = k16 + EG_LANES; /* a dot group's row: 2 * ldxs bf16 elements */
     eg_args a = {.xs = xs, .ldxs = ldxs, .q_start = q_start, .g_expert = g_expert,
                  .out_row0 = out_row0, .alpha = alpha, .w = (const uint8_t *)w,
                  .s = (const uint8_t *)s, .w_expert_bytes = w_expert_bytes,
                  .w_row_bytes = w_row_bytes, .s_expert_bytes = s_expert_bytes,
                  .s_row_bytes = s_row_bytes, .s_block = s_block, .w_kind = w_kind,
-                 .s_kind = s_kind, .out_kind = out_kind, .vector = vector, .out = out,
+                 .s_kind = s_kind, .out_kind = out_kind, .vector = vector,
+                 .auto_dot = auto_dot, .out = out,
                  .ld_out = ld_out, .n = n, .k = k};
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -949,8 +1127,20 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < total_rows; q++) {
             const int64_t row = x_rows ? x_rows[q] : q;
-            eg_widen_row((const char *)x + row * ld_x * (int64_t)x_elem, x_kind, k, k16,
-                         xs + q * ldxs);
+            const char *src = (const char *)x + row * ld_x * (int64_t)x_elem;
+            int64_t lo = 0, hi = groups - 1; /* the group holding row q */
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (q_start[mid] <= q) lo = mid;
+                else hi = mid - 1;
+            }
+            if (eg_group_dot(&a, q_start[lo + 1] - q_start[lo])) {
+                uint16_t *dst = (uint16_t *)(xs + q * ldxs);
+                memcpy(dst, src, sizeof(uint16_t) * (size_t)k);
+                memset(dst + k, 0, sizeof(uint16_t) * (size_t)(k32 - k));
+            } else {
+                eg_widen_row(src, x_kind, k, k16, xs + q * ldxs);
+            }
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
@@ -968,7 +1158,7 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
 }
 
 /* Which vector bodies this build has and this CPU runs: bit 0 the AVX2 expert GEMM, bit 1
- * the AVX-512 epilogues, bit 2 the AVX-512F expert GEMM. */
+ * the AVX-512 epilogues, bit 2 the AVX-512F expert GEMM, bit 3 the AVX-512 BF16 one. */
 int32_t moe_ep_vector_bodies(void) {
     int32_t bodies = 0;
 #ifdef MOE_EP_AVX2
@@ -979,6 +1169,9 @@ int32_t moe_ep_vector_bodies(void) {
 #endif
 #ifdef MOE_EP_AVX512_GEMM
     bodies |= eg_avx512_supported() ? 4 : 0;
+#endif
+#ifdef MOE_EP_BF16DOT_GEMM
+    bodies |= eg_bf16dot_supported() ? 8 : 0;
 #endif
     return bodies;
 }

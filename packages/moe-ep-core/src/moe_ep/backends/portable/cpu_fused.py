@@ -419,20 +419,24 @@ class ExpertGroups:
         return int(self.q_start[-1])
 
 
-Body = Literal["avx512", "avx2"]
-_BODY_KIND: dict[Body, int] = {"avx2": 1, "avx512": 2}
-_BODY_BIT: dict[Body, int] = {"avx2": 1, "avx512": 4}
+Body = Literal["avx512", "avx2", "avx512bf16", "bf16dot_scalar"]
+_BODY_KIND: dict[Body, int] = {"avx2": 1, "avx512": 2, "avx512bf16": 4, "bf16dot_scalar": 5}
+_BODY_BIT: dict[Body, int] = {"avx2": 1, "avx512": 4, "avx512bf16": 8, "bf16dot_scalar": 0}
+_DOT_BODIES = ("avx512bf16", "bf16dot_scalar")
+"""The bf16 dot-product order's bodies (bf16 x and weights only; cpu_fused.c)."""
 
 
 def vector_bodies() -> int:
     """Bit 0: the library has the AVX2 expert GEMM body; bit 1: the AVX-512 epilogues; bit
-    2: the AVX-512F expert GEMM body and this CPU runs it. 0 without the library."""
+    2: the AVX-512F expert GEMM body and this CPU runs it; bit 3: the AVX-512 BF16 one
+    (`vdpbf16ps`) and this CPU runs it. 0 without the library."""
     lib = library()
     return 0 if lib is None else int(lib.moe_ep_vector_bodies())
 
 
 _BODY_AUTO = 3
-"""cpu_fused.c's EG_BODY_AUTO: AVX-512F, with AVX2 for bf16 blocks of 1-2 rows (faster)."""
+"""cpu_fused.c's EG_BODY_AUTO: AVX-512 BF16 for bf16 x and weights where the CPU has it;
+else AVX-512F, with AVX2 for bf16 blocks of 1-2 rows (faster)."""
 
 
 def _body_kind(vector: bool | Body) -> int:
@@ -444,9 +448,10 @@ def _body_kind(vector: bool | Body) -> int:
         return _BODY_AUTO if bodies & _BODY_BIT["avx512"] else bodies & _BODY_BIT["avx2"]
     if vector not in _BODY_KIND:
         raise ValueError(
-            f"expert_gemm vector must be True, False, 'avx512' or 'avx2', got {vector!r}"
+            "expert_gemm vector must be True, False, 'avx512', 'avx2', 'avx512bf16' or "
+            f"'bf16dot_scalar', got {vector!r}"
         )
-    if not bodies & _BODY_BIT[vector]:
+    if _BODY_BIT[vector] and not bodies & _BODY_BIT[vector]:
         raise ValueError(
             f"expert_gemm vector={vector!r}: this build or CPU lacks that body "
             f"(moe_ep_vector_bodies() = {bodies:#x})"
@@ -476,9 +481,12 @@ def expert_gemm(
     (None: row q is x's row q). out: `[*, N]` bf16 or fp32 rows. alpha: `[G]` fp32 or None.
     scratch: fp32 with at least `expert_gemm_scratch(Q, K)` elements. The sum order is fixed
     (cpu_fused.c): the result does not depend on the thread count, the vector body or the
-    grouping. `vector`: True the fastest vector bodies this CPU runs (AVX-512F, with AVX2 for
-    bf16 row blocks of 1-2 rows; else AVX2; else the scalar twin), False the scalar twin,
-    "avx512" / "avx2" that body alone (ValueError where it is missing): tests force each.
+    grouping. `vector`: True the fastest vector bodies this CPU runs (bf16 x and weights:
+    AVX-512 BF16 where the CPU has it; else AVX-512F, with AVX2 for bf16 row blocks of 1-2
+    rows; else AVX2; else the scalar twin), False the scalar twin, "avx512" / "avx2" that
+    body alone (ValueError where it is missing): tests force each. "avx512bf16" (ValueError
+    where missing) and its twin "bf16dot_scalar" (anywhere) sum in the bf16 dot-product
+    order instead (another order, other bits: cpu_fused.c), bf16 x and weights only.
     Returns False (nothing written) when the library is not available.
     """
     lib = library()
@@ -500,6 +508,11 @@ def expert_gemm(
     if alpha is not None and (alpha.dtype != torch.float32 or not alpha.is_contiguous()):
         raise ValueError("expert_gemm alpha must be contiguous fp32")
     body = _body_kind(vector)
+    if vector in _DOT_BODIES and (x.dtype != torch.bfloat16 or w.code != "bf16"):
+        raise ValueError(
+            f"expert_gemm vector={vector!r} needs bf16 x and bf16 weights, got x {x.dtype} "
+            f"and weights {w.code}"
+        )
     s = w.scales
     rc = lib.moe_ep_expert_gemm(
         x.data_ptr(), x.stride(0), 1 if x.dtype == torch.float32 else 0,
@@ -515,8 +528,8 @@ def expert_gemm(
         out.data_ptr(), out.stride(0), 1 if out.dtype == torch.float32 else 0,
         n, k, scratch.data_ptr(), max(1, torch.get_num_threads()), body,
     )  # fmt: skip
-    if rc == -2:
-        raise ValueError(f"expert_gemm: the library refused vector body {body}")
+    if rc in (-2, -3):
+        raise ValueError(f"expert_gemm: the library refused vector body {body} (rc {rc})")
     if rc != 0:
         raise MemoryError("expert_gemm: out of memory for its work list")
     return True
