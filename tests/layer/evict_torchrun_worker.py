@@ -10,6 +10,7 @@ import sys
 import time
 
 import torch
+from evict_cases import E, H, T, problem  # this script's folder is on sys.path
 
 from moe_ep import (
     BootstrapConfig,
@@ -25,7 +26,6 @@ from moe_ep.placement_weights import slice_weights
 torch.set_num_threads(1)
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 kill = int(sys.argv[2])
-E, H, INTER, K, T = 8, 128, 64, 2, 12
 per = E // world
 half = world // 2  # rank r also holds rank (r + half)'s experts: every expert on both nodes
 p = Placement.from_rank_slots(
@@ -36,13 +36,9 @@ p = Placement.from_rank_slots(
         for r in range(world)
     ],
 )
-g = torch.Generator().manual_seed(7)
-w13 = (torch.randn(E, 2 * INTER, H, generator=g) / H**0.5).bfloat16()
-w2 = (torch.randn(E, H, INTER, generator=g) / INTER**0.5).bfloat16()
-g = torch.Generator().manual_seed(100 + rank)
-x = torch.randn(T, H, generator=g).bfloat16()
-ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-t = MoEEpTensors(x, ids, torch.rand(T, K, generator=g))
+prob = problem(rank)  # the eviction tests' weights and this rank's tokens
+w13, w2 = prob["w13"], prob["w2"]
+t = MoEEpTensors(prob["x"], prob["ids"], prob["w"])
 layer = MoEEpLayer(
     BootstrapConfig(world, rank, timeout_s=3.0),
     FleetParams(E, T, H, placement=p),

@@ -823,6 +823,22 @@ static void eg_rows_dot(const eg_args *a, int64_t g, int64_t q0, int64_t rows, i
 }
 
 #ifdef MOE_EP_AVX2
+/* The weight/scale pairings with a specialised decode (each a compile-time constant of
+ * EG_DECODE's inlined body), the generic loop for the rest. */
+#define EG_DECODE_BY_KIND(a)                                                                   \
+    do {                                                                                       \
+        if ((a)->w_kind == EG_W_BF16) EG_DECODE(EG_W_BF16, EG_S_NONE);                         \
+        else if ((a)->w_kind == EG_W_E4M3 && (a)->s_kind == EG_S_F32)                          \
+            EG_DECODE(EG_W_E4M3, EG_S_F32);                                                    \
+        else if ((a)->w_kind == EG_W_E4M3 && (a)->s_kind == EG_S_E8M0)                         \
+            EG_DECODE(EG_W_E4M3, EG_S_E8M0);                                                   \
+        else if ((a)->w_kind == EG_W_E2M1 && (a)->s_kind == EG_S_E4M3)                         \
+            EG_DECODE(EG_W_E2M1, EG_S_E4M3);                                                   \
+        else if ((a)->w_kind == EG_W_E2M1 && (a)->s_kind == EG_S_E8M0)                         \
+            EG_DECODE(EG_W_E2M1, EG_S_E8M0);                                                   \
+        else EG_DECODE((a)->w_kind, (a)->s_kind);                                              \
+    } while (0)
+
 /* eg_decode_rows' vector body for one row: whole chunks [kc, k1) into dst, one scale per
  * s_block elements (kc a multiple of s_block or 16 when unscaled). w_kind and s_kind are
  * constants at each call, so each format compiles to its own loop. */
@@ -891,12 +907,7 @@ static EG_AVX512 void eg_decode_row_vector512(const eg_args *a, const uint8_t *w
                                               const uint8_t *s_row, int64_t kc, int64_t k1,
                                               float *dst) {
 #define EG_DECODE(w, s) eg_decode_row_avx512(w, s, w_row, s_row, a->s_block, kc, k1, dst)
-    if (a->w_kind == EG_W_BF16) EG_DECODE(EG_W_BF16, EG_S_NONE);
-    else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_F32) EG_DECODE(EG_W_E4M3, EG_S_F32);
-    else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_E8M0) EG_DECODE(EG_W_E4M3, EG_S_E8M0);
-    else if (a->w_kind == EG_W_E2M1 && a->s_kind == EG_S_E4M3) EG_DECODE(EG_W_E2M1, EG_S_E4M3);
-    else if (a->w_kind == EG_W_E2M1 && a->s_kind == EG_S_E8M0) EG_DECODE(EG_W_E2M1, EG_S_E8M0);
-    else EG_DECODE(a->w_kind, a->s_kind); /* other pairings: the generic loop */
+    EG_DECODE_BY_KIND(a);
 #undef EG_DECODE
 }
 #endif
@@ -910,12 +921,7 @@ static void eg_decode_row_vector(const eg_args *a, const uint8_t *w_row, const u
     }
 #endif
 #define EG_DECODE(w, s) eg_decode_row_avx2(w, s, w_row, s_row, a->s_block, kc, k1, dst)
-    if (a->w_kind == EG_W_BF16) EG_DECODE(EG_W_BF16, EG_S_NONE);
-    else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_F32) EG_DECODE(EG_W_E4M3, EG_S_F32);
-    else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_E8M0) EG_DECODE(EG_W_E4M3, EG_S_E8M0);
-    else if (a->w_kind == EG_W_E2M1 && a->s_kind == EG_S_E4M3) EG_DECODE(EG_W_E2M1, EG_S_E4M3);
-    else if (a->w_kind == EG_W_E2M1 && a->s_kind == EG_S_E8M0) EG_DECODE(EG_W_E2M1, EG_S_E8M0);
-    else EG_DECODE(a->w_kind, a->s_kind); /* other pairings: the generic loop */
+    EG_DECODE_BY_KIND(a);
 #undef EG_DECODE
 }
 #endif
