@@ -839,20 +839,26 @@ static void eg_rows_dot(const eg_args *a, int64_t g, int64_t q0, int64_t rows, i
         else EG_DECODE((a)->w_kind, (a)->s_kind);                                              \
     } while (0)
 
+/* eg_decode_row_*'s loop, over the chunk decoder `chunk`: one scale per scale block. */
+#define EG_DECODE_ROW(chunk)                                                                   \
+    do {                                                                                       \
+        const int32_t scaled = s_kind != EG_S_NONE;                                            \
+        const int64_t step = scaled ? s_block : k1 - kc;                                       \
+        for (int64_t kb = kc; kb < k1; kb += step) {                                           \
+            const float s = scaled ? eg_scale(s_row, s_kind, kb / s_block) : 1.0f;             \
+            const int64_t kb1 = kb + step < k1 ? kb + step : k1;                               \
+            for (int64_t kk = kb; kk < kb1; kk += EG_LANES)                                    \
+                chunk(w_row, w_kind, kk, s, scaled, dst + (kk - kc));                          \
+        }                                                                                      \
+    } while (0)
+
 /* eg_decode_rows' vector body for one row: whole chunks [kc, k1) into dst, one scale per
  * s_block elements (kc a multiple of s_block or 16 when unscaled). w_kind and s_kind are
  * constants at each call, so each format compiles to its own loop. */
 static inline __attribute__((always_inline)) void eg_decode_row_avx2(
     const int32_t w_kind, const int32_t s_kind, const uint8_t *w_row, const uint8_t *s_row,
     int64_t s_block, int64_t kc, int64_t k1, float *dst) {
-    const int32_t scaled = s_kind != EG_S_NONE;
-    const int64_t step = scaled ? s_block : k1 - kc;
-    for (int64_t kb = kc; kb < k1; kb += step) {
-        const float s = scaled ? eg_scale(s_row, s_kind, kb / s_block) : 1.0f;
-        const int64_t kb1 = kb + step < k1 ? kb + step : k1;
-        for (int64_t kk = kb; kk < kb1; kk += EG_LANES)
-            eg_decode_chunk_avx2(w_row, w_kind, kk, s, scaled, dst + (kk - kc));
-    }
+    EG_DECODE_ROW(eg_decode_chunk_avx2);
 }
 
 #ifdef MOE_EP_AVX512_GEMM
@@ -893,14 +899,7 @@ static inline __attribute__((always_inline)) EG_AVX512 void eg_decode_chunk_avx5
 static inline __attribute__((always_inline)) EG_AVX512 void eg_decode_row_avx512(
     const int32_t w_kind, const int32_t s_kind, const uint8_t *w_row, const uint8_t *s_row,
     int64_t s_block, int64_t kc, int64_t k1, float *dst) {
-    const int32_t scaled = s_kind != EG_S_NONE;
-    const int64_t step = scaled ? s_block : k1 - kc;
-    for (int64_t kb = kc; kb < k1; kb += step) {
-        const float s = scaled ? eg_scale(s_row, s_kind, kb / s_block) : 1.0f;
-        const int64_t kb1 = kb + step < k1 ? kb + step : k1;
-        for (int64_t kk = kb; kk < kb1; kk += EG_LANES)
-            eg_decode_chunk_avx512(w_row, w_kind, kk, s, scaled, dst + (kk - kc));
-    }
+    EG_DECODE_ROW(eg_decode_chunk_avx512);
 }
 
 static EG_AVX512 void eg_decode_row_vector512(const eg_args *a, const uint8_t *w_row,
