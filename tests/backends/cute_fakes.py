@@ -256,3 +256,27 @@ def assert_heap_bound(
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", str(need))
     warmup()
     assert sum(t.numel() for t in gpu.symmetric) == need
+
+
+def install_fake_pull_kernel(
+    monkeypatch: pytest.MonkeyPatch, *, world_size: int, rank: int
+) -> FakeGpu:
+    """`install_fake_modules`, with the sm90 fp8 pull kernel's drop API replaced by a
+    recording kernel class and the kernel reported available (its launch-path tests)."""
+    import moe_ep_sm90.common.pull_drop as pull_drop
+    import moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel as pull
+    from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.upstream import PullKernelApi
+
+    gpu = install_fake_modules(monkeypatch, world_size=world_size, rank=rank)
+    kernel_cls = recording_kernel_class(gpu, pull_drop.COMBINE_REGION)
+    api = PullKernelApi(
+        native_kernel=kernel_cls,
+        swap_ab_kernel=kernel_cls,
+        sym_buffer_host=FakeSymBufferHost,
+        sf_padding_block=128,
+        e8m0_sf_vec_size=32,
+    )
+    monkeypatch.setattr(pull, "load_pull_api", lambda: api)
+    cls = pull.Sm90Fp8Fp8Bf16PullCutedslKernel
+    monkeypatch.setattr(cls, "availability", classmethod(lambda c: (True, "")))
+    return gpu

@@ -14,10 +14,8 @@ import torch
 from backend_testing import FakeRuntime, routed_tensors
 from cute_fakes import (
     FakeStream,
-    FakeSymBufferHost,
     assert_heap_bound,
-    install_fake_modules,
-    recording_kernel_class,
+    install_fake_pull_kernel,
 )
 
 import moe_ep_sm90.common.pull_drop as pull_drop
@@ -25,7 +23,6 @@ import moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel as pull
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import FleetParams, MoEWeightPack
 from moe_ep_sm90 import Sm90_Fp8_Fp8_Bf16_PullCutedsl_MegaMoeConfig as Config
-from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.upstream import PullKernelApi
 
 H, I, E, T, K, WORLD, RANK = 256, 128, 4, 8, 2, 2, 1  # noqa: E741 - glossary names
 WEIGHTS = ("fc1_weight", "fc1_weight_sf", "fc2_weight", "fc2_weight_sf")
@@ -33,18 +30,7 @@ WEIGHTS = ("fc1_weight", "fc1_weight_sf", "fc2_weight", "fc2_weight_sf")
 
 @pytest.fixture
 def gpu(monkeypatch):
-    gpu = install_fake_modules(monkeypatch, world_size=WORLD, rank=RANK)
-    kernel_cls = recording_kernel_class(gpu, pull_drop.COMBINE_REGION)
-    api = PullKernelApi(
-        native_kernel=kernel_cls,
-        swap_ab_kernel=kernel_cls,
-        sym_buffer_host=FakeSymBufferHost,
-        sf_padding_block=128,
-        e8m0_sf_vec_size=32,
-    )
-    monkeypatch.setattr(pull, "load_pull_api", lambda: api)
-    cls = pull.Sm90Fp8Fp8Bf16PullCutedslKernel
-    monkeypatch.setattr(cls, "availability", classmethod(lambda c: (True, "")))
+    gpu = install_fake_pull_kernel(monkeypatch, world_size=WORLD, rank=RANK)
     return gpu
 
 
