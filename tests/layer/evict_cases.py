@@ -60,7 +60,7 @@ def _die_in_eviction(eviction: Any) -> None:
 def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
     """Forward 1 (healthy), then the plan's fault in forward 2, then (survivors) evict
     and forward the same tokens again. `plan`: mode, kill (ranks that SIGKILL themselves
-    before forward 2), stop (rank 0 SIGSTOPs it, resumed after the eviction), die_in_evict
+    before forward 2), stop (it SIGSTOPs itself, rank 0 resumes it after the eviction), die_in_evict
     (a survivor that dies inside the eviction's first barrier)."""
     from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
     from moe_ep.layer import eviction
@@ -93,9 +93,10 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
     pids = layer._runtime.gather_json(os.getpid(), what="test pids")
     if rank in plan.get("kill", []):
         os.kill(os.getpid(), signal.SIGKILL)
-    if rank == 0:
-        for r in plan.get("stop", []):
-            os.kill(pids[r], signal.SIGSTOP)
+    if rank in plan.get("stop", []):
+        # stopped by itself, past the pid gather: a SIGSTOP from rank 0 could land while this
+        # rank was still inside that gather, which then timed out here after the resume
+        os.kill(os.getpid(), signal.SIGSTOP)
     if plan.get("auto") and rank in plan.get("die_in_evict", []):
         _die_in_eviction(eviction)  # the eviction happens inside forward 2
     try:
