@@ -15,11 +15,12 @@ import pytest
 
 from moe_ep import spawn
 from moe_ep.cli import EXIT_OK, EXIT_USAGE, main
+from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import get_kernel
 from moe_ep.tune.sweep import Candidate, agreed_tokens, candidate_id
 from moe_ep.tune.tuners import TuneJob, tune_rank, valid_grid
 from moe_ep.tuning import TuningCache
-from moe_ep.tuning.knobs import KNOBS, PORTABLE, grid_of
+from moe_ep.tuning.knobs import KNOBS, grid_of
 
 PULL = "sm90_fp8_fp8_bf16_pull_cutedsl"
 
@@ -29,12 +30,19 @@ def _job(tmp_path: Path, kernel: str = "any_bf16_bf16_bf16_torch", tokens: int =
 
 
 # Fake timings (spawned: top level). Rank 0 finds dedup=True fastest, rank 1 dedup=False;
-# the slowest rank's times are {True: 5.0, False: 3.0}, so every rank must pick False.
+# rank 0 prefers the default thread count, rank 1 explicit ones. The slowest rank's times:
+# (True, None) 5.6, (True, n) 5.0, (False, None) 3.0, (False, n) 3.5: every rank must pick
+# (False, None), which neither rank's own timings would.
 LOCAL = {0: {True: 1.0, False: 3.0}, 1: {True: 5.0, False: 2.0}}
+THREADS = {0: {True: 0.0, False: 0.5}, 1: {True: 0.6, False: 0.0}}  # by "cpu_threads is None"
+
+
+def _fake(rank: int, cand: Candidate) -> float:
+    return LOCAL[rank][cand["dedup"]] + THREADS[rank][cand["cpu_threads"] is None]
 
 
 def _disagreeing(job: TuneJob, rank: int, ws: int, boot: Any, rt: Any) -> Callable[..., float]:
-    return lambda cand: LOCAL[rank][cand["dedup"]]
+    return lambda cand: _fake(rank, cand)
 
 
 def _tune_and_bucket(rank: int, world_size: int, job: TuneJob) -> dict[str, Any]:
@@ -55,19 +63,17 @@ def _tune_and_bucket(rank: int, world_size: int, job: TuneJob) -> dict[str, Any]
 def test_ranks_with_disagreeing_timings_pick_the_same_winner(tmp_path: Path) -> None:
     job = _job(tmp_path)
     got = spawn.spawn_local(_tune_and_bucket, 2, job, timeout_s=240)
-    assert got[0]["knobs"] == got[1]["knobs"] == {"dedup": False}
-    assert (
-        got[0]["timings"]
-        == got[1]["timings"]
-        == {
-            candidate_id({"dedup": True}): 5.0,
-            candidate_id({"dedup": False}): 3.0,
-        }
-    )
+    winner = {"dedup": False, "cpu_threads": None}
+    assert got[0]["knobs"] == got[1]["knobs"] == winner
+    grid = valid_grid(get_kernel(job.kernel), 2)
+    assert {c["dedup"] for c in grid} == {True, False} and winner in grid
+    expected = {candidate_id(c): max(_fake(0, c), _fake(1, c)) for c in grid}
+    assert got[0]["timings"] == got[1]["timings"] == expected
+    assert expected[candidate_id({"dedup": True, "cpu_threads": None})] == 5.6
     assert got[0]["agreed"] == got[1]["agreed"] == 116  # max(16, 116)
     doc = json.loads(Path(job.cache).read_text())
     (entry,) = doc["entries"].values()
-    assert entry["knobs"] == {"dedup": False} and entry["seconds"] == 3.0
+    assert entry["knobs"] == winner and entry["seconds"] == 3.0
     (ident,) = doc["entries"]
     assert "|ws=2" in ident and "T<=16 " in ident
 
@@ -121,18 +127,26 @@ def test_gpu_tuners_declare_fields_of_their_config_classes(kernel: str) -> None:
     assert valid_grid(get_kernel(kernel), 2)  # some candidates pass the config's own checks
 
 
-def test_portable_knob_is_a_config_field_and_only_at_world_size_above_one() -> None:
+def test_portable_knobs_are_config_fields_with_dedup_only_above_world_size_one() -> None:
     config_cls = get_kernel("any_bf16_bf16_bf16_torch").config_cls
-    assert set(PORTABLE) <= {f.name for f in dataclasses.fields(config_cls)}
-    assert grid_of("any_bf16_bf16_bf16_torch", 1) == {}
+    assert set(grid_of("any_bf16_bf16_bf16_torch")) <= {
+        f.name for f in dataclasses.fields(config_cls)
+    }
+    assert set(grid_of("any_bf16_bf16_bf16_torch", 1)) == {"cpu_threads"}
+    assert set(grid_of("any_fp8_fp8_bf16_torch", 2)) == {"dedup", "cpu_threads"}
 
 
-def test_cli_refuses_a_kernel_without_knobs_before_any_rank(
+def test_a_kernel_without_knobs_is_refused() -> None:
+    kernel = "sm100_nvfp4_nvfp4_bf16_cutedsl"
+    assert grid_of(kernel) == {}
+    with pytest.raises(MoeEpUsageError, match=f"--kernel {kernel!r} has no tuning knobs at --ep 2"):
+        valid_grid(get_kernel(kernel), 2)
+
+
+def test_cli_refuses_bad_options_before_any_rank(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("MOE_EP_TUNING_CACHE", str(tmp_path))
-    assert main(["tune", "--ep", "1", "--shape", "8,64,32,4,2"]) == EXIT_USAGE
-    assert "no tuning knobs at --ep 1" in capsys.readouterr().err
     assert main(["tune", "--kernel", "nope"]) == EXIT_USAGE
     assert "--kernel 'nope': unknown kernel" in capsys.readouterr().err
     assert main(["tune", "--ep", "3", "--shape", "8,64,32,4,2"]) == EXIT_USAGE
@@ -151,3 +165,15 @@ def test_cli_tune_writes_the_winner_a_layer_then_reads(
     assert TuningCache(tmp_path / "tuning.json").count() == 1
     assert main(["info"]) == EXIT_OK
     assert "tuning cache" in capsys.readouterr().out
+
+
+def test_cli_tune_at_ep1_sweeps_the_thread_knob(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MOE_EP_TUNING_CACHE", str(tmp_path))
+    argv = ["tune", "--ep", "1", "--shape", "8,64,32,4,2", "--reps", "1", "--routing", "uniform"]
+    assert main(argv) == EXIT_OK
+    assert "winner" in capsys.readouterr().out
+    (entry,) = json.loads((tmp_path / "tuning.json").read_text())["entries"].values()
+    assert set(entry["knobs"]) == {"cpu_threads"}
+    assert len(entry["timings"]) == len(valid_grid(get_kernel("any_bf16_bf16_bf16_torch"), 1))

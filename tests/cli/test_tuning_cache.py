@@ -5,6 +5,7 @@ stale or refused; an explicit config is never overridden."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import multiprocessing
 import warnings
@@ -19,7 +20,7 @@ from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeCon
 from moe_ep.registry import get_kernel
 from moe_ep.spawn import free_port
 from moe_ep.tuning import TuningCache, TuningKey, cache_path, tokens_bucket
-from moe_ep.tuning.cache import TuningCacheWarning, arch_of
+from moe_ep.tuning.cache import TuningCacheWarning, arch_of, versions
 from moe_ep.tuning.lookup import key_for
 
 KERNEL = "any_bf16_bf16_bf16_torch"
@@ -180,3 +181,27 @@ def test_cpu_arch_names_the_machine_and_thread_count() -> None:
     assert arch_of(None).startswith("cpu:") and f"threads={torch.get_num_threads()}" in arch_of(
         None
     )
+
+
+def test_versions_name_a_backend_package_and_its_requirements(tmp_path: Path) -> None:
+    """A GPU kernel's entry goes stale when its backend package or what that package
+    requires (the CuTe DSL, NVSHMEM, the drops) changes version; a portable kernel's when
+    moe-ep-core or torch does."""
+    assert set(versions("moe_ep.backends.portable.kernel")) == {"moe-ep-core", "torch"}
+    pytest.importorskip("moe_ep_sm90")
+    got = versions("moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_pull_cutedsl.kernel")
+    assert {
+        "moe-ep-core",
+        "torch",
+        "moe-ep-backends-sm90",
+        "nvidia-cutlass-dsl",
+        "nvshmem4py-cu13",
+        "cuda-bindings",
+        "moe-ep-drop-sm90-pull-cutedsl",
+    } <= set(got)
+    assert got["moe-ep-backends-sm90"] == importlib.metadata.version("moe-ep-backends-sm90")
+    old = {**got, "nvidia-cutlass-dsl": "0.0.1"}
+    cache = TuningCache(tmp_path / "tuning.json")
+    cache.record(_key(versions=old), {"mma_tiler_mnk": [64, 128, 128]}, 1.0, {})
+    with pytest.warns(TuningCacheWarning, match="stale: measured under other versions of nvidia"):
+        assert cache.lookup(_key(versions=got)) is None

@@ -5,7 +5,6 @@ at the end)."""
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,16 +42,13 @@ def valid_grid(kernel_cls: Any, world_size: int) -> list[dict[str, Any]]:
     """
     from moe_ep.tuning.lookup import apply_knobs
 
-    grid = grid_of(kernel_cls.kernel_name, world_size)
+    grid = dict(grid_of(kernel_cls.kernel_name, world_size))
     if not grid:
         raise MoeEpUsageError(
             f"--kernel {kernel_cls.kernel_name!r} has no tuning knobs at --ep {world_size}"
-            + (
-                " (the portable kernels' one knob, dedup, needs --ep >= 2)"
-                if world_size == 1
-                else ""
-            )
         )
+    if "cpu_threads" in grid and not _threads_keep_bits():
+        grid["cpu_threads"] = (None,)  # the thread count would change the bits: not a knob
     base = kernel_cls.config_cls()
     out = []
     for cand in candidates(grid):
@@ -62,6 +58,16 @@ def valid_grid(kernel_cls: Any, world_size: int) -> list[dict[str, Any]]:
             continue
         out.append(cand)
     return out
+
+
+def _threads_keep_bits() -> bool:
+    """Whether the portable forward's bits are the same at every thread count here (on a
+    CUDA machine the kernel refuses `cpu_threads`: not a knob there either)."""
+    import torch
+
+    from moe_ep.backends.portable.kernel import thread_count_keeps_bits
+
+    return not torch.cuda.is_available() and thread_count_keeps_bits()
 
 
 def layer_measure(
@@ -123,6 +129,7 @@ def tune_rank(
     import torch
 
     from moe_ep import BootstrapConfig
+    from moe_ep.backends.portable.configs import usable_cpus
     from moe_ep.bench.progress import Steps
     from moe_ep.registry import get_kernel
     from moe_ep.runtime import acquire
@@ -134,7 +141,7 @@ def tune_rank(
     if job.threads is not None:
         torch.set_num_threads(job.threads)
     elif not torch.cuda.is_available():  # ranks share the cores: one thread share each
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, usable_cpus() // world_size))
     kernel_cls = get_kernel(job.kernel)
     grid = valid_grid(kernel_cls, world_size)
     init = f"tcp://127.0.0.1:{free_port()}" if world_size == 1 else None

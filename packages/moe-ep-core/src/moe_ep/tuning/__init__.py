@@ -5,7 +5,9 @@
   ignored when corrupted or stale;
 - `lookup`: `tuned_config`, the layer's lookup at construction.
 
-Imports no torch.distributed and no backend; the sweep itself is `moe_ep.tune`.
+Imports no torch.distributed and, at import time, no backend (the portable grid and a CPU
+key read the portable backend's usable CPUs and fused-library state when called); the
+sweep itself is `moe_ep.tune`.
 """
 
 from moe_ep.tuning.cache import TuningCache, TuningKey, cache_path, tokens_bucket

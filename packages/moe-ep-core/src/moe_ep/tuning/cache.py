@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
@@ -39,17 +40,47 @@ def tokens_bucket(tokens: int) -> int:
     return 1 << max(0, int(tokens) - 1).bit_length()
 
 
+def _requirements(dist: str) -> list[str]:
+    """The names of `dist`'s unconditional direct requirements (extras left out)."""
+    try:
+        reqs = importlib.metadata.requires(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    names = []
+    for req in reqs:
+        match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", req)
+        if match and not re.search(r"\bextra\s*==", req):
+            names.append(match.group())
+    return names
+
+
+def _distributions_of(top: str) -> list[str]:
+    """The distributions that ship the top-level module `top`: from their file lists, else
+    (an editable install lists no module files) those whose registered kernels live there."""
+    found = list(importlib.metadata.packages_distributions().get(top, []))
+    if found:
+        return found
+    for ep in importlib.metadata.entry_points(group="moe_ep.backends"):
+        if ep.value.split(":", 1)[0].split(".", 1)[0] == top and ep.dist is not None:
+            found.append(ep.dist.name)
+    return list(dict.fromkeys(found))
+
+
 def versions(kernel_module: str | None = None) -> dict[str, str]:
-    """The versions an entry was measured under: moe-ep-core, torch, and the distribution
-    that ships the kernel's module (a backend package) when it is not core."""
+    """The versions an entry was measured under: moe-ep-core, torch, and, when the kernel's
+    module is not core, the distribution that ships it (a backend package) and that
+    package's own requirements (the CuTe DSL, NVSHMEM, the drops: what its speed depends
+    on)."""
     import torch
 
     out: dict[str, str] = {"torch": str(torch.__version__)}
     names = ["moe-ep-core"]
     top = (kernel_module or "").split(".", 1)[0]
     if top and top != "moe_ep":
-        names += importlib.metadata.packages_distributions().get(top, [])
-    for name in names:
+        backends = _distributions_of(top)
+        names += backends
+        names += [r for b in backends for r in _requirements(b) if r not in names]
+    for name in dict.fromkeys(names):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -59,13 +90,18 @@ def versions(kernel_module: str | None = None) -> dict[str, str]:
 
 def arch_of(cuda_ordinal: int | None) -> str:
     """The arch part of a key: `cuda:sm_XY` (that device's capability) or `cpu:<machine>`
-    with torch's intra-op thread count (the portable kernels' thread split depends on it)."""
+    with torch's intra-op thread count (the portable kernels' thread split depends on it),
+    and `:eager` where the bits depend on the thread count (no fused CPU library: a winner
+    tuned with it, e.g. its `cpu_threads`, is not read there)."""
     import torch
 
     if cuda_ordinal is not None:
         major, minor = torch.cuda.get_device_capability(cuda_ordinal)
         return f"cuda:sm_{major}{minor}"
-    return f"cpu:{platform.machine() or 'unknown'}:threads={torch.get_num_threads()}"
+    from moe_ep.backends.portable.kernel import thread_count_keeps_bits
+
+    eager = "" if thread_count_keeps_bits() else ":eager"
+    return f"cpu:{platform.machine() or 'unknown'}:threads={torch.get_num_threads()}{eager}"
 
 
 @dataclass(frozen=True)

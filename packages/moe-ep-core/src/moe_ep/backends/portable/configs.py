@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import InitVar, dataclass
 from typing import ClassVar
 
@@ -23,6 +24,7 @@ __all__ = [
     "PortableConfig",
     "check_bool",
     "check_positive_float",
+    "usable_cpus",
 ]
 
 
@@ -35,6 +37,15 @@ def check_positive_float(name: str, value: object) -> None:
         or value <= 0
     ):
         raise MoeEpUsageError(f"{name} must be a finite float > 0, got {value!r}")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; `os.cpu_count()` where the
+    platform has none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def check_bool(name: str, value: object) -> None:
@@ -65,6 +76,20 @@ class PortableConfig(KernelConfig):
     device-only routing, no host synchronisation, so a warmed forward can be captured in a
     CUDA graph (docs/runtime.md, "Graph capture"). bf16 only, contiguous placement, no
     `forward_unfinalized`; refused elsewhere."""
+    cpu_threads: int | None = None
+    """CPU intra-op threads of this kernel's forward (`torch.set_num_threads` around
+    `stage_inputs` and `compute_staged`, the caller's count restored after, also on error);
+    None: the process's current count. 1 to the usable CPUs; refused on CUDA. A speed knob
+    (`moe-ep tune`): with the fused CPU library the bits do not depend on it (every `mm`
+    block runs on one thread, the fused kernels split rows and tiles, not sums)."""
+    expert_gemm_rows: int | None = None
+    """The experts path crossover: experts with at most this many rows in a forward run the
+    CPU expert GEMM (`cpu_fused.expert_gemm`), the others the `mm` blocks; 0: never the
+    expert GEMM; None: the measured default by format and CPU
+    (`experts.expert_gemm_rows`). The two paths sum in different orders, so a change moves
+    bits within the format's tolerance against the oracle: an explicit choice, never tuned.
+    Needs the CPU and the fused library for values > 0 (refused elsewhere) and the default
+    forward (refused with `capture_safe`)."""
     topk_weight_before_fc2: InitVar[bool | None] = None
     """Deprecated alias of `apply_routing_weights_before_fc2` (warns; both with different
     values are refused)."""
@@ -74,6 +99,22 @@ class PortableConfig(KernelConfig):
             check_positive_float("swiglu_clamp", self.swiglu_clamp)
         check_bool("dedup", self.dedup)
         check_bool("capture_safe", self.capture_safe)
+        cores = usable_cpus()
+        n = self.cpu_threads
+        if n is not None and (type(n) is not int or not 1 <= n <= cores):
+            raise MoeEpUsageError(
+                f"cpu_threads must be None or an int from 1 to the {cores} usable CPUs, got {n!r}"
+            )
+        rows = self.expert_gemm_rows
+        if rows is not None and (type(rows) is not int or rows < 0):
+            raise MoeEpUsageError(
+                f"expert_gemm_rows must be None (the measured default) or an int >= 0, got {rows!r}"
+            )
+        if rows is not None and self.capture_safe:
+            raise MoeEpUsageError(
+                f"expert_gemm_rows={rows} is not read by the capture-safe forward (it runs "
+                "torch._grouped_mm only): leave it None with capture_safe=True"
+            )
         if self.capture_safe and not self.capture_safe_formats:
             raise MoeEpUsageError(
                 f"capture_safe=True is not built for {self.kernel_name}: only "

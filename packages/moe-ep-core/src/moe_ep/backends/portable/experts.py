@@ -37,6 +37,7 @@ from moe_ep.backends.portable.comm import Workspace
 from moe_ep.backends.portable.configs import check_positive_float
 from moe_ep.backends.portable.prepare_finalize import Dispatched
 from moe_ep.backends.portable.recipes import PreparedWeights, Recipe, check_recipe
+from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
     "ROW_BLOCK",
@@ -44,6 +45,7 @@ __all__ = [
     "SWIGLU_ROWS",
     "TorchExperts",
     "expert_gemm_rows",
+    "expert_gemm_unavailable",
     "grouped_mm_applies",
     "run_experts",
 ]
@@ -138,15 +140,26 @@ def _swiglu(
             h[s:e].copy_(g if requantize is None else requantize(g))
 
 
-def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
-    """The crossover: experts with at most this many rows (0: none) in a forward run the CPU
-    expert GEMM (`cpu_fused.expert_gemm`, weights read once in their stored width), the rest
-    the `mm` blocks. Needs the CPU, the fused library and the stored weights. The choice
-    depends only on the expert's row count, which is the same at every world size."""
-    if device.type != "cpu" or weights.stored13 is None or weights.stored2 is None:
-        return 0
+def expert_gemm_unavailable(weights: PreparedWeights, device: torch.device) -> str | None:
+    """Why the CPU expert GEMM cannot run on these weights here, or None when it can."""
+    if device.type != "cpu":
+        return f"the device is {device}, not the CPU"
+    if weights.stored13 is None or weights.stored2 is None:
+        return "the prepared weights have no stored (CPU) form"
     if cpu_fused.library() is None:
+        return f"the fused CPU library is not loaded ({cpu_fused.status()[1]})"
+    return None
+
+
+def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
+    """The default crossover: experts with at most this many rows (0: none) in a forward run
+    the CPU expert GEMM (`cpu_fused.expert_gemm`, weights read once in their stored width),
+    the rest the `mm` blocks. Needs the CPU, the fused library and the stored weights. The
+    choice depends only on the expert's row count, which is the same at every world size;
+    `PortableConfig.expert_gemm_rows` replaces it."""
+    if expert_gemm_unavailable(weights, device) is not None:
         return 0
+    assert weights.stored13 is not None
     if weights.stored13.code != "bf16":
         avx512 = cpu_fused.vector_bodies() & 4
         return EXPERT_GEMM_ROWS_FP32_AVX512 if avx512 else EXPERT_GEMM_ROWS_FP32
@@ -274,6 +287,7 @@ def run_experts(
     *,
     pair_scale: torch.Tensor | None = None,
     path_counts: list[int] | None = None,
+    gemm_rows: int | None = None,
 ) -> None:
     """Write `y [P, H]` bf16, pair p's expert output, pairs grouped by local expert.
 
@@ -288,6 +302,10 @@ def run_experts(
     order), multiplies h before `requantize` (the top-k weight applied before FC2).
     path_counts: per expert, the row count that chooses between the expert GEMM and the
     `mm` blocks (`Dispatched.path_rows`); None: `counts`.
+    gemm_rows: the crossover (`PortableConfig.expert_gemm_rows`); None: `expert_gemm_rows`.
+
+    Raises:
+        MoeEpUsageError: gemm_rows > 0 where the expert GEMM cannot run.
     """
     if grouped_mm_applies(weights, rows.device):
         if sum(counts):
@@ -295,7 +313,13 @@ def run_experts(
                 rows, src_row, counts, weights, requantize, swiglu_clamp, y, ws, pair_scale
             )
         return
-    limit = expert_gemm_rows(weights, rows.device)
+    if gemm_rows is None:
+        limit = expert_gemm_rows(weights, rows.device)
+    else:
+        why = expert_gemm_unavailable(weights, rows.device) if gemm_rows else None
+        if why is not None:
+            raise MoeEpUsageError(f"expert_gemm_rows={gemm_rows}: no CPU expert GEMM here ({why})")
+        limit = gemm_rows
     starts = list(itertools.accumulate(counts, initial=0))
     path = counts if path_counts is None else path_counts
     few = [e for e, c in enumerate(counts) if c > 0 and path[e] <= limit]
@@ -402,14 +426,28 @@ class TorchExperts:
     Args:
         recipe: the format: how the FC2 input (the SwiGLU output) is requantized.
         swiglu_clamp: None, or c: the gate clamped to `<= c`, the up projection to `[-c, c]`.
+        expert_gemm_rows: the experts path crossover (`run_experts`'s `gemm_rows`); None:
+            the measured default.
     """
 
-    def __init__(self, recipe: Recipe, swiglu_clamp: float | None = None) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        swiglu_clamp: float | None = None,
+        expert_gemm_rows: int | None = None,
+    ) -> None:
         check_recipe(recipe)
         if swiglu_clamp is not None:
             check_positive_float("swiglu_clamp", swiglu_clamp)
+        if expert_gemm_rows is not None and (
+            type(expert_gemm_rows) is not int or expert_gemm_rows < 0
+        ):
+            raise MoeEpUsageError(
+                f"expert_gemm_rows must be None or an int >= 0, got {expert_gemm_rows!r}"
+            )
         self.recipe = recipe
         self.swiglu_clamp = swiglu_clamp
+        self.gemm_rows = expert_gemm_rows
         self.workspace = Workspace()
 
     def apply(self, dispatched: Dispatched, weights: PreparedWeights) -> torch.Tensor:
@@ -431,6 +469,7 @@ class TorchExperts:
             ws,
             pair_scale=None if d.pair_scale is None else d.pair_scale[order],
             path_counts=d.path_rows,
+            gemm_rows=self.gemm_rows,
         )
         y = ws.get("y_pairs", shape, torch.bfloat16, dev)
         return y.index_copy_(0, order, y_sorted)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -25,6 +27,7 @@ from moe_ep.backends.portable.experts import (
     TorchExperts,
     _grouped_mm_operands_ok,
     expert_gemm_rows,
+    expert_gemm_unavailable,
 )
 from moe_ep.backends.portable.modular import ModularKernel
 from moe_ep.backends.portable.recipes import (
@@ -57,7 +60,21 @@ __all__ = [
     "Mxfp8TorchKernel",
     "Nvfp4TorchKernel",
     "PortableTorchKernel",
+    "thread_count_keeps_bits",
 ]
+
+
+def thread_count_keeps_bits() -> bool:
+    """Whether a CPU forward's bits are the same at every thread count (`cpu_threads`): the
+    fused library with OpenMP on torch's OpenMP backend, so every `mm` block runs on one
+    thread (`experts.run_experts`) and the fused kernels split rows and tiles, never a sum;
+    without it the `mm` blocks run on all threads and oneDNN may split their K."""
+    lib = cpu_fused.library()
+    return (
+        lib is not None
+        and lib.moe_ep_omp_max_threads() >= 1
+        and cpu_fused._torch_uses_openmp()  # the check parallel_workers makes
+    )
 
 
 class PortableTorchKernel(MegaKernel):
@@ -128,8 +145,25 @@ class PortableTorchKernel(MegaKernel):
         dev = runtime.device
         if dev.type == "cpu":
             cpu_fused.library()  # build or load now: MOE_EP_CPU_FUSED=1 fails here, not mid-forward
+        elif self.pconfig.cpu_threads is not None:
+            raise MoeEpUsageError(
+                f"cpu_threads={self.pconfig.cpu_threads} sets the threads of a CPU forward; "
+                f"this runtime's device is {dev}: leave it None"
+            )
         self.prepared = self.recipe.prepare(weights.to(dev))
         """The weights the experts read at each forward."""
+        gemm_rows = self.pconfig.expert_gemm_rows
+        if gemm_rows:
+            why = expert_gemm_unavailable(self.prepared, dev)
+            if why is not None:
+                raise MoeEpUsageError(
+                    f"expert_gemm_rows={gemm_rows} needs the CPU expert GEMM, which cannot run "
+                    f"here: {why}; leave it None (the default) or 0"
+                )
+        self.expert_gemm_rows = (
+            expert_gemm_rows(self.prepared, dev) if gemm_rows is None else gemm_rows
+        )
+        """The crossover this kernel's experts use (`PortableConfig.expert_gemm_rows`)."""
         self.modular = ModularKernel(
             AllToAllPrepareFinalize(
                 self.recipe,
@@ -139,13 +173,13 @@ class PortableTorchKernel(MegaKernel):
                 dedup=self.pconfig.dedup,
                 placement=fleet.placement,
                 replicas=(
-                    Replicas(expert_gemm_rows(self.prepared, dev), ROW_BLOCK)
+                    Replicas(self.expert_gemm_rows, ROW_BLOCK)
                     if fleet.placement is not None and fleet.placement.replicated
                     else None
                 ),
                 topk_weight_before_fc2=bool(self.pconfig.apply_routing_weights_before_fc2),
             ),
-            TorchExperts(self.recipe, self.pconfig.swiglu_clamp),
+            TorchExperts(self.recipe, self.pconfig.swiglu_clamp, gemm_rows),
         )
         self.capture: CaptureSafeForward | None = None
         """The capture-safe forward (`PortableConfig.capture_safe`), else None."""
@@ -176,18 +210,34 @@ class PortableTorchKernel(MegaKernel):
             swiglu_clamp=self.pconfig.swiglu_clamp,
         )
 
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """torch's intra-op threads at `cpu_threads` inside, the caller's count restored."""
+        n = self.pconfig.cpu_threads
+        before = torch.get_num_threads()
+        if n is None or n == before:
+            yield
+            return
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
     def stage_inputs(self, *, tensors: MoEEpTensors, output: torch.Tensor) -> Any:
         """Plan routing and quantize this rank's tokens into the dispatch payload (the
         capture-safe forward: route on device, fill the fixed send slots)."""
-        if self.capture is not None:
-            return self.capture.stage(tensors, output)
-        return self.modular.stage(tensors, output)
+        with self._threads():
+            if self.capture is not None:
+                return self.capture.stage(tensors, output)
+            return self.modular.stage(tensors, output)
 
     def compute_staged(self, *, staged: Any) -> torch.Tensor:
         """Dispatch, run the local experts, return rows and combine into the output."""
-        if self.capture is not None:
-            return self.capture.compute(staged, self.prepared)
-        return self.modular.compute(staged, self.prepared)
+        with self._threads():
+            if self.capture is not None:
+                return self.capture.compute(staged, self.prepared)
+            return self.modular.compute(staged, self.prepared)
 
     def compute_unfinalized(
         self, *, staged: Any
@@ -198,7 +248,8 @@ class PortableTorchKernel(MegaKernel):
                 "forward_unfinalized() has no capture-safe form: construct the kernel with "
                 "capture_safe=False for it"
             )
-        return self.modular.compute_unfinalized(staged, self.prepared)
+        with self._threads():
+            return self.modular.compute_unfinalized(staged, self.prepared)
 
     def destroy(self) -> None:
         """Drop the receive buffers (idempotent)."""
