@@ -137,6 +137,13 @@ def test_layer_uses_the_cached_winner(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert config.dedup is False  # the default is True
 
 
+def test_layer_uses_a_cached_thread_count(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MOE_EP_TUNING_CACHE", str(tmp_path))
+    key = key_for(get_kernel(KERNEL), 16, 64, 32, 4, 1, None)
+    TuningCache(cache_path(create=True)).record(key, {"cpu_threads": 1}, 1.0, {})
+    assert _config_of(KERNEL).cpu_threads == 1  # the default is None
+
+
 def test_layer_falls_back_to_defaults_when_absent(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
