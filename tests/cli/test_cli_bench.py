@@ -68,6 +68,22 @@ def test_tiny_bench_end_to_end_writes_table_json_and_plot(
     assert len(pngs) == 1 and pngs[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_absent_peer_is_skipped_with_its_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moe_ep.bench import hf_peer
+
+    monkeypatch.setattr(hf_peer, "unavailable", lambda: "planted: transformers missing")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--only-shapes", "--shape", "8,64,32,4,2", "--ep", "1", "--kernel", KERNEL]
+    argv += ["--routing", "uniform", "--reps", "1", "--json", str(out), "--no-plot"]
+    assert main(argv) == EXIT_OK
+    assert "transformers peer skipped: planted: transformers missing" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "peer" not in row["limits_s"]
+    assert row["limit_notes"]["peer"] == "planted: transformers missing"
+
+
 def test_merge_takes_the_slowest_rank_of_each_run_and_of_each_limit() -> None:
     a = RankRow(TINY, "uniform", KERNEL, [1.0, 5.0, 2.0], limits={"dense bf16": 1.0})
     b = RankRow(TINY, "uniform", KERNEL, [3.0, 1.0, 1.0], limits={"dense bf16": 2.0})

@@ -212,3 +212,14 @@ def test_versions_name_a_backend_package_and_its_requirements(tmp_path: Path) ->
     cache.record(_key(versions=old), {"mma_tiler_mnk": [64, 128, 128]}, 1.0, {})
     with pytest.warns(TuningCacheWarning, match="stale: measured under other versions of nvidia"):
         assert cache.lookup(_key(versions=got)) is None
+
+
+def test_info_shows_the_cache_location_and_its_entries(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from moe_ep.cli.report import environment_report
+
+    monkeypatch.setenv("MOE_EP_TUNING_CACHE", str(tmp_path))
+    assert environment_report()["tuning cache"] == f"{tmp_path / 'tuning.json'} (none yet)"
+    TuningCache(tmp_path / "tuning.json").record(_key(), {"dedup": False}, 1.0, {})
+    assert environment_report()["tuning cache"] == f"{tmp_path / 'tuning.json'} (1 entries)"
