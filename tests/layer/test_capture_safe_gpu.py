@@ -4,9 +4,8 @@ Never run: written on a machine without a GPU (the CPU tests in test_capture_saf
 the same forward makes no host synchronisation). The kernel's stage + compute is captured
 once at max_tokens_per_rank with the live count a device tensor, then replayed with fewer
 live tokens; each replay must equal an eager forward of the live rows and leave the rows
-past the count as they were. The kernel is captured rather than `MoEEpLayer.forward`: the
-layer's input checks still read device values on the host (docs/runtime.md, "Graph
-capture"). One rank: the all-to-all under capture (NCCL) is not exercised.
+past the count as they were. The kernel alone is captured here; test_layer_capture_gpu.py
+captures `MoEEpLayer.forward` (docs/runtime.md, "Graph capture"). One rank: the all-to-all under capture (NCCL) is not exercised.
 """
 
 from __future__ import annotations

@@ -6,8 +6,13 @@ Every failure raises `MoeEpUsageError` naming the argument, the rule and the val
   `[E_local, 2I, H]` / `[E_local, H, I]`, packed fp4 halves), returning the `PackShape`
   record the kernel sizes itself from. Every kernel's `validate_weights` starts here and
   adds only its own format's rules.
-- `validate_forward`: one forward's tensors against the fleet and the layer's device.
-- `live_token_count`: its `num_valid_tokens_tensor`, checked and read on the host.
+- `validate_forward`: one forward's tensors against the fleet and the layer's device (host
+  metadata only: shapes, dtypes, devices; it reads no device value, so it runs under CUDA-graph
+  capture too).
+- `check_forward_values`: the value checks of those tensors (ids in range, finite top-k
+  weights), which read device values on the host: eager forwards only.
+- `check_live_tensor`: the metadata of `num_valid_tokens_tensor` (no device read);
+  `live_token_count`: the same, then its value read on the host and range-checked.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ __all__ = [
     "FLOAT_WEIGHT_DTYPES",
     "TOPK_WEIGHT_DTYPES",
     "PackShape",
+    "check_forward_values",
+    "check_live_tensor",
     "check_weight_pack",
     "live_token_count",
     "validate_forward",
@@ -130,7 +137,9 @@ def check_weight_pack(
 def validate_forward(
     tensors: MoEEpTensors, fleet: FleetParams, device: torch.device
 ) -> torch.Tensor | None:
-    """Check one forward's inputs; returns the caller's output buffer (or None)."""
+    """Check one forward's inputs' types, shapes, dtypes and devices (host metadata only, no
+    device value read); returns the caller's output buffer (or None). The value checks are
+    `check_forward_values`."""
     if not isinstance(tensors, MoEEpTensors):
         raise MoeEpUsageError(f"tensors must be a MoEEpTensors, got {type(tensors).__name__}")
     x, ids, w = tensors.hidden_states, tensors.topk_ids, tensors.topk_weights
@@ -168,6 +177,24 @@ def validate_forward(
             "topk_weights must be float32, or bfloat16 / float16 (upcast exactly to float32), "
             f"got {w.dtype}"
         )
+    out = tensors.output
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise MoeEpUsageError(f"output must be a torch.Tensor or None, got {type(out)}")
+        if tuple(out.shape) != (n, h) or out.dtype != torch.bfloat16 or out.device != device:
+            raise MoeEpUsageError(
+                f"output must be [n, H] = [{n}, {h}] bfloat16 on {device}, got "
+                f"{tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        if not out.is_contiguous():
+            raise MoeEpUsageError("output must be contiguous")
+    return out
+
+
+def check_forward_values(tensors: MoEEpTensors, fleet: FleetParams) -> None:
+    """`topk_ids` in `[-1, E)` and finite `topk_weights`: reads device values on the host
+    (two syncs), so an eager forward's check only. Call after `validate_forward`."""
+    ids, w = tensors.topk_ids, tensors.topk_weights
     e = fleet.num_experts
     if ids.numel():
         bad = (ids < -1) | (ids >= e)
@@ -184,24 +211,11 @@ def validate_forward(
             raise MoeEpUsageError(
                 f"topk_weights must be finite: got {w[row].tolist()} at row {row}"
             )
-    out = tensors.output
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise MoeEpUsageError(f"output must be a torch.Tensor or None, got {type(out)}")
-        if tuple(out.shape) != (n, h) or out.dtype != torch.bfloat16 or out.device != device:
-            raise MoeEpUsageError(
-                f"output must be [n, H] = [{n}, {h}] bfloat16 on {device}, got "
-                f"{tuple(out.shape)} {out.dtype} on {out.device}"
-            )
-        if not out.is_contiguous():
-            raise MoeEpUsageError("output must be contiguous")
-    return out
 
 
-def live_token_count(tensors: MoEEpTensors, fleet: FleetParams, device: torch.device) -> int | None:
-    """`tensors.num_valid_tokens_tensor` read on the host (one device-to-host copy), after
-    checking it is a `(1,)` int32 tensor on `device` holding `0 <= count <= n`; None if
-    not given. Call after `validate_forward`."""
+def check_live_tensor(tensors: MoEEpTensors, device: torch.device) -> torch.Tensor | None:
+    """`tensors.num_valid_tokens_tensor` checked to be a `(1,)` int32 tensor on `device`
+    (host metadata only, its value not read); None if not given."""
     live = tensors.num_valid_tokens_tensor
     if live is None:
         return None
@@ -214,6 +228,16 @@ def live_token_count(tensors: MoEEpTensors, fleet: FleetParams, device: torch.de
             "num_valid_tokens_tensor must be a (1,) int32 tensor on the layer's device "
             f"{device}, got {tuple(live.shape)} {live.dtype} on {live.device}"
         )
+    return live
+
+
+def live_token_count(tensors: MoEEpTensors, fleet: FleetParams, device: torch.device) -> int | None:
+    """`tensors.num_valid_tokens_tensor` read on the host (one device-to-host copy), after
+    checking it is a `(1,)` int32 tensor on `device` holding `0 <= count <= n`; None if
+    not given. Call after `validate_forward`."""
+    live = check_live_tensor(tensors, device)
+    if live is None:
+        return None
     count = int(live.item())
     n = tensors.num_tokens
     if count < 0 or count > fleet.max_tokens_per_rank:

@@ -10,7 +10,12 @@ from typing import Any
 
 import torch
 
-from moe_ep.checks import live_token_count, validate_forward
+from moe_ep.checks import (
+    check_forward_values,
+    check_live_tensor,
+    live_token_count,
+    validate_forward,
+)
 from moe_ep.compat.flashinfer import layer_backend
 from moe_ep.config import BootstrapConfig
 from moe_ep.contract import KernelConfig, MegaKernel, caller_validated_weights
@@ -69,7 +74,8 @@ class StagedForward:
         self.load = load
         """`[E]` this forward's pairs per logical expert, when the layer counts load."""
         self.live = live
-        """The live-token count read from `num_valid_tokens_tensor` (None: all rows)."""
+        """The live-token count read from `num_valid_tokens_tensor` (None: all rows, or a
+        forward under capture, whose count the kernel reads on the device)."""
         self.used = False
 
 
@@ -99,6 +105,28 @@ def _check_stream(bootstrap: BootstrapConfig) -> None:
             f"BootstrapConfig.stream={bootstrap.stream} is a CUDA stream handle, but this rank "
             "runs on CPU (no visible CUDA device); pass stream=0"
         )
+
+
+def stream_capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph (False on CPU):
+    the one place the layer decides it (a test replaces it to simulate capture on CPU)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def device_pair_counts(
+    topk_ids: torch.Tensor, num_experts: int, live: torch.Tensor | None
+) -> torch.Tensor:
+    """`[E]` int64 like `expert_pair_counts`, counting only the rows below `live` (a `(1,)`
+    device count; None: every row), with no host read (a scatter-add into E + 1 bins, the
+    last for -1 and ids outside `[0, E)`), so it can be captured."""
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < num_experts)
+    if live is not None:
+        rows = torch.arange(int(ids.shape[0]), device=ids.device)
+        valid &= (rows < live.to(torch.int64))[:, None]
+    bins = torch.where(valid, ids, num_experts).reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, bins, torch.ones_like(bins))[:num_experts]
 
 
 class MoEEpLayer:
@@ -329,73 +357,96 @@ class MoEEpLayer:
     def _stage(self, tensors: MoEEpTensors, *, unfinalized: bool) -> StagedForward:
         rt = self._live()
         what = "forward_unfinalized" if unfinalized else "forward"
-        with (
-            self._collective(f"moe-ep {what} (stage_inputs)"),
-            self._on_stream(),  # the checks read the inputs too: on the layer's stream
-        ):
+        with self._collective(f"moe-ep {what} (stage_inputs)"):
             if unfinalized and not self._kernel_cls.supports_unfinalized:
                 raise MoeEpUsageError(
                     f"kernel {self.kernel_name!r} has no unfinalized forward (its top-k "
                     "reduce is fused into the kernel): use forward(), or a portable "
                     "any_*_torch kernel for forward_unfinalized()"
                 )
-            out = validate_forward(tensors, self.fleet, rt.device)
-            if unfinalized and out is not None:
-                raise MoeEpUsageError(
-                    "MoEEpTensors.output must be None for forward_unfinalized(): it returns "
-                    "its own (rows, weights, route_map) and writes no [n, H] output"
-                )
-            self._check_not_capturing(rt.device)
-            live = self._live_tokens(tensors, rt.device, unfinalized)
-            if self._masked is not None:  # no surviving copy: routed nowhere, not renormalised
-                ids = tensors.topk_ids
-                ids = torch.where(torch.isin(ids, self._masked), torch.full_like(ids, -1), ids)
-                tensors = dataclasses.replace(tensors, topk_ids=ids)
-            if tensors.topk_weights.dtype != torch.float32:  # bf16 / fp16: exact
-                tensors = dataclasses.replace(tensors, topk_weights=tensors.topk_weights.float())
-            if out is None:
-                alloc = torch.empty if live is None else torch.zeros
-                out = alloc(
-                    (tensors.num_tokens, self.fleet.hidden_size),
-                    dtype=torch.bfloat16,
-                    device=rt.device,
-                )
-            kernel_out = out
-            if live is not None:  # the kernel sees the live rows only
-                tensors = dataclasses.replace(
-                    tensors,
-                    hidden_states=tensors.hidden_states[:live],
-                    topk_ids=tensors.topk_ids[:live],
-                    topk_weights=tensors.topk_weights[:live],
-                    output=None,
-                    num_valid_tokens_tensor=None,
-                )
-                kernel_out = out[:live]
-            handle = self._kernel.stage_inputs(tensors=tensors, output=kernel_out)
+            # on the caller's stream, the one a capture records: before switching to ours
+            capturing = self._check_not_capturing(rt.device)
+            with self._on_stream():  # the checks read the inputs too: on the layer's stream
+                return self._stage_on_stream(tensors, rt.device, unfinalized, capturing)
+
+    def _stage_on_stream(
+        self, tensors: MoEEpTensors, device: torch.device, unfinalized: bool, capturing: bool
+    ) -> StagedForward:
+        """`_stage`'s checks and staging. Under capture (`capturing`, a capturable kernel)
+        no device value is read on the host: the value checks are skipped, the live count
+        goes to the kernel as the device tensor and the load is counted on the device."""
+        out = validate_forward(tensors, self.fleet, device)
+        if unfinalized and out is not None:
+            raise MoeEpUsageError(
+                "MoEEpTensors.output must be None for forward_unfinalized(): it returns "
+                "its own (rows, weights, route_map) and writes no [n, H] output"
+            )
+        if not capturing:
+            check_forward_values(tensors, self.fleet)
+        live = self._live_tokens(tensors, device, unfinalized, capturing)
+        on_device = self._kernel.capturable and tensors.num_valid_tokens_tensor is not None
+        if self._masked is not None:  # no surviving copy: routed nowhere, not renormalised
+            ids = tensors.topk_ids
+            hit = (ids[..., None] == self._masked).any(dim=-1)  # isin's sort path syncs
+            tensors = dataclasses.replace(tensors, topk_ids=torch.where(hit, -1, ids))
+        if tensors.topk_weights.dtype != torch.float32:  # bf16 / fp16: exact
+            tensors = dataclasses.replace(tensors, topk_weights=tensors.topk_weights.float())
+        if out is None:
+            alloc = torch.zeros if on_device or live is not None else torch.empty
+            out = alloc(
+                (tensors.num_tokens, self.fleet.hidden_size), dtype=torch.bfloat16, device=device
+            )
+        kernel_out = out
+        # a capturable kernel takes every row and the count tensor (fixed shapes for capture)
+        if live is not None and not on_device:  # the others see the live rows only
+            tensors = dataclasses.replace(
+                tensors,
+                hidden_states=tensors.hidden_states[:live],
+                topk_ids=tensors.topk_ids[:live],
+                topk_weights=tensors.topk_weights[:live],
+                output=None,
+                num_valid_tokens_tensor=None,
+            )
+            kernel_out = out[:live]
+        handle = self._kernel.stage_inputs(tensors=tensors, output=kernel_out)
+        load = None
+        if self._load is not None:
             load = (
-                None
-                if self._load is None
+                device_pair_counts(
+                    tensors.topk_ids, self.fleet.num_experts, tensors.num_valid_tokens_tensor
+                )
+                if self._kernel.capturable
                 else expert_pair_counts(tensors.topk_ids, self.fleet.num_experts)
             )
         return StagedForward(out, handle, self, self._kernel, load, live)
 
-    def _check_not_capturing(self, device: torch.device) -> None:
-        if (
-            device.type == "cuda"
-            and torch.cuda.is_current_stream_capturing()
-            and not self._kernel.capturable
-        ):
+    def _check_not_capturing(self, device: torch.device) -> bool:
+        """Whether this forward is being captured (`stream_capturing`); refused for a kernel
+        instance that is not `capturable`, or on another stream than the layer's own."""
+        if not stream_capturing(device):
+            return False
+        if not self._kernel.capturable:
             raise MoeEpUsageError(
                 f"kernel {self.kernel_name!r} cannot be captured in a CUDA graph: its forward "
                 "reads routing counts on the host (docs/runtime.md, 'Graph capture'); run "
                 "this layer outside the capture, or use any_bf16_bf16_bf16_torch with "
                 "capture_safe=True"
             )
+        if self._stream is not None:
+            capturing_on = torch.cuda.current_stream(device).cuda_stream
+            if capturing_on != self._stream.cuda_stream:
+                raise MoeEpUsageError(
+                    f"this layer works on BootstrapConfig.stream={self._stream.cuda_stream}, "
+                    f"but the capture records stream {capturing_on}: the layer's work would "
+                    "run outside the graph; capture on the layer's stream"
+                )
+        return True
 
     def _live_tokens(
-        self, tensors: MoEEpTensors, device: torch.device, unfinalized: bool
+        self, tensors: MoEEpTensors, device: torch.device, unfinalized: bool, capturing: bool
     ) -> int | None:
-        """The checked live-token count, None without one (refused where not honoured)."""
+        """The checked live-token count, None without one (refused where not honoured);
+        None under capture too (its value is not read: the kernel reads it on the device)."""
         if tensors.num_valid_tokens_tensor is None:
             return None
         if not self._kernel_cls.supports_live_tokens:
@@ -411,6 +462,9 @@ class MoEEpLayer:
                 "flashinfer, a live count and the unfinalized result do not combine): "
                 "pass only the live rows"
             )
+        if capturing:
+            check_live_tensor(tensors, device)
+            return None
         return live_token_count(tensors, self.fleet, device)
 
     def compute_staged(self, staged: StagedForward) -> torch.Tensor:

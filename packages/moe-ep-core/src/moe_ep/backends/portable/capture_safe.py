@@ -10,8 +10,12 @@ forward can be captured in a CUDA graph:
   token row and, per top-k slot of the token, the local expert (-1: not for that rank) and
   the top-k weight. Empty slots carry a zero row and -1 everywhere.
 - Invalid pairs (id -1, rows at or past `num_valid_tokens_tensor`) are masked on device.
-  Ids outside `[-1, E)` are masked too (the layer refuses them before this runs; a direct
-  caller of the kernel gets them routed nowhere, as id -1).
+  Ids outside `[-1, E)` are masked too: an eager `MoEEpLayer` forward refuses them before
+  this runs, but a forward under capture (whose checks read no device value) and a direct
+  caller of the kernel get them routed nowhere, as id -1. A count below 0 leaves no row
+  live, one above n every row.
+- Output rows at or past the count keep the values they held (they are copied back over
+  themselves), so a caller's buffer keeps them and the layer's own, zeroed, stays zero.
 - Experts: a device stable sort by local expert (invalid pairs last) and two
   `torch._grouped_mm` with device int32 end offsets; rows past the last offset are not
   computed and are zeroed before the combine.
