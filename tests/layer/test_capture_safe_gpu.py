@@ -5,7 +5,8 @@ the same forward makes no host synchronisation). The kernel's stage + compute is
 once at max_tokens_per_rank with the live count a device tensor, then replayed with fewer
 live tokens; each replay must equal an eager forward of the live rows and leave the rows
 past the count as they were. The kernel alone is captured here; test_layer_capture_gpu.py
-captures `MoEEpLayer.forward` (docs/runtime.md, "Graph capture"). One rank: the all-to-all under capture (NCCL) is not exercised.
+captures `MoEEpLayer.forward` (docs/runtime.md, "Graph capture"). One rank: the
+all-to-all under capture (NCCL) is not exercised.
 """
 
 from __future__ import annotations
