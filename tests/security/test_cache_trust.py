@@ -445,6 +445,8 @@ _GEMM = ("fp8_moe_binding.cu", "fp8_moe_fc1_fused.cuh", "fp8_moe_jit.cuh",
 
 _FAKE_NVCC = """
     args = sys.argv[1:]
+    if args == ["--version"]:  # the cache key's toolchain version
+        sys.exit(print("fake nvcc: Cuda compilation tools, release 0.0"))
     out = Path(args[args.index("-o") + 1])
     with open(os.environ["FAKE_NVCC_LOG"], "a") as log:
         log.write(out.name + "\\n")

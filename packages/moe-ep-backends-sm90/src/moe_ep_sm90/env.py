@@ -17,7 +17,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "MOE_EP_PUSH_CACHE",
         "absolute directory (default $HOME/.cache/moe-ep/sm90_push)",
         "Where the sm90 push kernel's nvcc-built modules are cached, one subdirectory per "
-        "source digest. A relative path is refused. Created 0700; refused when another "
+        "digest of the sources, flags and toolchain versions (nvcc, torch, CUDA, "
+        "apache-tvm-ffi, arch). A relative path is refused. Created 0700; refused when another "
         "user could write it or a directory above it; an entry is loaded only if it is "
         "yours, not group/other-writable and matches the sha256 manifest recorded when it "
         "was built (else rebuilt).",

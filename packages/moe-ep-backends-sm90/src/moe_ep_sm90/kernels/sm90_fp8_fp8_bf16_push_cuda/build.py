@@ -20,7 +20,9 @@ Two uses:
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -41,12 +43,15 @@ __all__ = [
     "a2a_library_command",
     "binding_cubin_command",
     "build_modules",
+    "cache_entry_name",
     "find_sources",
     "gemm_commands",
     "load_modules",
     "module_flags",
+    "nvcc_version",
     "run",
     "source_digest",
+    "toolchain_versions",
 ]
 
 # FlashInfer's sm90a flags plus the GEMM module's own (shim/gemm.py `_module_flags`).
@@ -208,6 +213,73 @@ def source_digest(s: PushSources, flags: list[str]) -> str:
         h.update(path.read_bytes() + b"\0")
     h.update(json.dumps(flags).encode())
     return h.hexdigest()
+
+
+NVCC_VERSION_TIMEOUT_S = 60.0
+"""Bound on `nvcc --version` (it answers in well under a second)."""
+BUILD_ARCH = "sm_90a"
+"""The arch both modules are built for (`build_modules`)."""
+
+
+@functools.cache
+def nvcc_version(nvcc: str) -> str:
+    """`nvcc --version`'s output, read once per nvcc path and process (bounded by
+    `NVCC_VERSION_TIMEOUT_S`); `MoeEpUnavailableError` naming the command when it is missing,
+    fails or does not answer in time."""
+    try:
+        proc = subprocess.run(
+            [nvcc, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=NVCC_VERSION_TIMEOUT_S,
+            check=False,
+        )
+    except FileNotFoundError:
+        raise MoeEpUnavailableError(
+            f"nvcc {nvcc!r} was not found: the sm90 push modules are built with the CUDA "
+            "toolkit's nvcc (put it on PATH)"
+        ) from None
+    except OSError as exc:  # e.g. not executable
+        raise MoeEpUnavailableError(f"nvcc {nvcc!r} cannot be run: {exc}") from None
+    except subprocess.TimeoutExpired:
+        raise MoeEpUnavailableError(
+            f"{nvcc} --version did not answer within {NVCC_VERSION_TIMEOUT_S} s"
+        ) from None
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise MoeEpUnavailableError(
+            f"{nvcc} --version exited {proc.returncode} with no version: {proc.stderr[-2000:]}"
+        )
+    return proc.stdout.strip()
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def toolchain_versions(nvcc: str, arch: str = BUILD_ARCH) -> dict[str, str]:
+    """What besides the sources decides the modules' bits: nvcc's `--version`, torch and
+    its CUDA, the apache-tvm-ffi package ("absent" when not installed) and the arch."""
+    import torch
+
+    return {
+        "nvcc": nvcc_version(nvcc),
+        "torch": str(torch.__version__),
+        "torch.version.cuda": str(torch.version.cuda),
+        "apache-tvm-ffi": _package_version("apache-tvm-ffi"),
+        "arch": arch,
+    }
+
+
+def cache_entry_name(s: PushSources, nvcc: str, arch: str = BUILD_ARCH) -> str:
+    """The cache entry's name: 20 hex digits of sha256 over `source_digest` (sources and
+    flags) and `toolchain_versions`, so another nvcc, torch, CUDA, tvm-ffi or arch gets
+    another entry. The sources-only digest stays what the generated header carries."""
+    h = hashlib.sha256(source_digest(s, module_flags(arch)).encode() + b"\0")
+    h.update(json.dumps(toolchain_versions(nvcc, arch), sort_keys=True).encode())
+    return h.hexdigest()[:20]
 
 
 def write_build_config(gen_dir: Path, digest: str) -> Path:
@@ -381,7 +453,8 @@ def _build_entry(s: PushSources, nvcc: str, out: Path) -> None:
 def build_modules(
     s: PushSources, cache_dir: Path | None = None, *, nvcc: str | None = None
 ) -> BuiltModules:
-    """Compile and link both modules into the cache entry `<cache_dir>/<digest>/`, or
+    """Compile and link both modules into the cache entry `<cache_dir>/<name>/` (name:
+    `cache_entry_name`, over the sources, flags and toolchain versions), or
     reuse that entry when it passes the checks of `moe_ep.cache_trust` (private, every file
     matching its recorded sha256); `cache_dir` defaults to `default_cache_dir()` and is
     checked the same way. Ranks of one host may build at once: each builds privately and
@@ -394,7 +467,8 @@ def build_modules(
 
     Raises:
         MoeEpUsageError: `cache_dir` (or MOE_EP_PUSH_CACHE) is relative.
-        MoeEpUnavailableError: the cache directory is not private (or HOME is unusable).
+        MoeEpUnavailableError: the cache directory is not private (or HOME is unusable);
+            nvcc is missing or `nvcc --version` fails.
         RuntimeError: a compile failed (its command and output).
     """
     nvcc = nvcc or shutil.which("nvcc") or "nvcc"
@@ -402,7 +476,7 @@ def build_modules(
         root = default_cache_dir()
     else:
         root = cache_trust.private_dir(cache_dir, origin=f"cache_dir={str(cache_dir)!r}")
-    name = source_digest(s, module_flags())[:20]
+    name = cache_entry_name(s, nvcc)
     entry = cache_trust.find_entry(root, name)
     if entry is None:
         staged = cache_trust.stage(root, name, lambda out: _build_entry(s, nvcc, out))

@@ -74,9 +74,9 @@ class Sm90Fp8Fp8Bf16PushCudaKernel(PooledKernel):
     """Push-style dispatch (senders write into peers' buffers) + fp8 block-scale GEMMs.
 
     Peer memory is a torch symmetric-memory window (no NVSHMEM); the two TVM-FFI modules are
-    built with nvcc on first use (cached by source digest), and FC1 / FC2 GEMM kernels are
-    generated at run time (nvcc / NVRTC), so `nvcc` must be on PATH. Layers of one config,
-    geometry and device share one pipe (window, scratch, GEMM buffers).
+    built with nvcc on first use (cached by sources and toolchain versions), and FC1 / FC2
+    GEMM kernels are generated at run time (nvcc / NVRTC), so `nvcc` must be on PATH. Layers
+    of one config, geometry and device share one pipe (window, scratch, GEMM buffers).
     """
 
     config_cls: ClassVar[type[Sm90_Fp8_Fp8_Bf16_PushCuda_MegaMoeConfig]] = (
