@@ -57,11 +57,34 @@ def _die_in_eviction(eviction: Any) -> None:
     eviction.FaultBoard = dying_board
 
 
+def _second_kill(
+    layer: Any, tensors: Any, rank: int, plan: dict[str, Any], out: dict[str, Any]
+) -> None:
+    """After the first eviction: the kill2 ranks SIGKILL themselves; the others' next forward
+    raises (explicit evict: "verdict2", "survivors2", "after3") or evicts on its own (auto)."""
+    from moe_ep import MoeEpPeerError
+
+    layer._runtime.barrier()  # every survivor past its earlier forwards before the kill
+    if rank in plan["kill2"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        out["after3"] = to_wire(layer(tensors))
+    except MoeEpPeerError as exc:
+        out["verdict2"] = _error(exc)
+        out["survivors2"] = layer.evict(exc.failed_ranks)
+        out["after3"] = to_wire(layer(tensors))
+    out["second_s"] = time.monotonic() - t0
+    out["new_rank2"], out["new_world2"] = layer.rank, layer.world_size
+
+
 def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
     """Forward 1 (healthy), then the plan's fault in forward 2, then (survivors) evict
     and forward the same tokens again. `plan`: mode, kill (ranks that SIGKILL themselves
     before forward 2), stop (it SIGSTOPs itself, rank 0 resumes it after the eviction), die_in_evict
-    (a survivor that dies inside the eviction's first barrier)."""
+    (a survivor that dies inside the eviction's first barrier), external (the store is the
+    test process's: `external_store=True`), kill2 (old ranks that SIGKILL themselves after
+    the first eviction's forwards: the others evict again, "after3")."""
     from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
     from moe_ep.layer import eviction
     from moe_ep.placement_weights import slice_weights
@@ -72,7 +95,9 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
     layout = placement or Placement.contiguous(E, world_size)
     p = problem(rank)
     layer = MoEEpLayer(
-        BootstrapConfig(world_size, rank, timeout_s=TIMEOUT_S),
+        BootstrapConfig(
+            world_size, rank, timeout_s=TIMEOUT_S, external_store=bool(plan.get("external"))
+        ),
         FleetParams(E, T, H, placement=placement),
         slice_weights(MoEWeightPack(p["w13"], p["w2"]), layout, rank),
         "any_bf16_bf16_bf16_torch",
@@ -120,6 +145,8 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
         return out
     if plan.get("auto"):
         out["new_rank"], out["new_world"] = layer.rank, layer.world_size
+        if plan.get("kill2"):
+            _second_kill(layer, tensors, rank, plan, out)
         layer.destroy()
         return out
     if rank in plan.get("die_in_evict", []):
@@ -152,6 +179,8 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
         for r in plan.get("stop", []):
             os.kill(pids[r], signal.SIGCONT)
     out["after2"] = to_wire(layer(tensors))
+    if plan.get("kill2"):
+        _second_kill(layer, tensors, rank, plan, out)
     if plan.get("stop"):
         time.sleep(2.0)  # the resumed rank reads its verdict from rank 0's store
     t0 = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -9,18 +10,28 @@ import torch
 from evict_cases import evict_worker
 from layer_cases import from_wire
 
+from moe_ep.runtime.store_server import serve_store
 from moe_ep.spawn import launch_local
 
 
 def _run(world_size: int, plan: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    run = launch_local(evict_worker, world_size, plan, timeout_s=120, failure_grace_s=60)
-    bad = [f for f in run.failures if f.rank not in plan.get("kill", []) + plan.get("die", [])]
+    with contextlib.ExitStack() as stack:
+        env = None
+        if plan.get("external"):  # this process serves the store: no EP rank hosts it
+            server = stack.enter_context(serve_store())
+            env = {"MASTER_ADDR": server.host, "MASTER_PORT": str(server.port)}
+        run = launch_local(
+            evict_worker, world_size, plan, timeout_s=120, failure_grace_s=60, env=env
+        )
+    dead = plan.get("kill", []) + plan.get("die", []) + plan.get("kill2", [])
+    bad = [f for f in run.failures if f.rank not in dead]
     assert not bad, bad
     return run.results
 
 
 def _survivors(results: dict[int, dict[str, Any]], plan: dict[str, Any]) -> list[dict[str, Any]]:
     gone = set(plan.get("kill", [])) | set(plan.get("stop", [])) | set(plan.get("die", []))
+    gone |= set(plan.get("kill2", []))
     return [results[r] for r in sorted(results) if r not in gone]
 
 
@@ -113,7 +124,45 @@ def test_the_store_host_lost_is_refused_clearly() -> None:
     for res in _survivors(_run(4, plan), plan):
         assert res["verdict"]["failed_ranks"] == [0]
         (err,) = res["evict_errors"]
-        assert err["error"].startswith("MoeEpUnavailableError") and "store" in err["error"]
+        assert err["error"].startswith("MoeEpUnavailableError")
+        assert "store's host (EP rank 0) is among the failed" in err["error"]
+        assert "external_store=True" in err["error"] and "serve_store()" in err["error"]
+
+
+def test_rank_0_lost_with_an_external_store_keeps_the_bits_and_evicts_again() -> None:
+    # the store is this process's: rank 0 is an EP rank like any other. After it, old rank
+    # 2 (new rank 1) dies too: old ranks 1 and 3 still hold every expert
+    plan = {"mode": "replicate", "kill": [0], "external": True, "kill2": [2]}
+    results = _run(4, plan)
+    alive = _survivors(results, plan)
+    assert [r["rank"] for r in alive] == [1, 3]
+    for res in alive:
+        assert res["verdict"]["failed_ranks"] == [0], res["verdict"]
+        assert res["survivors"] == [[1, 2, 3]]
+        assert res["new_world"] == 3 and res["new_rank"] == res["rank"] - 1
+        assert torch.equal(from_wire(res["after"]), from_wire(res["before"]))
+        assert torch.equal(from_wire(res["after2"]), from_wire(res["before"]))
+        assert res["verdict2"]["failed_ranks"] == [1], res["verdict2"]  # new numbering
+        assert res["survivors2"] == [0, 2]
+        assert (res["new_rank2"], res["new_world2"]) == ([1, 3].index(res["rank"]), 2)
+        assert torch.equal(from_wire(res["after3"]), from_wire(res["before"]))
+        assert res["warnings"] == []
+        assert res["destroy_s"] < 3.0 + 2.0
+    assert 2 not in results  # it died after the first eviction, as planned
+
+
+def test_auto_evict_serves_through_losing_rank_0_with_an_external_store() -> None:
+    plan = {"mode": "replicate", "kill": [0], "external": True, "auto": True, "kill2": [2]}
+    alive = _survivors(_run(4, plan), plan)
+    assert [r["rank"] for r in alive] == [1, 3]
+    for res in alive:
+        assert "verdict" not in res, res["verdict"]
+        assert torch.equal(from_wire(res["forward2"]), from_wire(res["before"]))
+        assert res["new_world"] == 3
+        # old rank 2 (new rank 1) dies next: its experts 4, 5 are on old rank 1 too
+        assert "verdict2" not in res, res["verdict2"]
+        assert torch.equal(from_wire(res["after3"]), from_wire(res["before"]))
+        assert res["new_world2"] == 2
 
 
 def _layer(**kw: Any) -> Any:

@@ -54,6 +54,16 @@ class BootstrapConfig:
             MASTER_ADDR/MASTER_PORT are set.
         timeout_s: keyword-only. Seconds any bootstrap, barrier or teardown wait may take;
             None = MOE_EP_TIMEOUT_S, else 120.
+        external_store: keyword-only. True: the rendezvous store at `init_method` (else
+            MASTER_ADDR/MASTER_PORT) is served by a process that is no EP rank (e.g.
+            `moe_ep.runtime.store_server.serve_store()` in a launcher or Ray driver);
+            every rank, rank 0 included, connects to it as a client, as under torchrun's
+            agent store, so losing any one rank (rank 0 too) leaves the store up and
+            `MoEEpLayer.evict` can rebuild (docs/placement.md, "Eviction"). False
+            (default): rank 0 hosts the store, except under torchrun
+            (TORCHELASTIC_USE_AGENT_STORE) where the agent does. Needs
+            auto_bootstrap=True and no process_group (a host's group brings its own
+            store), and an address to reach (checked at acquire).
 
     The positional fields are flashinfer-python 0.7.4's `flashinfer.moe_ep.BootstrapConfig`,
     in its order (`world_size, rank, stream, auto_bootstrap, nccl_comm, process_group,
@@ -77,6 +87,7 @@ class BootstrapConfig:
     device: int | None = None
     init_method: str | None = None
     timeout_s: float | None = None
+    external_store: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -140,6 +151,21 @@ class BootstrapConfig:
                     f"{_env.MAX_TIMEOUT_S:g} (one week), or None, got {t!r}"
                 )
             set_(self, "timeout_s", float(t))
+        if not isinstance(self.external_store, bool):
+            raise MoeEpUsageError(
+                f"BootstrapConfig.external_store must be a bool, got {self.external_store!r} "
+                f"({type(self.external_store).__name__})"
+            )
+        if self.external_store and not self.auto_bootstrap:
+            raise MoeEpUsageError(
+                "BootstrapConfig.external_store=True contradicts auto_bootstrap=False: the "
+                "store is only joined when moe-ep initialises torch.distributed itself"
+            )
+        if self.external_store and self.process_group is not None:
+            raise MoeEpUsageError(
+                "BootstrapConfig.external_store=True contradicts process_group=: moe-ep "
+                "then uses the host's group and the host's store, and joins no store itself"
+            )
 
     def effective_timeout_s(self, env: Mapping[str, str] | None = None) -> float:
         """`timeout_s`, else MOE_EP_TIMEOUT_S from `env` (default `os.environ`), else 120."""

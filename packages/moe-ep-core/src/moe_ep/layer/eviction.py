@@ -40,6 +40,16 @@ _ABANDONED: list[Any] = []
 destructor, which joins worker threads an abandoned collective may still hold."""
 
 
+_OUTSIDE_STORE = (
+    "To survive losing any rank, rank 0 included, serve the store outside the EP ranks: "
+    "moe_ep.runtime.store_server.serve_store() in the launcher (or `python -m "
+    "moe_ep.runtime.store_server` on a host of its own) and BootstrapConfig("
+    "external_store=True, init_method=its address) on every rank; under torchrun too, "
+    "since its agent store lives in node 0's agent, which exits with a failed worker "
+    "(docs/placement.md, 'Eviction')"
+)
+
+
 def check_mode(mode: str | None, placement: Placement) -> None:
     """The construction's check of `eviction=` (None: `evict()` is refused)."""
     if mode is None:
@@ -131,11 +141,18 @@ def check_eviction(
             f"evict() rebuilds a gloo group (CPU); this runtime's group is {state.backend}, "
             "whose rebuild is not supported: restart the processes"
         )
-    if state.store.host_rank in failed or state.store.lost is not None:
+    host = state.store.host_rank
+    if host is not None and host in failed:
         raise MoeEpUnavailableError(
-            f"evict(): the rendezvous store's host (EP rank {state.store.host_rank}) is among "
-            f"the failed ranks {list(failed)}: the survivors cannot rebuild through its store; "
-            "restart the processes"
+            f"evict(): the rendezvous store's host (EP rank {host}) is among the failed "
+            f"ranks {list(failed)}: the survivors cannot rebuild through its store; restart "
+            f"the processes. {_OUTSIDE_STORE}"
+        )
+    if state.store.lost is not None:
+        raise MoeEpUnavailableError(
+            f"evict(failed_ranks={list(failed)}): the rendezvous store is gone "
+            f"({state.store.lost}): the survivors cannot rebuild without it; restart the "
+            f"processes. {_OUTSIDE_STORE}"
         )
     return state, failed
 

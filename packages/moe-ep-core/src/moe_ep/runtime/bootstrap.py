@@ -61,6 +61,8 @@ def _check_compatible(state: RuntimeState, config: BootstrapConfig, res: DeviceR
         )
     if config.process_group is not None and config.process_group is not state.host_group:
         problems.append("a different process_group than the active runtime's")
+    if config.external_store and (state.store is None or state.store.host_rank is not None):
+        problems.append("external_store=True vs the active runtime's store, which an EP rank hosts")
     want = "cpu" if res.ordinal is None else f"cuda:{res.ordinal}"
     if want != str(state.device):
         problems.append(f"device {want} vs the active {state.device}")
@@ -78,16 +80,18 @@ def acquire(config: BootstrapConfig, *, requirements: RuntimeRequirements | None
     The first acquire in a process binds the CUDA device (`resolve_local_device`), then
     reuses `config.process_group` or an initialised default group (never destroying it),
     else initialises torch.distributed itself: rendezvous at `config.init_method`
-    ("tcp://HOST:PORT") or, when MASTER_ADDR/MASTER_PORT are set, there (env://); at world
-    size 1 with neither, over a local in-process store (no network); gloo on CPU and under
-    MEGA_SINGLE_GPU_GLOO=1, NCCL with `device_id` on CUDA. Rank 0 then shares a random run
+    ("tcp://HOST:PORT") or, when MASTER_ADDR/MASTER_PORT are set, there (env://), in a
+    store rank 0 hosts unless `config.external_store` (or torchrun's agent) serves it; at
+    world size 1 with neither, over a local in-process store (no network); gloo on CPU and
+    under MEGA_SINGLE_GPU_GLOO=1, NCCL with `device_id` on CUDA. Rank 0 then shares a random run
     token over the group, which seals the store keys of barriers and fault reports.
     NVSHMEM is initialised only when `requirements.nvshmem`. Later acquires with the same
     config share that state (ref-counted).
 
     Raises:
-        MoeEpUsageError: bad config, no way to rendezvous (world size > 1 with neither
-            init_method nor MASTER_ADDR/MASTER_PORT), a rendezvous host that does not
+        MoeEpUsageError: bad config, no way to rendezvous (world size > 1, or
+            external_store, with neither init_method nor MASTER_ADDR/MASTER_PORT;
+            external_store with a host-initialised group), a rendezvous host that does not
             resolve, ranks that disagree on the world size, a group whose size/rank
             disagrees with the config, or auto_bootstrap=False without an initialised group.
         MoeEpUnavailableError: requirements this machine cannot meet (raised before any
@@ -207,6 +211,12 @@ def _bootstrap(
             group, what = config.process_group, "BootstrapConfig.process_group"
         else:
             group, what = dist.group.WORLD, "the host's default process group"  # type: ignore[assignment]
+            if config.external_store:
+                raise MoeEpUsageError(
+                    "BootstrapConfig.external_store=True, but torch.distributed is already "
+                    "initialised by the host: moe-ep uses its default group and store and "
+                    "joins none; drop external_store or let moe-ep initialise the group"
+                )
         _check_group(group, config, what)
         store = host_store(group)
         state = RuntimeState(

@@ -3,7 +3,8 @@
 One process (world size 1) with no rendezvous configured gets a local in-process store.
 The store rank 0 hosts listens only on the address the ranks use (a socket moe-ep binds
 itself, handed to torch's TCPStore as `master_listen_fd`), so `MASTER_ADDR=127.0.0.1`
-stays on loopback.
+stays on loopback. With `BootstrapConfig.external_store` (or torchrun's agent store) no EP
+rank hosts it: every rank is a client (`moe_ep.runtime.store_server` serves one).
 
 Barriers run over the store rather than the process group: a dead peer then shows up as a
 missing key, which names the rank, instead of a hung or aborted collective.
@@ -37,6 +38,7 @@ __all__ = [
     "host_store",
     "port_open",
     "rendezvous_url",
+    "serve_tcp_store",
     "store_barrier",
     "world_size_claims",
 ]
@@ -128,7 +130,7 @@ def store_barrier(
         raise fail(board.lost_verdict(lost)) from lost
     if not host_waits_for_exit:
         return
-    if rank != STORE_HOST:
+    if rank != store.host_rank:  # None (served outside the EP ranks): nobody waits
         # The host may be gone already; nothing is left to coordinate then.
         with contextlib.suppress(StoreLost):
             if store.add(keys.key(f"{name}/left"), 1, end) == world_size - 1:
@@ -178,7 +180,7 @@ def rendezvous_url(config: BootstrapConfig) -> tuple[str, int] | None:
     """(host, port) of the store: `config.init_method` wins, else MASTER_ADDR/MASTER_PORT
     (whose RANK / WORLD_SIZE, when set, must agree with the config); else None at world size
     1 (one process has no one to meet: `create_store` makes a local store); else a usage
-    error."""
+    error (always one with `config.external_store`: it names a store to reach)."""
     if config.init_method is not None:
         parsed = urlparse(config.init_method)
         if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
@@ -188,6 +190,13 @@ def rendezvous_url(config: BootstrapConfig) -> tuple[str, int] | None:
             )
         return parsed.hostname, parsed.port
     addr_port = _env.master_addr_port()
+    if addr_port is None and config.external_store:
+        raise MoeEpUsageError(
+            "BootstrapConfig.external_store=True needs the external store's address: pass "
+            "init_method='tcp://HOST:PORT' (e.g. moe_ep.runtime.store_server.serve_store()"
+            ".init_method) or set MASTER_ADDR and MASTER_PORT; neither is set (world size "
+            f"{config.world_size})"
+        )
     if addr_port is None and config.world_size > 1:
         raise MoeEpUsageError(
             "torch.distributed is not initialised and moe-ep cannot initialise it: "
@@ -244,18 +253,30 @@ def _resolve(host: str, port: int, source: str, deadline: float) -> tuple[int, s
     return int(family), str(sockaddr[0])
 
 
-def _listen(family: int, address: str, port: int) -> int:
-    """A listening socket on exactly (address, port); returns its fd (torch's TCPStore
-    takes ownership)."""
+def _listen(family: int, address: str, port: int) -> tuple[int, int]:
+    """A listening socket on exactly (address, port) (port 0: one the kernel picks);
+    returns its fd (torch's TCPStore takes ownership) and the port it is bound to."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((address, port))
         sock.listen(socket.SOMAXCONN)
+        bound = int(sock.getsockname()[1])
     except BaseException:
         sock.close()
         raise
-    return sock.detach()
+    return sock.detach(), bound
+
+
+def serve_tcp_store(family: int, address: str, port: int, timeout_s: float) -> tuple[Any, int]:
+    """A TCPStore server listening only on (address, port) (0: a free port), with no fixed
+    world size; returns it and its port. The server runs until the object is dropped."""
+    fd, bound = _listen(family, address, port)
+    store = dist.TCPStore(
+        address, bound, None, True, datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False, master_listen_fd=fd,
+    )  # fmt: skip
+    return store, bound
 
 
 LIFETIME_KEY = "moe_ep/lifetime"  # which runtime lifetime the store's keys belong to
@@ -267,8 +288,10 @@ def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> Bo
 
     Returns the store with every key under `moe_ep/life-<lifetime>/`. Rank 0 listens only
     on the rendezvous address. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True at
-    MASTER_ADDR:PORT) the elastic agent already serves a store there, so every rank is a
-    client of it, as torch's own env:// rendezvous does.
+    MASTER_ADDR:PORT) the elastic agent already serves a store there, and with
+    `config.external_store` another process does (`moe_ep.runtime.store_server`): then
+    every rank is a client of it, as torch's own env:// rendezvous does, and the store's
+    `host_rank` is None (no EP rank's loss takes it down).
 
     Rank 0 writes `LIFETIME_KEY` = `lifetime` into the store; other ranks accept a store only
     once it shows their lifetime. So a rank that bootstraps again right after a teardown,
@@ -276,9 +299,10 @@ def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> Bo
     (reconnecting when that store goes away) instead of joining a stale store.
 
     Raises:
-        MoeEpUsageError: the rendezvous host does not resolve.
+        MoeEpUsageError: the rendezvous host does not resolve; external_store without an
+            address.
         MoeEpTimeoutError: the store did not answer (or show this lifetime) in time.
-        MoeEpPeerError: rank 0 could not host the store.
+        MoeEpPeerError: rank 0 could not host the store, or nothing served it.
     """
     url = rendezvous_url(config)
     prefix = f"moe_ep/life-{lifetime}"
@@ -289,9 +313,14 @@ def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> Bo
     source = "BootstrapConfig.init_method" if config.init_method is not None else "MASTER_ADDR"
     agent = _env.torchelastic_agent_store() and _env.master_addr_port() == (host, port)
     is_rank0 = config.rank == STORE_HOST
-    serve = is_rank0 and not agent
-    desc = f"the torchelastic agent at {host}:{port}" if agent else f"rank 0 at {host}:{port}"
-    host_rank = None if agent else STORE_HOST
+    serve = is_rank0 and not agent and not config.external_store
+    if agent:
+        desc = f"the torchelastic agent at {host}:{port}"
+    elif config.external_store:
+        desc = f"the external store server at {host}:{port}"
+    else:
+        desc = f"rank 0 at {host}:{port}"
+    host_rank = None if agent or config.external_store else STORE_HOST
     deadline = time.monotonic() + timeout_s
     family, address = _resolve(host, port, source, deadline)
     store_timeout = datetime.timedelta(seconds=timeout_s)
@@ -299,7 +328,7 @@ def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> Bo
 
     def connect() -> Any:
         if serve:
-            fd = _listen(family, address, port)
+            fd, _ = _listen(family, address, port)
             store: Any = dist.TCPStore(
                 address, port, config.world_size, True, store_timeout,
                 wait_for_workers=False, master_listen_fd=fd,
@@ -309,7 +338,7 @@ def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> Bo
         store = dist.TCPStore(
             address, port, config.world_size, False, store_timeout, wait_for_workers=False
         )  # fmt: skip
-        if is_rank0:  # rank 0 of a torchelastic job: the agent serves, rank 0 marks it
+        if is_rank0:  # the agent or an external server serves: rank 0 only marks it
             store.set(LIFETIME_KEY, want)
             return store
         # a store of an earlier lifetime (or of another job) is not ours: try again
@@ -347,11 +376,18 @@ def create_store(config: BootstrapConfig, timeout_s: float, lifetime: int) -> Bo
     # store already reached stops answering); one that refuses, or never listened, is gone
     # or never came (`MoeEpPeerError`, as when a reached store goes away).
     cls = MoeEpTimeoutError if frozen else MoeEpPeerError
+    who = "" if host_rank is None else f"rank(s) [{host_rank}] failed: "
+    hint = (
+        "; is the store server running there (moe_ep.runtime.store_server)?"
+        if config.external_store and not agent
+        else ""
+    )
     raise cls(
-        f"moe-ep bootstrap: rank(s) [0] failed: rank {config.rank} could not reach the "
+        f"moe-ep bootstrap: {who}rank {config.rank} could not reach the "
         f"rendezvous store hosted by {desc} (or it never showed lifetime {lifetime}) within "
         f"{timeout_s:g} s (world size {config.world_size})"
-        + (f": {last_error}" if last_error else ""),
+        + (f": {last_error}" if last_error else "")
+        + hint,
         failed_ranks=() if host_rank is None else (host_rank,),
     ) from last_error
 
