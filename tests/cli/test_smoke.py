@@ -1,4 +1,5 @@
-"""`moe-ep smoke`: a real run per mode, counting the survivors' SMOKE_RESULT lines."""
+"""`moe-ep smoke`: a real run per mode (and one losing rank 0, which the smoke's own store
+server makes survivable), counting the survivors' SMOKE_RESULT lines."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ LINE = re.compile(
 )
 
 
-@pytest.mark.parametrize(("mode", "kill"), [("replicate", 3), ("mask", 1)])
+@pytest.mark.parametrize(("mode", "kill"), [("replicate", 3), ("mask", 1), ("replicate", 0)])
 def test_smoke_prints_one_line_per_survivor(mode: str, kill: int) -> None:
     start = time.monotonic()
     done = subprocess.run(
@@ -37,9 +38,10 @@ def test_smoke_prints_one_line_per_survivor(mode: str, kill: int) -> None:
             assert f"masked_experts=[{2 * kill}, {2 * kill + 1}]" in m[5]
 
 
-def test_smoke_refuses_killing_the_store_host() -> None:
+def test_smoke_refuses_a_kill_rank_outside_the_world() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "moe_ep.cli", "smoke", "--kill-rank", "0"],
+        [sys.executable, "-m", "moe_ep.cli", "smoke", "--kill-rank", "4"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert done.returncode == 2 and "--kill-rank must be in [1, 4)" in done.stderr
+    assert done.returncode == 2
+    assert "--kill-rank must be in [0, --world-size=4), got 4" in done.stderr

@@ -2,8 +2,9 @@
 survivors evict the dead rank and go on (docs/placement.md, "Eviction").
 
 Every step each rank forwards fresh tokens; before step `--kill-step` rank `--kill-rank`
-SIGKILLs itself; the survivors get the verdict, `evict` it and serve that step and the
-rest. Each survivor prints one line:
+(any rank, 0 included: this parent process serves the rendezvous store, the ranks join it
+with `external_store=True`) SIGKILLs itself; the survivors get the verdict, `evict` it and
+serve that step and the rest. Each survivor prints one line:
 
     SMOKE_RESULT rank=R verdict=[K] matched_oracle=true|false ...
 
@@ -44,10 +45,9 @@ class SmokeSpec:
         """Usage errors, before any process starts."""
         if self.world_size < 2:
             raise MoeEpUsageError(f"--world-size must be >= 2, got {self.world_size}")
-        if not 1 <= self.kill_rank < self.world_size:
+        if not 0 <= self.kill_rank < self.world_size:
             raise MoeEpUsageError(
-                f"--kill-rank must be in [1, {self.world_size}), got {self.kill_rank}: rank 0 "
-                "hosts the rendezvous store, without which the survivors cannot rebuild"
+                f"--kill-rank must be in [0, --world-size={self.world_size}), got {self.kill_rank}"
             )
         if not 1 <= self.kill_step < self.steps:
             raise MoeEpUsageError(
@@ -99,7 +99,7 @@ def smoke_rank(rank: int, world_size: int, spec: SmokeSpec) -> dict[str, Any]:
     w13 = (torch.randn(e, 2 * _I, _H, generator=g) / _H**0.5).bfloat16()
     w2 = (torch.randn(e, _H, _I, generator=g) / _I**0.5).bfloat16()
     layer = MoEEpLayer(
-        BootstrapConfig(world_size, rank, timeout_s=spec.timeout_s),
+        BootstrapConfig(world_size, rank, timeout_s=spec.timeout_s, external_store=True),
         FleetParams(e, _T, _H, placement=placement),
         slice_weights(MoEWeightPack(w13, w2), placement, rank),
         "any_bf16_bf16_bf16_torch",
@@ -144,13 +144,15 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "smoke",
         help="serving loop on local CPU ranks with a scheduled kill; survivors evict and go on",
-        description="Spawns --world-size CPU ranks (gloo) serving --steps forwards; rank "
+        description="Spawns --world-size CPU ranks (gloo) serving --steps forwards, with "
+        "the rendezvous store served by this process (so any rank may be killed); rank "
         "--kill-rank SIGKILLs itself before step --kill-step; the survivors evict it "
         "(--mode) and serve the rest. Prints one SMOKE_RESULT line per survivor; exit 0 "
         "when every survivor matched the oracle, 1 otherwise, 4 when a survivor failed.",
     )
     p.add_argument("--world-size", type=int, default=4, help="local ranks (default 4)")
-    p.add_argument("--kill-rank", type=int, default=1, help="the rank killed (default 1)")
+    p.add_argument("--kill-rank", type=int, default=1,
+                   help="the rank killed, 0 included (default 1)")  # fmt: skip
     p.add_argument("--mode", choices=("mask", "replicate"), default="replicate",
                    help="eviction mode (default replicate)")  # fmt: skip
     p.add_argument("--steps", type=int, default=5, help="forwards per rank (default 5)")
@@ -161,6 +163,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moe_ep.cli.exits import EXIT_CHECK_FAILED, EXIT_OK, EXIT_PEER
+    from moe_ep.runtime.store_server import serve_store
     from moe_ep.spawn import launch_local
 
     spec = SmokeSpec(
@@ -168,9 +171,13 @@ def run(args: argparse.Namespace) -> int:
     )
     spec.check()
     start = time.monotonic()
-    result = launch_local(
-        smoke_rank, spec.world_size, spec, timeout_s=_RUN_BOUND_S, failure_grace_s=_RUN_BOUND_S
-    )
+    # the store outlives every rank: no rank's loss, rank 0's included, takes it down
+    with serve_store("127.0.0.1") as store:
+        env = {"MASTER_ADDR": store.host, "MASTER_PORT": str(store.port)}
+        result = launch_local(
+            smoke_rank, spec.world_size, spec, timeout_s=_RUN_BOUND_S,
+            failure_grace_s=_RUN_BOUND_S, env=env,
+        )  # fmt: skip
     code = EXIT_OK
     for rank in range(spec.world_size):
         if rank == spec.kill_rank:
