@@ -1,7 +1,8 @@
 """A torchrun worker of test_evict_torchrun: world 4 over two agents, every expert on both
 nodes; rank `argv[2]` SIGKILLs itself in the second forward; the survivors evict (again
 when a rank dies during the eviction: its agent stops its other worker) and check the bits.
-Writes `<argv[1]>/<rank>.json`."""
+With `argv[3]` (a `tcp://` address) the ranks join the store served there
+(`external_store=True`) instead of the agent's. Writes `<argv[1]>/<rank>.json`."""
 
 import json
 import os
@@ -26,6 +27,7 @@ from moe_ep.placement_weights import slice_weights
 torch.set_num_threads(1)
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 kill = int(sys.argv[2])
+store = sys.argv[3] if len(sys.argv) > 3 else None
 per = E // world
 half = world // 2  # rank r also holds rank (r + half)'s experts: every expert on both nodes
 p = Placement.from_rank_slots(
@@ -40,7 +42,7 @@ prob = problem(rank)  # the eviction tests' weights and this rank's tokens
 w13, w2 = prob["w13"], prob["w2"]
 t = MoEEpTensors(prob["x"], prob["ids"], prob["w"])
 layer = MoEEpLayer(
-    BootstrapConfig(world, rank, timeout_s=3.0),
+    BootstrapConfig(world, rank, timeout_s=3.0, init_method=store, external_store=bool(store)),
     FleetParams(E, T, H, placement=p),
     slice_weights(MoEWeightPack(w13, w2), p, rank),
     "any_bf16_bf16_bf16_torch",
