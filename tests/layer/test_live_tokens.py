@@ -173,4 +173,4 @@ def test_only_the_portable_kernels_honour_a_count() -> None:
     for info in available_kernels():
         cls = get_kernel(info.name)
         assert cls.supports_live_tokens == issubclass(cls, PortableTorchKernel), info.name
-        assert not cls.capturable, info.name  # none is capturable through the layer yet
+        assert not cls.capturable, info.name  # per instance (capture_safe=True), not per class
