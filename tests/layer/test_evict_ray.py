@@ -1,63 +1,74 @@
-"""A local Ray cluster, one actor per EP rank (CPU, gloo): the driver hands the rendezvous
-address to the actors, one actor is killed mid-serving, and the survivors (auto_evict,
-replicate mode) keep serving with the same bits. Ray is optional (never a dependency of
-moe-ep); run with `uv run --with ray pytest tests/layer/test_evict_ray.py`."""
+"""A local Ray cluster, one actor per EP rank (CPU, gloo): the driver serves the rendezvous
+store (`serve_store`) and hands its address to the actors (`external_store=True`), so no
+actor hosts it; the rank-0 actor, then actor 2, are killed mid-serving, and the survivors
+(auto_evict, replicate mode) keep serving with the same bits. Ray is optional (the
+`moe-ep-core[ray]` extra, never a dependency of moe-ep); run with
+`uv run --with 'ray>=2.40' pytest tests/layer/test_evict_ray.py`."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from moe_ep.spawn import free_port
+from moe_ep.runtime.store_server import serve_store
 
-ray = pytest.importorskip("ray", reason="Ray is optional: uv run --with ray pytest ...")
+ray = pytest.importorskip(
+    "ray", reason="Ray is optional: uv run --with 'ray>=2.40' pytest tests/layer/test_evict_ray.py"
+)
 
 pytestmark = pytest.mark.multirank
 
+CASES = str(Path(__file__).parent)  # evict_cases.py and layer_cases.py: the actors import them
 
-def test_ray_actor_killed_mid_serving_survivors_keep_the_bits() -> None:
+
+def test_ray_actors_killed_mid_serving_rank_0_included_survivors_keep_the_bits() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        _serve_and_kill()
+        with serve_store("127.0.0.1") as store:  # the driver serves it: no actor hosts it
+            _serve_and_kill(store.init_method)
     finally:
         ray.shutdown()
 
 
-def _serve_and_kill() -> None:
+def _serve_and_kill(init_method: str) -> None:
     @ray.remote(num_cpus=1)
     class EpRank:  # defined here: Ray pickles it by value, no test module import in the actor
         def __init__(self, rank: int, world_size: int, init_method: str) -> None:
             self.args = (rank, world_size, init_method)
 
-        def setup(self) -> None:  # collective: every actor's setup runs at once
-            import torch
+        def prepare(self) -> list[str]:  # local: imports and inputs, before the collective
+            import sys
 
-            from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
-            from moe_ep.placement import Placement
-            from moe_ep.placement_weights import slice_weights
+            found = list(sys.path)  # the worker's own path: the test folder is not on it
+            sys.path.insert(0, CASES)
+            import torch
+            from evict_cases import problem
+
+            from moe_ep import MoEEpTensors
 
             torch.set_num_threads(1)
+            self.p = problem(self.args[0])
+            self.tensors = MoEEpTensors(self.p["x"], self.p["ids"], self.p["w"])
+            return found
+
+        def setup(self) -> None:  # collective: every actor's setup runs at once
+            from evict_cases import E, H, T, two_copies
+
+            from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEWeightPack
+            from moe_ep.placement_weights import slice_weights
+
             rank, world, init_method = self.args
-            e, h, i, k, t = 8, 128, 64, 2, 12
-            per = e // world
-            p = Placement.from_rank_slots(
-                e,
-                [list(range(r * per, (r + 2) * per)) if r + 1 < world
-                 else list(range(r * per, e)) + list(range(per)) for r in range(world)],
-            )  # fmt: skip
-            g = torch.Generator().manual_seed(7)
-            w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).bfloat16()
-            w2 = (torch.randn(e, h, i, generator=g) / i**0.5).bfloat16()
-            g = torch.Generator().manual_seed(100 + rank)
-            x = torch.randn(t, h, generator=g).bfloat16()
-            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-            self.tensors = MoEEpTensors(x, ids, torch.rand(t, k, generator=g))
+            p = self.p
+            placement = two_copies(world)
             self.layer = MoEEpLayer(
                 # on a GPU node: device=<the actor's assigned device ordinal>
-                BootstrapConfig(world, rank, init_method=init_method, timeout_s=3.0),
-                FleetParams(e, t, h, placement=p),
-                slice_weights(MoEWeightPack(w13, w2), p, rank),
+                BootstrapConfig(
+                    world, rank, init_method=init_method, timeout_s=3.0, external_store=True
+                ),
+                FleetParams(E, T, H, placement=placement),
+                slice_weights(MoEWeightPack(p["w13"], p["w2"]), placement, rank),
                 "any_bf16_bf16_bf16_torch",
                 eviction="replicate",
                 auto_evict=True,
@@ -68,18 +79,23 @@ def _serve_and_kill() -> None:
             return y.view(-1).view(dtype=__import__("torch").int16).tolist(), self.layer.world_size
 
     world = 4
-    address = f"tcp://127.0.0.1:{free_port()}"  # the driver picks it and hands it out
-    actors = [EpRank.remote(r, world, address) for r in range(world)]
+    actors = [EpRank.remote(r, world, init_method) for r in range(world)]
+    # a slow actor start (imports) must not count against the bootstrap's timeout_s
+    paths = ray.get([a.prepare.remote() for a in actors], timeout=120)
+    assert all(CASES not in p for p in paths)  # so the insert above is what finds evict_cases
     ray.get([a.setup.remote() for a in actors], timeout=120)
     first: dict[int, Any] = dict(enumerate(ray.get([a.step.remote() for a in actors], timeout=60)))
     alive = list(range(world))
-    for step in range(4):
+    kills = {1: 0, 3: 2}  # step -> the actor killed while that step is in flight
+    for step in range(5):
         refs = {r: actors[r].step.remote() for r in alive}
-        if step == 1:  # mid-serving: the step is in flight on every rank
-            ray.kill(actors[2])
-            alive.remove(2)
+        if step in kills:  # mid-serving: the step is in flight on every rank
+            ray.kill(actors[kills[step]])
+            alive.remove(kills[step])
         for r in alive:
             bits, size = ray.get(refs[r], timeout=60)
             assert bits == first[r][0], (step, r)  # replicate: the same bits
-            assert size == (world if step == 0 else 3) or step == 1
-    assert ray.get([actors[r].step.remote() for r in alive], timeout=60)[0][1] == 3
+            if step not in kills:
+                assert size == world - sum(k < step for k in kills), (step, r, size)
+    assert alive == [1, 3]  # old ranks 1 and 3 hold every expert (evict_cases.two_copies)
+    assert [s for _, s in ray.get([actors[r].step.remote() for r in alive], timeout=60)] == [2, 2]
