@@ -182,7 +182,8 @@ def test_quick_bench_covers_every_kernel_and_fits_two_minutes_on_a_quiet_machine
     assert main(argv) == EXIT_OK
     elapsed = time.monotonic() - start
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == len(QUICK_SHAPES) * 2 * 2 * len(available_kernels())
+    assert len(rows) == len(QUICK_SHAPES) * 2 * len(available_kernels())  # EP 1, 2; uniform
+    assert {r["routing"] for r in rows} == {"uniform"}
     assert len(list(tmp_path.glob("bench_*.png"))) == len(QUICK_SHAPES)
     if load < 1.0:  # the two-minute bound is stated for a quiet machine only
         assert elapsed < 120, f"--quick took {elapsed:.0f} s at load {load:.2f}"

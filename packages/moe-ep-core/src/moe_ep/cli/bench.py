@@ -30,7 +30,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="one small shape per regime (prefill-like, decode-like) at EP 1 and 2",
+        help="one small shape per regime (prefill-like, decode-like) at EP 1 and 2, uniform "
+        "routing",
     )
     p.add_argument(
         "--shape",
@@ -50,8 +51,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--routing",
         nargs="+",
-        default=["uniform", "skewed"],
-        help="uniform and / or skewed (about 70%% of tokens to one expert)",
+        default=None,
+        help="uniform and / or skewed (about 70%% of tokens to one expert; default both, "
+        "quick: uniform)",
     )
     p.add_argument(
         "--kernel", action="append", default=[], help="a kernel to run (default: all available)"
@@ -81,10 +83,11 @@ def request(args: argparse.Namespace) -> Any:
     base = () if args.only_shapes else (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     eps = args.ep if args.ep is not None else ([1, 2] if args.quick else [1, 2, 4])
     reps = args.reps if args.reps is not None else (3 if args.quick else 5)
+    routings = args.routing or (["uniform"] if args.quick else ["uniform", "skewed"])
     return BenchRequest(
         shapes=(*base, *extra),
         world_sizes=tuple(eps),
-        routings=tuple(dict.fromkeys(args.routing)),
+        routings=tuple(dict.fromkeys(routings)),
         kernels=tuple(dict.fromkeys(kernel_name(k) for k in args.kernel)) or available_kernels(),
         reps=reps,
         warmup=args.warmup,
