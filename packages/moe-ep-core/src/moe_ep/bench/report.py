@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,6 +103,7 @@ PANELS = (
     ("median", "median forward time (ms, lower is better)", "ms"),
     ("vs_bandwidth", "layer / bandwidth limit (lower is better)", "ratio"),
     ("vs_dense", "layer / dense GEMMs of equal FLOPs (lower is better)", "ratio"),
+    ("peer_over_layer", "transformers' fastest / layer (higher is better)", "ratio"),
 )
 
 
@@ -114,11 +116,13 @@ def _value(row: BenchRow, key: str) -> float:
 
 def plot_families(rows: Sequence[BenchRow], machine: str, out_dir: Path) -> list[Path]:
     """One PNG per shape family: per world size (columns) the median time, layer /
-    bandwidth limit and layer / dense against tokens per rank (rows of panels, x log), one
-    line per kernel (solid uniform, dashed skewed routing), a dashed black line at each
-    stated target. Returns the paths."""
+    bandwidth limit, layer / dense and the peer's time / layer against tokens per rank
+    (rows of panels, x log), one line per kernel (solid uniform, dashed skewed routing), a
+    dashed black line at each stated target; the legend below the panels. Returns the
+    paths."""
     from matplotlib import colormaps
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
 
     from moe_ep.bench import plots
 
@@ -130,7 +134,7 @@ def plot_families(rows: Sequence[BenchRow], machine: str, out_dir: Path) -> list
     for fam, frows in families.items():
         sizes = sorted({r.world_size for r in frows})
         n = len(sizes)
-        fig, axes = plots.figure(len(PANELS), n, width=4.6 * n + 3.5, height=10)
+        fig, axes = plots.figure(len(PANELS), n, width=4.6 * n + 3.5, height=13)
         what = "moe-ep bench: time and ratios against tokens per rank"
         plots.title(fig, what, fam, machine)
         kernels = list(dict.fromkeys(r.kernel for r in frows))
@@ -139,12 +143,18 @@ def plot_families(rows: Sequence[BenchRow], machine: str, out_dir: Path) -> list
             here = [r for r in frows if r.world_size == ws]
             for p, (key, title, unit) in enumerate(PANELS):
                 ax = axes[p * n + c]
+                if all(math.isnan(_value(r, key)) for r in here):  # e.g. the peer at EP > 1
+                    _no_data(ax, f"EP{ws}: {title}", key)
+                    continue
                 if single:  # one token count: bars per kernel, not lines of one point
                     _bars(ax, here, kernels, key)
                 else:
                     _lines(ax, here, kernels, key, colormaps["tab10"])
                     ax.set_xlabel("tokens per rank")
                     ax.set_yscale("log")
+                    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 3, not 3 x 10^0
+                    ax.yaxis.set_major_formatter(plain)
+                    ax.yaxis.set_minor_formatter(plain)
                 if key != "median":
                     _target_lines(ax, here, key)
                 ax.set_ylabel(unit)
@@ -154,7 +164,14 @@ def plot_families(rows: Sequence[BenchRow], machine: str, out_dir: Path) -> list
         handles, labels = axes[0].get_legend_handles_labels()
         handles.append(Line2D([], [], color="black", linestyle="--", linewidth=1))
         labels.append("target (EP1, uniform)")
-        fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
+        fig.legend(
+            handles,
+            labels,
+            loc="outside lower center",
+            ncols=min(3, len(labels)),
+            fontsize=8,
+            frameon=False,
+        )
         paths.append(plots.save(fig, out_dir / f"bench_{_slug(fam)}.png"))
     return paths
 
@@ -197,18 +214,28 @@ def _bars(ax: Any, rows: Sequence[BenchRow], kernels: list[str], key: str) -> No
     ax.set_xticks(range(len(kernels)), short, rotation=35, ha="right", fontsize=7)
 
 
+def _no_data(ax: Any, title: str, key: str) -> None:
+    """An empty panel that says why (the peer runs at EP1 only; else nothing measured)."""
+    why = "transformers' experts run at EP1 only" if key == "peer_over_layer" else "not measured"
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, fontsize=8)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(title, fontsize=9)
+
+
 def _target_lines(ax: Any, rows: Sequence[BenchRow], key: str) -> None:
     """A dashed line at each stated target of ratio `key`, labelled with the tokens it
     judges."""
-    seen = set()
+    judged: dict[Any, set[int]] = {}
     for r in rows:
         t = r.targets.get(key)
-        if t is None or (t, r.shape.tokens) in seen:
-            continue
-        seen.add((t, r.shape.tokens))
+        if t is not None:
+            judged.setdefault(t, set()).add(r.shape.tokens)
+    for t, tokens in judged.items():
+        at = ", ".join(str(n) for n in sorted(tokens))
         ax.axhline(t.bound, color="black", linestyle="--", linewidth=1)
         ax.annotate(
-            f"target {t.label()} (T={r.shape.tokens}, EP1 uniform)",
+            f"target {t.label()} (T={at}, EP1 uniform)",
             xy=(0.01, t.bound),
             xycoords=ax.get_yaxis_transform(),
             xytext=(0, 3),
