@@ -14,7 +14,7 @@ import torch
 from moe_ep.bench.harness import RankRow, traffic
 from moe_ep.bench.results import SCHEMA, BenchRow, merge
 from moe_ep.bench.runner import BenchRequest, check_request
-from moe_ep.bench.shapes import BenchShape, parse_shape
+from moe_ep.bench.shapes import BenchShape, deepseek_like, parse_shape
 from moe_ep.bench.targets import VS_DENSE_PREFILL, VS_LIMIT, layer_targets
 from moe_ep.cli import EXIT_OK, EXIT_USAGE, main
 from moe_ep.errors import MoeEpUsageError
@@ -143,6 +143,27 @@ def test_targets_apply_at_ep1_uniform_on_the_shapes_the_runbook_names() -> None:
 def test_bad_shape_is_a_usage_error_naming_the_option(text: str, rule: str) -> None:
     with pytest.raises(MoeEpUsageError, match=rf"--shape.*{rule}.*{text}"):
         parse_shape(text)
+
+
+@pytest.mark.parametrize(
+    ("gib", "family", "inter"),
+    [
+        (None, "DeepSeek-like I/8", 256),  # memory unknown: as on a 24 GiB box
+        (22.4, "DeepSeek-like I/8", 256),  # this box: 2.6 GiB of bf16 weights
+        (8, "DeepSeek-like I/32", 64),
+        (64, "DeepSeek-like I/4", 512),
+        (200, "DeepSeek-like", 2048),  # the whole model's 21 GiB
+        (0.01, "DeepSeek-like I/64", 32),
+    ],
+)
+def test_the_deepseek_like_shape_is_scaled_to_the_memory(
+    gib: float | None, family: str, inter: int
+) -> None:
+    # 8 bytes per weight at the peak within half the memory: 3*H*I*E*8 <= gib/2
+    shapes = deepseek_like(None if gib is None else int(gib * 2**30))
+    assert [(s.family, s.tokens, s.hidden, s.inter, s.experts, s.topk) for s in shapes] == [
+        (family, t, 7168, inter, 256, 8) for t in (16, 64)
+    ]
 
 
 def test_bad_requests_are_refused_before_any_rank_starts() -> None:

@@ -46,14 +46,40 @@ def _family(
     return [BenchShape(name, t, *dims) for t in tokens]
 
 
-DEFAULT_SHAPES: tuple[BenchShape, ...] = (
+CPU_SHAPES: tuple[BenchShape, ...] = (
     # the CPU benchmarks' prefill, mid (T=512) and decode shapes (benchmarks/layer_speed.py)
     *_family("prefill", (2048, 1024, 16, 4), (1024, 4096)),
     *_family("mid", (2048, 768, 64, 8), (128, 512)),
     *_family("decode", (2048, 1024, 64, 8), (1, 4, 16, 64)),
-    # DeepSeek-V3's E=256 k=8 H=7168 with I=2048 / 8: 2.6 GiB of bf16 weights, not 21 GiB
-    *_family("DeepSeek-like I/8", (7168, 256, 256, 8), (16, 64)),
 )
+DEEPSEEK_V3 = (7168, 2048, 256, 8)
+"""DeepSeek-V3's routed experts: H, I, E, k."""
+PEAK_PER_WEIGHT_BYTES = 8
+"""Host bytes the bench may hold per expert weight at its peak (estimate): the bf16 pack (2),
+a quantized kernel's fp32 dequantized copy (4), its codes and the peer's copy (about 2)."""
+
+
+def deepseek_like(available_bytes: int | None) -> list[BenchShape]:
+    """DeepSeek-V3's E=256 k=8 H=7168 at T=16 and 64 with I = 2048 / d, d the smallest power
+    of two (1 to 64) whose weights, at `PEAK_PER_WEIGHT_BYTES` each, fit in half of
+    `available_bytes` (None: unknown, d = 8: 2.6 GiB of bf16 weights, as on a 24 GiB box)."""
+    h, i, e, k = DEEPSEEK_V3
+    d = 8
+    if available_bytes is not None:
+        d = next(
+            (d for d in (1, 2, 4, 8, 16, 32) if 3 * h * (i // d) * e * PEAK_PER_WEIGHT_BYTES
+             <= available_bytes // 2),
+            64,
+        )  # fmt: skip
+    name = "DeepSeek-like" if d == 1 else f"DeepSeek-like I/{d}"
+    return _family(name, (h, i // d, e, k), (16, 64))
+
+
+def default_shapes(available_bytes: int | None) -> tuple[BenchShape, ...]:
+    """The default shapes: the CPU families and DeepSeek-like scaled to `available_bytes`."""
+    return (*CPU_SHAPES, *deepseek_like(available_bytes))
+
+
 QUICK_SHAPES: tuple[BenchShape, ...] = (
     BenchShape("prefill-like", 512, 1024, 512, 16, 4),
     BenchShape("decode-like", 16, 1024, 512, 32, 8),

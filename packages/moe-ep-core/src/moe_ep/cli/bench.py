@@ -77,10 +77,13 @@ def add_parser(sub: Any) -> None:
 def request(args: argparse.Namespace) -> Any:
     """The `BenchRequest` of the parsed options (usage errors name the option)."""
     from moe_ep.bench.runner import BenchRequest, available_kernels, kernel_name
-    from moe_ep.bench.shapes import DEFAULT_SHAPES, QUICK_SHAPES, parse_shape
+    from moe_ep.bench.shapes import QUICK_SHAPES, default_shapes, parse_shape
+    from moe_ep.cli.capacity import available_memory_bytes
 
     extra = tuple(parse_shape(s) for s in args.shape)
-    base = () if args.only_shapes else (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
+    base: tuple[Any, ...] = ()
+    if not args.only_shapes:
+        base = QUICK_SHAPES if args.quick else default_shapes(available_memory_bytes())
     eps = args.ep if args.ep is not None else ([1, 2] if args.quick else [1, 2, 4])
     reps = args.reps if args.reps is not None else (3 if args.quick else 5)
     routings = args.routing or (["uniform"] if args.quick else ["uniform", "skewed"])
