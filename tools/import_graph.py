@@ -45,11 +45,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "moe_ep.drop_tree",
         "moe_ep.quant",
         "moe_ep.spawn",
-        "moe_ep.tuning",
     ),
     ("moe_ep.runtime",),
     ("moe_ep.registry",),
     ("moe_ep.backends",),
+    # the tuning cache and knob grids: they know the portable kernel's thread rule
+    ("moe_ep.tuning",),
     ("moe_ep.oracle", "moe_ep.layer"),
     ("moe_ep.cli", "moe_ep"),
 )

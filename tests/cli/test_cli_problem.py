@@ -143,7 +143,7 @@ def test_rank_memory_estimate_counts_the_shard_the_rows_and_the_oracle() -> None
 
 def _machine(monkeypatch: pytest.MonkeyPatch, *, gib: float, cores: int) -> None:
     monkeypatch.setattr(capacity, "available_memory_bytes", lambda: int(gib * 2**30))
-    monkeypatch.setattr(capacity, "usable_cores", lambda: cores)
+    monkeypatch.setattr(capacity, "usable_cpus", lambda: cores)
 
 
 def test_capacity_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,7 +164,7 @@ def test_capacity_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_available_memory_is_read() -> None:
     available = capacity.available_memory_bytes()
     assert available is not None and available > 2**26
-    assert capacity.usable_cores() >= 1
+    assert capacity.usable_cpus() >= 1
 
 
 def test_run_warns_before_spawning(

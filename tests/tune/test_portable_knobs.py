@@ -16,7 +16,8 @@ import torch
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
 from moe_ep.backends.portable import comm, experts
 from moe_ep.backends.portable import kernel as portable_kernel
-from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig, usable_cpus
+from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
+from moe_ep.device import usable_cpus
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.registry import get_kernel
 from moe_ep.spawn import free_port

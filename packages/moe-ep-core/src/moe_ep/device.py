@@ -6,6 +6,7 @@ NVSHMEM init all take their ordinal from `resolve_local_device`, so they can nev
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ __all__ = [
     "describe_device_resolution",
     "resolve_device_detailed",
     "resolve_local_device",
+    "usable_cpus",
     "warn_if_host_bound_elsewhere",
 ]
 
@@ -35,6 +37,15 @@ class DeviceResolution:
     device_count: int
     folded: bool
     """True when MEGA_SINGLE_GPU_GLOO=1 folded the ordinal `% device_count`."""
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; `os.cpu_count()` where the
+    platform has none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _torch_device_count() -> int:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from moe_ep.device import usable_cpus
+
 CPUINFO = Path("/proc/cpuinfo")
 SIMD_FLAGS = (
     "avx2",
@@ -99,10 +101,7 @@ class Machine:
 def this_machine(threads: Sequence[int] | None = None) -> Machine:
     """This machine; `threads` defaults to torch's current intra-op thread count."""
     logical = os.cpu_count() or 1
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = logical
+    usable = usable_cpus()
     info = _read_cpuinfo()
     try:
         load: float | None = os.getloadavg()[0]

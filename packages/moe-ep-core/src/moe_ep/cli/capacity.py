@@ -7,13 +7,13 @@ import os
 from pathlib import Path
 
 from moe_ep.cli.problem import ORACLE_CHUNK_BYTES, JobSpec, oracle_bytes_per_expert
+from moe_ep.device import usable_cpus
 
 __all__ = [
     "RANK_BASELINE_BYTES",
     "available_memory_bytes",
     "capacity_warnings",
     "rank_memory_bytes",
-    "usable_cores",
 ]
 
 RANK_BASELINE_BYTES = 256 << 20
@@ -61,14 +61,6 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def capacity_warnings(spec: JobSpec, *, on_cuda: bool) -> list[str]:
     """One line per way the ranks of `spec` would overload this machine (none if they fit)."""
     warnings = []
@@ -83,7 +75,7 @@ def capacity_warnings(spec: JobSpec, *, on_cuda: bool) -> list[str]:
             f"{available / _GIB:.1f} GiB is available; the out-of-memory killer may stop them "
             "(use fewer ranks or a smaller shape)"
         )
-    cores = usable_cores()
+    cores = usable_cpus()
     if not on_cuda and ws > cores:
         warnings.append(
             f"--world-size {ws}: more ranks than the {cores} CPU core(s) available; the ranks "

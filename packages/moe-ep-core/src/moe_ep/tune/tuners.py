@@ -129,8 +129,8 @@ def tune_rank(
     import torch
 
     from moe_ep import BootstrapConfig
-    from moe_ep.backends.portable.configs import usable_cpus
     from moe_ep.bench.progress import Steps
+    from moe_ep.device import usable_cpus
     from moe_ep.registry import get_kernel
     from moe_ep.runtime import acquire
     from moe_ep.spawn import free_port

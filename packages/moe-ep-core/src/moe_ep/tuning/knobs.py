@@ -53,7 +53,7 @@ def portable_grid(world_size: int | None = None, cpus: int | None = None) -> Gri
     """The portable kernels' grid: `cpu_threads` at every world size (with the fused CPU
     library the bits do not depend on it: `thread_count_keeps_bits`), `dedup` at world size
     > 1 (None: any world size, every knob). `cpus`: the usable CPUs (None: this process's)."""
-    from moe_ep.backends.portable.configs import usable_cpus
+    from moe_ep.device import usable_cpus
 
     cores = usable_cpus() if cpus is None else cpus
     share = cores if world_size is None else max(1, cores // world_size)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import InitVar, dataclass
 from typing import ClassVar
 
 from moe_ep.compat.renames import either_name
 from moe_ep.contract import KernelConfig
+from moe_ep.device import usable_cpus
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.quant import FP8_FC2_ACT_BLOCKS, GATE_UP_BLOCKS
 
@@ -24,7 +24,6 @@ __all__ = [
     "PortableConfig",
     "check_bool",
     "check_positive_float",
-    "usable_cpus",
 ]
 
 
@@ -37,15 +36,6 @@ def check_positive_float(name: str, value: object) -> None:
         or value <= 0
     ):
         raise MoeEpUsageError(f"{name} must be a finite float > 0, got {value!r}")
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask; `os.cpu_count()` where the
-    platform has none)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def check_bool(name: str, value: object) -> None:
