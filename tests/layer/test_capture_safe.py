@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from capture_cases import MAX_T, SENTINEL, E, H, K, bf16_layer, live_count, step_inputs
 from layer_cases import Case, from_wire, make_problem, to_wire
 from sync_recorder import recording
 
@@ -30,43 +31,19 @@ from moe_ep.oracle import compare_to_oracle, oracle_forward
 from moe_ep.placement import Placement
 from moe_ep.spawn import free_port, spawn_local
 
-MAX_T, H, K, E = 6, 256, 4, 8
 WEIGHTS = Case("capture_safe", experts=E, seed=3)
-SENTINEL = 7.0
 
 
 def _count(step: int, rank: int) -> int:
-    """0..MAX_T over the steps, shifted per rank (every rank a different count per step)."""
-    return (step + 2 * rank) % (MAX_T + 1)
+    return live_count(step, rank, shift=2)
 
 
 def _step_inputs(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """MAX_T rows, some padded slots and a duplicate id; rows past the count hold NaN."""
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x = torch.randn(MAX_T, H, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(MAX_T)])
-    ids[torch.rand(MAX_T, K, generator=g) < 0.2] = -1
-    ids[1, 1] = ids[1, 0]
-    w = torch.rand(MAX_T, K, generator=g)
-    x[_count(step, rank) :] = float("nan")  # dispatched, they would poison the sums
-    return x, ids, w
+    return step_inputs(step, rank, seed=0, shift=2, duplicate=(1, 1))
 
 
 def _layer(world_size: int, rank: int, **config: Any) -> MoEEpLayer:
-    p = make_problem(WEIGHTS, world_size)
-    el = E // world_size
-    s = slice(rank * el, (rank + 1) * el)
-    boot = (
-        BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
-        if world_size == 1
-        else BootstrapConfig(world_size, rank, timeout_s=60.0)
-    )
-    return MoEEpLayer(
-        boot,
-        FleetParams(E, MAX_T, H),
-        MoEWeightPack(p["w13"][s], p["w2"][s]),
-        Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(**config),
-    )
+    return bf16_layer(WEIGHTS, world_size, rank, **config)
 
 
 def _kernel_forward(

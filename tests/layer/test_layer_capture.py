@@ -27,19 +27,17 @@ from typing import Any
 
 import pytest
 import torch
+from capture_cases import MAX_T, SENTINEL, E, H, K, bf16_layer, live_count, step_inputs
 from layer_cases import Case, from_wire, make_problem, to_wire
 from sync_recorder import recording
 
-from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
-from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
+from moe_ep import MoEEpLayer, MoEEpTensors
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.layer import layer as layer_module
 from moe_ep.oracle import compare_to_oracle, oracle_forward
-from moe_ep.spawn import free_port, spawn_local
+from moe_ep.spawn import spawn_local
 
-MAX_T, H, K, E = 6, 256, 4, 8
 WEIGHTS = Case("layer_capture", experts=E, seed=5)
-SENTINEL = 7.0
 
 
 @contextlib.contextmanager
@@ -58,38 +56,15 @@ def simulated_capture() -> Iterator[None]:
 
 
 def _count(step: int, rank: int) -> int:
-    """0..MAX_T over the steps, shifted per rank (every rank a different count per step)."""
-    return (step + 3 * rank) % (MAX_T + 1)
+    return live_count(step, rank, shift=3)
 
 
 def _step_inputs(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """MAX_T rows, padded slots and a duplicate id; rows past the count hold NaN."""
-    g = torch.Generator().manual_seed(1000 + 100 * step + rank)
-    x = torch.randn(MAX_T, H, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(MAX_T)])
-    ids[torch.rand(MAX_T, K, generator=g) < 0.2] = -1
-    ids[2, 3] = ids[2, 0]
-    w = torch.rand(MAX_T, K, generator=g)
-    x[_count(step, rank) :] = float("nan")  # dispatched, they would poison the sums
-    return x, ids, w
+    return step_inputs(step, rank, seed=1000, shift=3, duplicate=(2, 3))
 
 
 def _layer(world_size: int, rank: int, *, count_load: bool = False, **config: Any) -> MoEEpLayer:
-    p = make_problem(WEIGHTS, world_size)
-    el = E // world_size
-    s = slice(rank * el, (rank + 1) * el)
-    boot = (
-        BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
-        if world_size == 1
-        else BootstrapConfig(world_size, rank, timeout_s=60.0)
-    )
-    return MoEEpLayer(
-        boot,
-        FleetParams(E, MAX_T, H),
-        MoEWeightPack(p["w13"][s], p["w2"][s]),
-        Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(**config),
-        count_load=count_load,
-    )
+    return bf16_layer(WEIGHTS, world_size, rank, count_load=count_load, **config)
 
 
 def _sentinel() -> torch.Tensor:
