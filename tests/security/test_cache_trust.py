@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from push_fakes import push_sources
 
 from moe_ep import env
 from moe_ep.backends.portable import cpu_fused
@@ -440,9 +441,6 @@ def test_two_processes_building_at_once_both_load_one_entry(fused: Path, tmp_pat
 
 # -- the sm90 push module cache ---------------------------------------------------------
 
-_GEMM = ("fp8_moe_binding.cu", "fp8_moe_fc1_fused.cuh", "fp8_moe_jit.cuh",
-         "fp8_moe_launcher.cuh", "fp8_moe_scheduler.cuh")  # fmt: skip
-
 _FAKE_NVCC = """
     args = sys.argv[1:]
     if args == ["--version"]:  # the cache key's toolchain version
@@ -465,27 +463,6 @@ _FAKE_NVCC = """
     srcs = [Path(a).name for a in args if a.endswith((".cu", ".o"))]
     out.write_text("module built from " + " ".join(srcs))
 """
-
-
-def _push_sources(tmp_path: Path) -> object:
-    push_build = pytest.importorskip("moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.build")
-    drop, deps = tmp_path / "drop", tmp_path / "deps"
-    for name in _GEMM:
-        (drop / "fp8_gemm").mkdir(parents=True, exist_ok=True)
-        (drop / "fp8_gemm" / name).write_text(f"// {name}\n")
-    (drop / "a2a").mkdir()
-    for name in ("sm90_push_a2a_ops.cu", "sm90_push_a2a.cuh"):
-        (drop / "a2a" / name).write_text(f"// {name}\n")
-    (deps / "csrc").mkdir(parents=True)
-    (deps / "csrc" / "common.h").write_text("// deps\n")
-    return push_build.PushSources(
-        drop_src=drop,
-        deps_src=deps,
-        tvm_include=tmp_path,
-        tvm_lib_dir=tmp_path,
-        cuda_wheel_includes=(),
-        cuda_wheel_libs=(),
-    )
 
 
 @pytest.fixture
@@ -511,7 +488,7 @@ def test_push_cache_entry_planted_file_is_rebuilt(
 ) -> None:
     from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
-    s = _push_sources(tmp_path)
+    s = push_sources(tmp_path)
     cache = tmp_path / "push"
     built = push_build.build_modules(s, cache, nvcc=str(fake_nvcc))  # type: ignore[arg-type]
     genuine = built.gemm.read_text(), built.a2a.read_text()
@@ -545,7 +522,7 @@ def test_push_cache_directories_are_0700(tmp_path: Path, fake_nvcc: Path) -> Non
     cache = tmp_path / "c" / "push"
     old = os.umask(0o022)
     try:
-        built = push_build.build_modules(_push_sources(tmp_path), cache, nvcc=str(fake_nvcc))  # type: ignore[arg-type]
+        built = push_build.build_modules(push_sources(tmp_path), cache, nvcc=str(fake_nvcc))  # type: ignore[arg-type]
     finally:
         os.umask(old)
     for d in (cache.parent, cache, built.gemm.parent, built.jit_include_dirs[0]):
@@ -561,7 +538,7 @@ def test_push_cache_dir_another_user_can_write_is_refused(
 ) -> None:
     from moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda import build as push_build
 
-    s = _push_sources(tmp_path)
+    s = push_sources(tmp_path)
     cache = tmp_path / "push"
     cache.mkdir()
     reason = _loose_dir(kind, cache)
@@ -584,7 +561,7 @@ def test_push_builders_at_once_never_touch_each_others_files(
     """Builder A holds its first GEMM compile open until builder B reaches its own; A's
     fake nvcc fails if any file in the generated dir it compiles from changed meanwhile
     (before: B rewrote A's headers in the shared entry while A compiled from them)."""
-    s = _push_sources(tmp_path)
+    s = push_sources(tmp_path)
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     code = textwrap.dedent(

@@ -12,13 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from push_fakes import push_sources
 
 from moe_ep.errors import MoeEpUnavailableError
 
 push_build: Any = pytest.importorskip("moe_ep_sm90.kernels.sm90_fp8_fp8_bf16_push_cuda.build")
-
-_GEMM = ("fp8_moe_binding.cu", "fp8_moe_fc1_fused.cuh", "fp8_moe_jit.cuh",
-         "fp8_moe_launcher.cuh", "fp8_moe_scheduler.cuh")  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -26,26 +24,6 @@ def _fresh_versions() -> Any:
     push_build.nvcc_version.cache_clear()  # read once per path and process: not across tests
     yield
     push_build.nvcc_version.cache_clear()
-
-
-def _sources(tmp_path: Path) -> Any:
-    drop, deps = tmp_path / "drop", tmp_path / "deps"
-    (drop / "fp8_gemm").mkdir(parents=True)
-    for name in _GEMM:
-        (drop / "fp8_gemm" / name).write_text(f"// {name}\n")
-    (drop / "a2a").mkdir()
-    for name in ("sm90_push_a2a_ops.cu", "sm90_push_a2a.cuh"):
-        (drop / "a2a" / name).write_text(f"// {name}\n")
-    (deps / "csrc").mkdir(parents=True)
-    (deps / "csrc" / "common.h").write_text("// deps\n")
-    return push_build.PushSources(
-        drop_src=drop,
-        deps_src=deps,
-        tvm_include=tmp_path,
-        tvm_lib_dir=tmp_path,
-        cuda_wheel_includes=(),
-        cuda_wheel_libs=(),
-    )
 
 
 def _nvcc(tmp_path: Path, name: str, release: str = "12.8", body: str = "") -> str:
@@ -69,7 +47,7 @@ def _nvcc(tmp_path: Path, name: str, release: str = "12.8", body: str = "") -> s
 
 
 def test_the_same_inputs_give_the_same_name_and_nvcc_is_asked_once(tmp_path: Path) -> None:
-    s = _sources(tmp_path)
+    s = push_sources(tmp_path)
     nvcc = _nvcc(tmp_path, "nvcc")
     name = push_build.cache_entry_name(s, nvcc)
     assert len(name) == 20 and int(name, 16) >= 0
@@ -103,7 +81,7 @@ CHANGES = ["nvcc", "torch", "torch.version.cuda", "tvm-ffi", "tvm-ffi absent", "
 def test_changing_one_input_gives_another_name(
     change: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s = _sources(tmp_path)
+    s = push_sources(tmp_path)
     nvcc = first_nvcc = _nvcc(tmp_path, "nvcc")
     base = _planted_tvm("1.0.0")  # installed or not here, the absent case then differs
     monkeypatch.setattr(importlib.metadata, "version", base)
@@ -144,7 +122,7 @@ def test_the_recorded_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_nvcc_missing_failing_or_hanging_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s = _sources(tmp_path)
+    s = push_sources(tmp_path)
     missing = str(tmp_path / "no-such-nvcc")
     with pytest.raises(MoeEpUnavailableError, match=r"nvcc '.*no-such-nvcc' was not found"):
         push_build.build_modules(s, tmp_path / "cache", nvcc=missing)
@@ -166,7 +144,7 @@ def test_build_modules_files_entries_by_that_name(
 ) -> None:
     """Another torch version builds another entry; the generated header keeps the sources-only
     digest the run-time FC1 cache is keyed by."""
-    s = _sources(tmp_path)
+    s = push_sources(tmp_path)
     nvcc = _nvcc(tmp_path, "nvcc")
     cache = tmp_path / "cache"
     first = push_build.build_modules(s, cache, nvcc=nvcc)
