@@ -193,12 +193,12 @@ def _install_fault(sc: Scenario) -> None:
         real_a2a = comm._a2a
         seen = [0]
 
-        def a2a(*args: Any) -> None:
+        def a2a(*args: Any) -> Any:
             if args[5] == what:
                 seen[0] += 1
                 if seen[0] == FAULT_FORWARD:
                     _fire(sc.fault)
-            real_a2a(*args)
+            return real_a2a(*args)  # the received rows
 
         comm._a2a = a2a  # type: ignore[assignment]
 
@@ -386,6 +386,8 @@ def test_fault(sc: Scenario, reference: dict[int, dict[int, list[str]]], tmp_pat
             continue
         assert failed, (rank, out["steps"])
         failures[rank] = first = failed[0]
+        if sc.stage in ("dispatch", "combine"):  # the forward the fault was planted in
+            assert first["step"] == f"forward {FAULT_FORWARD}", (rank, out["steps"])
     for rank, first in failures.items():
         seen = (rank, first, _messages(run, survivors))
         assert first["kind"] in ("MoeEpPeerError", "MoeEpTimeoutError"), seen
