@@ -242,6 +242,37 @@ def test_e4m3_codes_decode_as_torch_does(vector: bool | cpu_fused.Body) -> None:
 
 
 @pytest.mark.parametrize("vector", BODIES, ids=BODY_IDS)
+@pytest.mark.parametrize("scale_kind", ["fp32", "e8m0"])
+def test_scaled_e4m3_codes_decode_as_code_times_scale(
+    vector: bool | cpu_fused.Body, scale_kind: str
+) -> None:
+    """Every finite code under scales that are subnormal, ordinary, just below 2^8 and from
+    2^8 up (the AVX2 body's short decode folds 2^120 * scale into one product below 2^8 and
+    takes the general decode from there): each output is torch's e4m3fn value times the
+    scale, one fp32 product; a row with one NaN code (the general decode) is NaN."""
+    need_body(vector)
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    row = torch.cat([finite, finite[:2]])  # 256 elements: 8 blocks of 32
+    rows = torch.stack([row, row.roll(37), row.flip(0)])
+    rows[2, 70] = 0x7F  # a NaN code in block 2 of row 2
+    if scale_kind == "fp32":
+        values = [2.0**-140, 2.0**-126, 0.37, 1.0, 255.9, 256.0, 3.0e5, 2.0**100]
+        scales = torch.tensor(values, dtype=torch.float32).repeat(3, 1)
+        factor = scales
+    else:
+        scales = torch.tensor([0, 1, 100, 127, 134, 135, 136, 200], dtype=torch.uint8).repeat(3, 1)
+        factor = quant.e8m0_to_float32(scales)
+    w = StoredWeight(
+        rows.view(1, 3, 256).contiguous(), "e4m3", scales.view(1, 3, 8), scale_kind, 32
+    )
+    got = _run(torch.eye(w.k), w, _groups([w.k]), torch.float32, vector=vector).t()
+    want = rows.view(torch.float8_e4m3fn).float() * factor.repeat_interleave(32, 1)
+    assert torch.equal(got[:2], want[:2])  # -0 comes out +0, as above
+    assert got[2].isnan().all()  # 0 * NaN: every output of eye @ w^T meets the NaN weight
+
+
+@pytest.mark.parametrize("vector", BODIES, ids=BODY_IDS)
 def test_e2m1_codes_and_scales_decode_as_their_definitions(vector: bool | cpu_fused.Body) -> None:
     need_body(vector)
     k = 64
