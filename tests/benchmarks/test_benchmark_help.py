@@ -29,6 +29,11 @@ SCRIPTS: dict[str, tuple[set[str], tuple[str, ...]]] = {
         {"--rows", "--cols", "--repeats", "--out", "--no-plot"},
         ("<= 5x", "<= 8x"),
     ),
+    "expert_gemm_speed": (
+        {"--experts", "--n", "--k", "--rows", "--threads", "--reps", "--baseline-kernel"}
+        | {"--out", "--no-plot"},
+        ("<= 2x",),
+    ),
     "quant_snr": ({"--rows", "--cols", "--seed", "--out", "--no-plot"}, ("No target",)),
 }
 

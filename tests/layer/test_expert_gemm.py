@@ -289,7 +289,11 @@ def test_e2m1_codes_and_scales_decode_as_their_definitions(vector: bool | cpu_fu
     w = StoredWeight(packed.contiguous(), "e2m1", e4m3, "e4m3", 16)
     got = _run(torch.eye(k), w, _groups([k]), torch.float32, vector=vector).t()
     scale = e4m3.view(torch.float8_e4m3fn).float().view(2, 4).repeat_interleave(16, 1)
-    assert torch.equal(got, value * scale)
+    assert torch.equal(got, value * scale)  # scales below 4 and from 4 up (240, 448)
+    e4m3[0, 1, 2] = 0x7F  # a NaN scale: weight row 1 is NaN, so every output against it
+    w = StoredWeight(packed.contiguous(), "e2m1", e4m3, "e4m3", 16)
+    got = _run(torch.eye(k), w, _groups([k]), torch.float32, vector=vector).t()
+    assert torch.equal(got[0], (value * scale)[0]) and got[1].isnan().all()
 
 
 def _pack(e: int, i: int, h: int, seed: int) -> MoEWeightPack:
