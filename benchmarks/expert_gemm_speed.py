@@ -27,11 +27,11 @@ from typing import NamedTuple
 
 import torch
 from benchlib import OUT_DIR, baseline_kernel
+from benchlib.moe_peers import bandwidth
 from benchlib.options import add_plot_options, benchmark_parser, positive_int
 
 from moe_ep.backends.portable import cpu_fused, recipes
 from moe_ep.bench import plots
-from moe_ep.bench.limits import read_bandwidth
 from moe_ep.bench.machine import this_machine
 from moe_ep.bench.progress import Steps
 from moe_ep.bench.tables import console, titled_table
@@ -207,7 +207,7 @@ def main() -> None:
     machine = this_machine([args.threads]).describe()
     with Steps(1 + len(args.rows) * len(RECIPES)) as steps:
         steps.step("read bandwidth")
-        bw = sorted(read_bandwidth(5))[2]
+        bw = bandwidth(5)
         results = measure(args, steps, bw)
     print_table(results, args, machine, bw)
     if not args.no_plot:

@@ -879,6 +879,16 @@ static inline __attribute__((always_inline)) void eg_decode_e4m3_fast_avx2(const
     _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_castsi256_ps(odd), c));
 }
 
+/* eg_decode_chunk_avx2 for NaN-free e4m3 codes: the short decode (half the operations) while
+ * 2^120 * s is finite (|s| < 2^8), the general one from there (or for a NaN scale). */
+static inline __attribute__((always_inline)) void eg_decode_chunk_e4m3_avx2(
+    const uint8_t *w_row, int32_t w_kind, int64_t k, float s, int32_t scaled, float *dst) {
+    if (__builtin_fabsf(s) < 256.0f)
+        eg_decode_e4m3_fast_avx2(w_row, k, _mm256_set1_ps(s * 1.329227995784916e36f), dst);
+    else
+        eg_decode_chunk_avx2(w_row, w_kind, k, s, scaled, dst);
+}
+
 /* eg_decode_rows' vector body for one row: whole chunks [kc, k1) into dst, one scale per
  * s_block elements (kc a multiple of s_block or 16 when unscaled). w_kind and s_kind are
  * constants at each call, so each format compiles to its own loop. */
@@ -886,22 +896,7 @@ static inline __attribute__((always_inline)) void eg_decode_row_avx2(
     const int32_t w_kind, const int32_t s_kind, const uint8_t *w_row, const uint8_t *s_row,
     int64_t s_block, int64_t kc, int64_t k1, float *dst) {
     if (w_kind == EG_W_E4M3 && eg_e4m3_nan_free(w_row + kc, k1 - kc)) {
-        /* half the operations of the general decode; NaN codes or scales of 2^8 and more
-         * (2^120 * s would overflow) take the general one, block by block */
-        const int32_t scaled = s_kind != EG_S_NONE;
-        const int64_t step = scaled ? s_block : k1 - kc;
-        for (int64_t kb = kc; kb < k1; kb += step) {
-            const float s = scaled ? eg_scale(s_row, s_kind, kb / s_block) : 1.0f;
-            const int64_t kb1 = kb + step < k1 ? kb + step : k1;
-            if (__builtin_fabsf(s) < 256.0f) {
-                const __m256 c = _mm256_set1_ps(s * 1.329227995784916e36f); /* 2^120 * s */
-                for (int64_t kk = kb; kk < kb1; kk += EG_LANES)
-                    eg_decode_e4m3_fast_avx2(w_row, kk, c, dst + (kk - kc));
-            } else {
-                for (int64_t kk = kb; kk < kb1; kk += EG_LANES)
-                    eg_decode_chunk_avx2(w_row, w_kind, kk, s, scaled, dst + (kk - kc));
-            }
-        }
+        EG_DECODE_ROW(eg_decode_chunk_e4m3_avx2);
         return;
     }
     EG_DECODE_ROW(eg_decode_chunk_avx2);
