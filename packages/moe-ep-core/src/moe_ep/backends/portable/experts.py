@@ -56,13 +56,20 @@ SMALL_M = 256
 """CPU bf16 blocks of at most this many rows compute `(w @ x^T)^T` (weight rows streamed as
 the GEMM's A operand, then a transposing copy): measured 1.3-1.5x faster than `x @ w^T`
 for M <= 256 (weight-bandwidth bound, e.g. decode) and slower from M = 512 on."""
+WIDEN_COLS = 256
+"""Output columns per fp32 block of `_mm_widened` (256 x K fp32 weights, 2 MiB at K = 2048,
+stay in cache for the block's GEMM): measured 1 thread, AVX2 box, 8 experts N = K = 2048,
+64 / 128 / 512 rows per expert: 69.6 / 139 / 545 ms against 89.0 / 164 / 581 ms widening a
+whole expert at once and 97.1 / 228 / 992 ms on the fused expert GEMM (64: 76.6 / 155 /
+596, 128: 69.4 / 150 / 575; docs/layer.md)."""
 SWIGLU_ROWS = 128
 """Rows per SwiGLU slice: the fp32 temporary (128 x 2I x 4 bytes) stays in L2."""
-EXPERT_GEMM_ROWS_BF16 = ROW_BLOCK
-"""bf16 experts with at most this many rows run `cpu_fused.expert_gemm` where torch's bf16
-GEMM is its portable fallback (no oneDNN bf16 kernels: this CPU lacks AVX-512 BF16 / AMX);
-measured 2.9-6.0x faster than the `mm` blocks from 16 to 1024 rows per expert; at 1-8 rows
-faster or slower with the box's load (docs/layer.md, `layer_speed.py --sections crossover`)."""
+EXPERT_GEMM_ROWS_BF16 = 64
+"""bf16 experts with at most this many rows run `cpu_fused.expert_gemm` where torch has no
+oneDNN bf16 kernels (this CPU lacks AVX-512 BF16 / AMX; the `mm` blocks then run in fp32 on
+widened weights, `_mm_widened`): measured (AMD EPYC AVX2, 2 threads, `layer_speed.py
+--sections crossover`) the expert GEMM 3.0-4.0x faster at 1-8 rows, 1.46x at 16, 1.14x at
+32, level at 64 (0.99x) and 0.60-0.72x from 128 (docs/layer.md)."""
 EXPERT_GEMM_ROWS_BF16_ONEDNN = 16
 """The same where torch runs bf16 GEMMs on oneDNN's bf16 kernels: measured on AMD EPYC with
 AVX-512 BF16 (2 threads, `layer_speed.py --sections crossover`, three runs): the expert GEMM
@@ -82,12 +89,37 @@ fp32 `mm` blocks at every row count of the sweep, 1 to 1024 (docs/layer.md)."""
 def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name: str) -> None:
     """`out [b, N] = a [b, K] @ w [K, N]`, `w` a transposed view of K-major `[N, K]`."""
     b = int(a.shape[0])
-    if b <= SMALL_M and a.device.type == "cpu" and a.dtype == torch.bfloat16:
+    cpu_bf16 = a.device.type == "cpu" and a.dtype == torch.bfloat16
+    if cpu_bf16 and w.dtype == torch.bfloat16 and not _onednn_bf16():
+        _mm_widened(a, w, out, ws, name)
+    elif b <= SMALL_M and cpu_bf16:
         t = ws.get(name, (int(w.shape[1]), b), a.dtype, a.device)
         torch.mm(w.t(), a.t(), out=t)
         out.copy_(t.t())
     else:
         torch.mm(a, w, out=out)
+
+
+def _mm_widened(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name: str
+) -> None:
+    """`_mm` for bf16 `a` and `w` on a CPU where torch has no oneDNN bf16 GEMMs (its bf16
+    fallback is 4-5x slower than its fp32 GEMM there): `a` and `WIDEN_COLS` output columns of
+    `w` at a time widened to fp32 (exact) into cache-sized buffers, fp32 `mm`, each block
+    rounded into `out` (RNE): fp32 accumulation of exact bf16 products, as the bf16 GEMM."""
+    b, k, n = int(a.shape[0]), int(a.shape[1]), int(w.shape[1])
+    nb = min(n, WIDEN_COLS)
+    a32 = ws.get(f"{name}_a32", (b, k), torch.float32, a.device)
+    w32 = ws.get(f"{name}_w32", (nb, k), torch.float32, a.device)
+    o32 = ws.get(f"{name}_o32", (b * nb,), torch.float32, a.device)
+    a32.copy_(a)
+    rows = w.t()  # [N, K], K-major: a block of columns is a block of contiguous rows
+    for j in range(0, n, nb):
+        m = min(nb, n - j)
+        o = o32[: b * m].view(b, m)
+        w32[:m].copy_(rows[j : j + m])
+        torch.mm(a32, w32[:m].t(), out=o)
+        out[:, j : j + m].copy_(o)
 
 
 def _swiglu(
