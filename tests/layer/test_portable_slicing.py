@@ -187,6 +187,9 @@ def test_grouped_mm_branch_matches_the_per_expert_loop(
     # the loop's `mm` blocks, not the CPU expert GEMM (its own sum order) that the crossover
     # sends these few-row experts to where the fused library runs
     monkeypatch.setattr(experts, "expert_gemm_rows", lambda w, d: 0)
+    # the blocks' bf16 GEMM, which the grouped branch runs too (without oneDNN bf16 the
+    # blocks widen to fp32 instead: another order, tests/layer/test_mm_widened.py)
+    monkeypatch.setattr(experts, "_onednn_bf16", lambda: True)
     loop = torch.empty(sum(counts), h, dtype=torch.bfloat16)
     experts.run_experts(rows, src_row, counts, prepared, None, clamp, loop, comm.Workspace())
     calls: list[torch.Tensor] = []
