@@ -16,7 +16,7 @@ from moe_ep.backends.portable import cpu_fused
 
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
 
-ENTRY = "int32_t moe_ep_expert_gemm("
+ENTRY = "int32_t moe_ep_expert_gemm_v2("
 
 
 def _gemm() -> torch.Tensor:
@@ -37,9 +37,10 @@ def test_calls_inside_go_to_the_baseline_and_return_after(tmp_path: Path) -> Non
         ENTRY,
         "int32_t moe_ep_expert_gemm_unused(",
     ) + (
-        "\nint32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind,"
+        "\nint32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind,"
         " const int64_t *x_rows, int64_t groups, const int64_t *q_start,"
-        " const int64_t *g_expert, const int64_t *out_row0, const float *alpha,"
+        " const int64_t *g_expert, const int64_t *out_row0, const int64_t *g_rows,"
+        " const float *alpha,"
         " const void *w, int64_t w_expert_bytes, int64_t w_row_bytes, int32_t w_kind,"
         " const void *s, int64_t s_expert_bytes, int64_t s_row_bytes, int32_t s_kind,"
         " int64_t s_block, void *out, int64_t ld_out, int32_t out_kind, int64_t n, int64_t k,"

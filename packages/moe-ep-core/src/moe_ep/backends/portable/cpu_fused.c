@@ -317,7 +317,7 @@ enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2 };
 enum { EG_S_NONE = 0, EG_S_F32 = 1, EG_S_E8M0 = 2, EG_S_E4M3 = 3 };
 enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
 int32_t moe_ep_vector_bodies(void);
-/* moe_ep_expert_gemm's vector: EG_BODY_AUTO is the dot body for bf16 x and weights where the
+/* moe_ep_expert_gemm_v2's vector: EG_BODY_AUTO is the dot body for bf16 x and weights where the
  * CPU has AVX-512 BF16, else AVX-512F but AVX2 for bf16 blocks of few rows. */
 enum {
     EG_BODY_SCALAR = 0,
@@ -325,7 +325,9 @@ enum {
     EG_BODY_AVX512 = 2,
     EG_BODY_AUTO = 3,
     EG_BODY_BF16DOT = 4,        /* AVX-512 BF16 vdpbf16ps: bf16 x and w only, its own order */
-    EG_BODY_BF16DOT_SCALAR = 5  /* its scalar twin */
+    EG_BODY_BF16DOT_SCALAR = 5, /* its scalar twin */
+    EG_BODY_KSEQ = 6,           /* AVX2 + FMA, rows in the lanes: bf16 x and w only, the k order */
+    EG_BODY_KSEQ_SCALAR = 7     /* its scalar twin */
 };
 
 #define EG_LANES 16
@@ -671,9 +673,12 @@ typedef struct {
     const float *alpha;
     const uint8_t *w, *s;
     int64_t w_expert_bytes, w_row_bytes, s_expert_bytes, s_row_bytes, s_block;
-    int32_t w_kind, s_kind, out_kind, vector, auto_dot;
+    const int64_t *g_rows;    /* the row count that picks each group's body, or NULL */
+    int32_t w_kind, s_kind, out_kind, vector, auto_dot, auto_kseq;
     void *out;
     int64_t ld_out, n, k;
+    float *xt;                /* the k order's transposed x blocks (EG_BODY_KSEQ), or NULL */
+    const int64_t *xt_start;  /* group g's blocks start at xt + xt_start[g] */
 } eg_args;
 
 /* ---------------------------------------------------------------------------------------
@@ -692,10 +697,17 @@ typedef struct {
 #define EG_MRD 4  /* rows x weight rows of the register tile: 16 zmm accumulators */
 #define EG_NRD 4
 
+/* The row count that picks group g's body: g_rows[g] (a replica's logical expert's rows,
+ * so every copy of an expert sums in one order), else the group's own rows. */
+static inline int64_t eg_path_rows(const eg_args *a, int64_t g) {
+    return a->g_rows ? a->g_rows[g] : a->q_start[g + 1] - a->q_start[g];
+}
+
 /* Whether a group of `rows` rows runs a dot body: asked for, and under auto more than
  * EG_AVX2_ROWS rows (smaller experts measured faster on the AVX2 body). */
 static inline int eg_group_dot(const eg_args *a, int64_t rows) {
-    return a->vector >= EG_BODY_BF16DOT && !(a->auto_dot && rows <= EG_AVX2_ROWS);
+    return (a->vector == EG_BODY_BF16DOT || a->vector == EG_BODY_BF16DOT_SCALAR) &&
+           !(a->auto_dot && rows <= EG_AVX2_ROWS);
 }
 
 /* fp32 subnormal -> zero of its sign (vdpbf16ps's DAZ on inputs and FTZ on outputs). */
@@ -820,6 +832,159 @@ static void eg_rows_dot(const eg_args *a, int64_t g, int64_t q0, int64_t rows, i
                 }
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * The k-order bodies (EG_BODY_KSEQ: AVX2 + FMA; its scalar twin EG_BODY_KSEQ_SCALAR), for
+ * bf16 activations and bf16 weights only, in their own order, the "k order": each output is
+ * one fp32 fused multiply-add chain over k = 0, 1, ..., K - 1 in increasing k, starting at
+ * +0 (acc = fmaf(x_k, w_k, acc); a bf16 x bf16 product is exact, so each step is one RNE
+ * rounding of acc + x_k w_k), then times alpha and rounded to bf16 or stored as fp32 as
+ * above. The AVX2 body puts 8 activation rows in the lanes of a register (the inner-product
+ * form of the 16-lane order needs two accumulators per output; this one needs one per 8):
+ * each group's rows are transposed into blocks of EG_KR rows ([K][EG_KR] fp32, the last
+ * block's missing rows zero), each weight element broadcast to all lanes (a 32-bit load of
+ * elements k - 1 and k, masked to its high half: exact widening, no shuffle), and a register
+ * tile of 16 rows x EG_KNR weight rows (12 ymm accumulators; 8 x EG_KNR for a last block of
+ * at most 8 rows) runs over the whole of K. Work items: (group, block of EG_ROWS rows, tile
+ * of EG_KCOLS output columns); the item's weights stream from memory for its first row
+ * block (software prefetch of the next weight rows, EG_KPF elements ahead) and stay in L2
+ * for the others. */
+#define EG_KR 16       /* rows per transposed block (two ymm of lanes) */
+#define EG_KNR 6       /* weight rows of the register tile */
+#define EG_KCOLS 48    /* output columns per work item (a multiple of EG_KNR) */
+#define EG_KKC 256     /* K elements per block of the AVX2 k-order body */
+/* EG_BODY_AUTO on CPUs without AVX-512F: bf16 groups of at least this many rows take the
+ * k order (measured faster than the AVX2 fp32-order body from 12 rows, docs/layer.md). */
+#define EG_KSEQ_ROWS 13
+
+/* Whether group g's rows run a k-order body: asked for, or under auto rows enough. */
+static inline int eg_group_kseq(const eg_args *a, int64_t rows) {
+    return a->vector >= EG_BODY_KSEQ || (a->auto_kseq && rows >= EG_KSEQ_ROWS);
+}
+
+/* One output of the k order from an fp32 scratch row in lane order (eg_widen_row). */
+static float eg_kseq_scalar(const float *xs_row, const uint16_t *w, int64_t k) {
+    float acc = 0.0f;
+    for (int64_t e = 0; e < k; e++)
+        acc = __builtin_fmaf(xs_row[(e & ~(int64_t)15) + eg_lane(e & 15)], bf16_to_f32(w[e]), acc);
+    return acc;
+}
+
+#ifdef MOE_EP_AVX2
+/* acc[n * EG_KR + r] (r < 8 * RV, n < NR) carried on over elements [e0, e1) of the k order
+ * for row r of the transposed block xt ([k][EG_KR]) and weight row w[n] (acc holds +0 before
+ * element 0); with `ahead` the same rows' next EG_KKC elements are prefetched. */
+#define EG_KSEQ_TILE(RV, NR)                                                                   \
+    static void eg_kseq_tile_##RV##_##NR(const float *xt, const uint16_t *const *w, int64_t e0, \
+                                         int64_t e1, float *acc, int ahead) {                  \
+        __m256 a0[NR], a1[NR];                                                                 \
+        const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u));          \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NR; n++) {                                 \
+            a0[n] = _mm256_loadu_ps(acc + n * EG_KR);                                          \
+            a1[n] = RV > 1 ? _mm256_loadu_ps(acc + n * EG_KR + 8) : a0[n];                     \
+        }                                                                                      \
+        if (e0 == 0) { /* element 0: no element before it to load the pair with */            \
+            const __m256 x0 = _mm256_loadu_ps(xt), x1 = RV > 1 ? _mm256_loadu_ps(xt + 8) : x0; \
+            _Pragma("GCC unroll 8") for (int n = 0; n < NR; n++) {                             \
+                const __m256 b = _mm256_set1_ps(bf16_to_f32(w[n][0]));                         \
+                a0[n] = _mm256_fmadd_ps(x0, b, a0[n]);                                         \
+                if (RV > 1) a1[n] = _mm256_fmadd_ps(x1, b, a1[n]);                             \
+            }                                                                                  \
+            e0 = 1;                                                                            \
+        }                                                                                      \
+        for (int64_t c = e0; c < e1; c += 32) { /* 32 elements: one line of each weight row */ \
+            if (ahead)                                                                         \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NR; n++)                           \
+                    _mm_prefetch((const char *)(w[n] + c + EG_KKC), _MM_HINT_T0);              \
+            const int64_t c1 = c + 32 < e1 ? c + 32 : e1;                                      \
+            for (int64_t e = c; e < c1; e++) {                                                 \
+                const __m256 xe0 = _mm256_loadu_ps(xt + e * EG_KR);                            \
+                const __m256 xe1 = RV > 1 ? _mm256_loadu_ps(xt + e * EG_KR + 8) : xe0;         \
+                _Pragma("GCC unroll 8") for (int n = 0; n < NR; n++) {                         \
+                    const __m256 b = _mm256_and_ps(                                            \
+                        _mm256_broadcast_ss((const float *)(const void *)(w[n] + e - 1)), high); \
+                    a0[n] = _mm256_fmadd_ps(xe0, b, a0[n]);                                    \
+                    if (RV > 1) a1[n] = _mm256_fmadd_ps(xe1, b, a1[n]);                        \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        _Pragma("GCC unroll 8") for (int n = 0; n < NR; n++) {                                 \
+            _mm256_storeu_ps(acc + n * EG_KR, a0[n]);                                          \
+            if (RV > 1) _mm256_storeu_ps(acc + n * EG_KR + 8, a1[n]);                          \
+        }                                                                                      \
+    }
+EG_KSEQ_TILE(2, 6) EG_KSEQ_TILE(2, 5) EG_KSEQ_TILE(2, 4) EG_KSEQ_TILE(2, 3) EG_KSEQ_TILE(2, 2)
+EG_KSEQ_TILE(2, 1) EG_KSEQ_TILE(1, 6) EG_KSEQ_TILE(1, 5) EG_KSEQ_TILE(1, 4) EG_KSEQ_TILE(1, 3)
+EG_KSEQ_TILE(1, 2) EG_KSEQ_TILE(1, 1)
+#undef EG_KSEQ_TILE
+typedef void (*eg_kseq_tile_fn)(const float *, const uint16_t *const *, int64_t, int64_t,
+                                float *, int);
+static const eg_kseq_tile_fn eg_kseq_tiles[2][EG_KNR + 1] = {
+    {NULL, eg_kseq_tile_1_1, eg_kseq_tile_1_2, eg_kseq_tile_1_3, eg_kseq_tile_1_4,
+     eg_kseq_tile_1_5, eg_kseq_tile_1_6},
+    {NULL, eg_kseq_tile_2_1, eg_kseq_tile_2_2, eg_kseq_tile_2_3, eg_kseq_tile_2_4,
+     eg_kseq_tile_2_5, eg_kseq_tile_2_6}};
+#endif
+
+/* Group g's rows i in [0, rows) transposed into its blocks (row i at lane i % EG_KR of block
+ * i / EG_KR), from the fp32 scratch rows in lane order; the last block's missing rows 0. */
+static void eg_kseq_transpose(const eg_args *a, int64_t g, int64_t block) {
+    const int64_t q0 = a->q_start[g] + block * EG_KR, k = a->k;
+    const int64_t rows = a->q_start[g + 1] - q0 < EG_KR ? a->q_start[g + 1] - q0 : EG_KR;
+    float *dst = a->xt + a->xt_start[g] + block * EG_KR * k;
+    for (int64_t r = 0; r < EG_KR; r++) {
+        const float *src = a->xs + (q0 + r) * a->ldxs;
+        for (int64_t e = 0; e < k; e++)
+            dst[e * EG_KR + r] = r < rows ? src[(e & ~(int64_t)15) + eg_lane(e & 15)] : 0.0f;
+    }
+}
+
+/* One k-order work item: rows [block * EG_ROWS, +EG_ROWS) of group g times output columns
+ * [tile * EG_KCOLS, +EG_KCOLS). */
+static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
+    const int64_t i0 = block * EG_ROWS, n_rows = a->q_start[g + 1] - a->q_start[g];
+    const int64_t rows = n_rows - i0 < EG_ROWS ? n_rows - i0 : EG_ROWS, k = a->k;
+    const int64_t j0 = tile * EG_KCOLS, n1 = j0 + EG_KCOLS < a->n ? j0 + EG_KCOLS : a->n;
+    const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
+    const float alpha = a->alpha ? a->alpha[g] : 1.0f;
+    /* the item's sums: [row block][weight-row tile][EG_KNR x EG_KR lanes] */
+    float acc[EG_ROWS / EG_KR][EG_KCOLS / EG_KNR][EG_KNR * EG_KR];
+    const uint16_t *w_rows[EG_KCOLS];
+    for (int64_t j = j0; j < n1; j++) w_rows[j - j0] = (const uint16_t *)(we + j * a->w_row_bytes);
+    const int64_t n_tiles = (n1 - j0 + EG_KNR - 1) / EG_KNR;
+#ifdef MOE_EP_AVX2
+    if (a->vector != EG_BODY_KSEQ_SCALAR) {
+        memset(acc, 0, sizeof acc);
+        /* K blocks of EG_KKC: a row block's x (EG_KR x EG_KKC fp32) stays in L1 for every
+         * tile, the slab's weights (EG_KCOLS x EG_KKC bf16) in L2 for every row block */
+        for (int64_t kc = 0; kc < k; kc += EG_KKC) {
+            const int64_t k1 = kc + EG_KKC < k ? kc + EG_KKC : k;
+            for (int64_t r = 0; r < rows; r += EG_KR) {
+                const float *xt = a->xt + a->xt_start[g] + (i0 + r) / EG_KR * EG_KR * k;
+                for (int64_t t = 0; t < n_tiles; t++) {
+                    const int64_t nr = n1 - j0 - t * EG_KNR < EG_KNR ? n1 - j0 - t * EG_KNR : EG_KNR;
+                    eg_kseq_tiles[rows - r > 8][nr](xt, w_rows + t * EG_KNR, kc, k1,
+                                                     acc[r / EG_KR][t], r == 0 && k1 < k);
+                }
+            }
+        }
+    } else
+#endif
+        for (int64_t m = 0; m < rows; m++) {
+            const float *xs_row = a->xs + (a->q_start[g] + i0 + m) * a->ldxs;
+            for (int64_t j = j0; j < n1; j++)
+                acc[m / EG_KR][(j - j0) / EG_KNR][(j - j0) % EG_KNR * EG_KR + m % EG_KR] =
+                    eg_kseq_scalar(xs_row, w_rows[j - j0], k);
+        }
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t j = j0; j < n1; j++) {
+            const int64_t o = (a->out_row0[g] + i0 + m) * a->ld_out + j;
+            float v = acc[m / EG_KR][(j - j0) / EG_KNR][(j - j0) % EG_KNR * EG_KR + m % EG_KR];
+            v = a->alpha ? v * alpha : v;
+            if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
+            else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
+        }
 }
 
 #ifdef MOE_EP_AVX2
@@ -1101,7 +1266,7 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
     const int64_t q0 = a->q_start[g] + block * EG_ROWS;
     const int64_t rows = a->q_start[g + 1] - q0 < EG_ROWS ? a->q_start[g + 1] - q0 : EG_ROWS;
     const int64_t n1 = tile * EG_COLS + EG_COLS < a->n ? tile * EG_COLS + EG_COLS : a->n;
-    const int dot = eg_group_dot(a, a->q_start[g + 1] - a->q_start[g]);
+    const int dot = eg_group_dot(a, eg_path_rows(a, g));
     eg_args own;
     if (!dot && a->auto_dot) { /* a small expert under auto: AVX2 (eg_rows) */
         own = *a;
@@ -1118,16 +1283,20 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
  * described above. row(q) = x_rows[q], or q when x_rows is NULL. w_e row j starts at byte
  * e * w_expert_bytes + j * w_row_bytes (bf16 elements, e4m3 bytes, or e2m1 pairs low nibble
  * first); its scale for elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of
- * s_kind values (s_block a multiple of 16). alpha may be NULL. xs: fp32 scratch of
+ * s_kind values (s_block a multiple of 16). alpha may be NULL. g_rows: per group, the row
+ * count that picks its body under auto (NULL: its own). xs: fp32 scratch of
  * q_start[groups] * (round_up(k, 16) + 16) elements. vector: the body (EG_BODY_*: 0 the scalar
  * twin, 1 AVX2, 2 AVX-512F, 3 auto: the dot body for bf16 x and weights where the CPU has
  * AVX-512 BF16 (EG_AUTO_BF16DOT), else AVX-512F but AVX2 for bf16 blocks of <= EG_AVX2_ROWS
- * rows; 4 the AVX-512 BF16 dot body, 5 its scalar twin: bf16 x and weights only, the dot
- * order). Returns 0, -1 when out of memory, -2 when this build or CPU lacks the body asked
- * for, -3 when a dot body is asked for other kinds (nothing written in any of these). */
-int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
+ * rows; without AVX-512F the AVX2 body, and the AVX2 k-order body for bf16 x and weights in
+ * groups of >= EG_KSEQ_ROWS rows; 4 the AVX-512 BF16 dot body, 5 its scalar twin, 6 the AVX2
+ * k-order body, 7 its scalar twin: bf16 x and weights only, their own orders). Returns 0, -1
+ * when out of memory, -2 when this build or CPU lacks the body asked for, -3 when a dot or
+ * k-order body is asked for other kinds (nothing written in any of these). */
+int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                         int64_t groups, const int64_t *q_start, const int64_t *g_expert,
-                        const int64_t *out_row0, const float *alpha, const void *w,
+                        const int64_t *out_row0, const int64_t *g_rows, const float *alpha,
+                        const void *w,
                         int64_t w_expert_bytes, int64_t w_row_bytes, int32_t w_kind,
                         const void *s, int64_t s_expert_bytes, int64_t s_row_bytes,
                         int32_t s_kind, int64_t s_block, void *out, int64_t ld_out,
@@ -1138,24 +1307,25 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
     /* auto on bf16 with AVX-512 BF16: the dot body, but experts of <= EG_AVX2_ROWS rows stay
      * on the AVX2 body (eg_item), faster there */
     const int auto_dot = vector == EG_BODY_AUTO && EG_AUTO_BF16DOT && bf16_only && (bodies & 8);
+    /* auto without AVX-512F: the AVX2 body, and the k order for bf16 groups of
+     * >= EG_KSEQ_ROWS rows (eg_group_kseq) */
+    const int auto_kseq = vector == EG_BODY_AUTO && !(bodies & 4) && (bodies & 1) && bf16_only;
+    if (vector == EG_BODY_AUTO && !(bodies & 4)) vector = bodies & 1 ? EG_BODY_AVX2 : EG_BODY_SCALAR;
     vector = auto_dot ? EG_BODY_BF16DOT : vector;
-    const int32_t need = vector == EG_BODY_BF16DOT ? 8 : vector == EG_BODY_BF16DOT_SCALAR ? 0
-                         : vector == 1 ? 1 : vector > 1 ? 5 : 0;
-    if (vector < 0 || vector > 5 || (bodies & need) != need) return -2;
-    const int dot = vector >= EG_BODY_BF16DOT;
-    if (dot && !bf16_only) return -3;
+    const int32_t need = vector == EG_BODY_BF16DOT ? 8
+                         : vector == EG_BODY_AVX2 || vector == EG_BODY_KSEQ ? 1
+                         : vector == EG_BODY_AVX512 || vector == EG_BODY_AUTO ? 5 : 0;
+    if (vector < 0 || vector > 7 || (bodies & need) != need) return -2;
+    const int dot = vector == EG_BODY_BF16DOT || vector == EG_BODY_BF16DOT_SCALAR;
+    if ((dot || vector >= EG_BODY_KSEQ) && !bf16_only) return -3;
     const int64_t k16 = (k + EG_LANES - 1) / EG_LANES * EG_LANES;
     const int64_t k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
-    const int64_t tiles = (n + EG_COLS - 1) / EG_COLS;
-    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(groups + 1));
+    const int64_t tiles = (n + EG_COLS - 1) / EG_COLS, ktiles = (n + EG_KCOLS - 1) / EG_KCOLS;
+    /* per group: its first work item, its first transposed block (k order, AVX2) and where
+     * its transposed rows start in xt */
+    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(3 * (groups + 1)));
     if (item_start == NULL) return -1;
-    item_start[0] = 0;
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t rows = q_start[g + 1] - q_start[g];
-        item_start[g + 1] = item_start[g] + (rows + EG_ROWS - 1) / EG_ROWS * tiles;
-    }
-    const int64_t items = item_start[groups], total_rows = q_start[groups];
-    const size_t x_elem = x_kind == EG_X_F32 ? 4 : 2;
+    int64_t *blk_start = item_start + groups + 1, *xt_start = blk_start + groups + 1;
     /* x rows one cache line longer than k16: rows 2^n bytes apart (K = 2048) would share L1
      * sets with each other and with the weight rows (4 KiB apart) and evict them. */
     const int64_t ldxs = k16 + EG_LANES; /* a dot group's row: 2 * ldxs bf16 elements */
@@ -1165,8 +1335,28 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
                  .w_row_bytes = w_row_bytes, .s_expert_bytes = s_expert_bytes,
                  .s_row_bytes = s_row_bytes, .s_block = s_block, .w_kind = w_kind,
                  .s_kind = s_kind, .out_kind = out_kind, .vector = vector,
-                 .auto_dot = auto_dot, .out = out,
-                 .ld_out = ld_out, .n = n, .k = k};
+                 .auto_dot = auto_dot, .auto_kseq = auto_kseq, .g_rows = g_rows, .out = out,
+                 .ld_out = ld_out, .n = n, .k = k, .xt = NULL, .xt_start = xt_start};
+    const int transposed = vector == EG_BODY_KSEQ || auto_kseq; /* the AVX2 k-order body */
+    item_start[0] = blk_start[0] = xt_start[0] = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t rows = q_start[g + 1] - q_start[g];
+        const int kseq = eg_group_kseq(&a, eg_path_rows(&a, g));
+        const int64_t blocks = kseq && transposed ? (rows + EG_KR - 1) / EG_KR : 0;
+        item_start[g + 1] = item_start[g] + (rows + EG_ROWS - 1) / EG_ROWS * (kseq ? ktiles : tiles);
+        blk_start[g + 1] = blk_start[g] + blocks;
+        xt_start[g + 1] = xt_start[g] + blocks * EG_KR * k;
+    }
+    if (xt_start[groups] > 0) {
+        a.xt = malloc(sizeof(float) * (size_t)xt_start[groups]);
+        if (a.xt == NULL) {
+            free(item_start);
+            return -1;
+        }
+    }
+    const int64_t items = item_start[groups], total_rows = q_start[groups];
+    const int64_t blocks = blk_start[groups];
+    const size_t x_elem = x_kind == EG_X_F32 ? 4 : 2;
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -1180,13 +1370,23 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
                 if (q_start[mid] <= q) lo = mid;
                 else hi = mid - 1;
             }
-            if (eg_group_dot(&a, q_start[lo + 1] - q_start[lo])) {
+            if (eg_group_dot(&a, eg_path_rows(&a, lo))) {
                 uint16_t *dst = (uint16_t *)(xs + q * ldxs);
                 memcpy(dst, src, sizeof(uint16_t) * (size_t)k);
                 memset(dst + k, 0, sizeof(uint16_t) * (size_t)(k32 - k));
             } else {
                 eg_widen_row(src, x_kind, k, k16, xs + q * ldxs);
             }
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t lo = 0, hi = groups - 1; /* the group holding block b */
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (blk_start[mid] <= b) lo = mid;
+                else hi = mid - 1;
+            }
+            eg_kseq_transpose(&a, lo, b - blk_start[lo]);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
@@ -1196,9 +1396,14 @@ int32_t moe_ep_expert_gemm(const void *x, int64_t ld_x, int32_t x_kind, const in
                 if (item_start[mid] <= it) lo = mid;
                 else hi = mid - 1;
             }
-            eg_item(&a, lo, (it - item_start[lo]) / tiles, (it - item_start[lo]) % tiles);
+            const int64_t i = it - item_start[lo];
+            if (eg_group_kseq(&a, eg_path_rows(&a, lo)))
+                eg_item_kseq(&a, lo, i / ktiles, i % ktiles);
+            else
+                eg_item(&a, lo, i / tiles, i % tiles);
         }
     }
+    free(a.xt);
     free(item_start);
     return 0;
 }

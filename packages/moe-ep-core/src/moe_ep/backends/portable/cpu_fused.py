@@ -102,10 +102,10 @@ def _cpu_features() -> str:
     return ""
 
 
-# moe_ep_expert_gemm: x, ld_x, x_kind, x_rows, groups, q_start, g_expert, out_row0, alpha;
-# w, w_expert_bytes, w_row_bytes, w_kind, s, s_expert_bytes, s_row_bytes, s_kind, s_block;
-# out, ld_out, out_kind, n, k, xs, threads, vector
-_EG_ROWS_ARGS = [_ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]
+# moe_ep_expert_gemm_v2: x, ld_x, x_kind, x_rows, groups, q_start, g_expert, out_row0, g_rows,
+# alpha; w, w_expert_bytes, w_row_bytes, w_kind, s, s_expert_bytes, s_row_bytes, s_kind,
+# s_block; out, ld_out, out_kind, n, k, xs, threads, vector
+_EG_ROWS_ARGS = [_ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
 _EG_WEIGHT_ARGS = [_ptr, _i64, _i64, _i32, _ptr, _i64, _i64, _i32, _i64]
 _EG_OUT_ARGS = [_ptr, _i64, _i32, _i64, _i64, _ptr, _i32, _i32]
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
@@ -115,7 +115,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
         None,
     ),
     "moe_ep_combine_bf16": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32], None),
-    "moe_ep_expert_gemm": ([*_EG_ROWS_ARGS, *_EG_WEIGHT_ARGS, *_EG_OUT_ARGS], _i32),
+    "moe_ep_expert_gemm_v2": ([*_EG_ROWS_ARGS, *_EG_WEIGHT_ARGS, *_EG_OUT_ARGS], _i32),
     "moe_ep_vector_bodies": ([], _i32),
     "moe_ep_omp_max_threads": ([], _i32),
     "moe_ep_omp_set_threads": ([_i32], None),
@@ -408,22 +408,31 @@ class ExpertGroups:
     q_start: `[G + 1]` group g owns the call's rows `[q_start[g], q_start[g + 1])`.
     expert: `[G]` the local expert of each group.
     out_row0: `[G]` the output row of each group's first row (its rows follow in order).
+    path_rows: `[G]` the row count that picks each group's vector body where that changes
+        the sum order (the k order from `KSEQ_ROWS` rows, the dot body from 3): a replica's
+        logical expert's rows, so that every copy sums as the whole would; None: its own.
     """
 
     q_start: torch.Tensor
     expert: torch.Tensor
     out_row0: torch.Tensor
+    path_rows: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
         return int(self.q_start[-1])
 
 
-Body = Literal["avx512", "avx2", "avx512bf16", "bf16dot_scalar"]
-_BODY_KIND: dict[Body, int] = {"avx2": 1, "avx512": 2, "avx512bf16": 4, "bf16dot_scalar": 5}
-_BODY_BIT: dict[Body, int] = {"avx2": 1, "avx512": 4, "avx512bf16": 8, "bf16dot_scalar": 0}
-_DOT_BODIES = ("avx512bf16", "bf16dot_scalar")
-"""The bf16 dot-product order's bodies (bf16 x and weights only; cpu_fused.c)."""
+Body = Literal["avx512", "avx2", "avx512bf16", "bf16dot_scalar", "avx2kseq", "kseq_scalar"]
+_BODY_KIND: dict[Body, int] = {
+    "avx2": 1, "avx512": 2, "avx512bf16": 4, "bf16dot_scalar": 5, "avx2kseq": 6, "kseq_scalar": 7
+}  # fmt: skip
+_BODY_BIT: dict[Body, int] = {
+    "avx2": 1, "avx512": 4, "avx512bf16": 8, "bf16dot_scalar": 0, "avx2kseq": 1, "kseq_scalar": 0
+}  # fmt: skip
+_BF16_ONLY_BODIES = ("avx512bf16", "bf16dot_scalar", "avx2kseq", "kseq_scalar")
+"""The bodies of the bf16 dot-product order and of the k order (bf16 x and weights only;
+cpu_fused.c)."""
 
 
 def vector_bodies() -> int:
@@ -436,7 +445,10 @@ def vector_bodies() -> int:
 
 _BODY_AUTO = 3
 """cpu_fused.c's EG_BODY_AUTO: AVX-512 BF16 for bf16 x and weights where the CPU has it;
-else AVX-512F, with AVX2 for bf16 blocks of 1-2 rows (faster)."""
+else AVX-512F, with AVX2 for bf16 blocks of 1-2 rows (faster); without AVX-512F the AVX2
+body, with the k order (AVX2) for bf16 experts of `KSEQ_ROWS` rows or more."""
+KSEQ_ROWS = 13
+"""cpu_fused.c's EG_KSEQ_ROWS (kept equal by a test)."""
 
 
 def _body_kind(vector: bool | Body) -> int:
@@ -445,11 +457,11 @@ def _body_kind(vector: bool | Body) -> int:
         return 0
     bodies = vector_bodies()
     if vector is True:
-        return _BODY_AUTO if bodies & _BODY_BIT["avx512"] else bodies & _BODY_BIT["avx2"]
+        return _BODY_AUTO if bodies & (_BODY_BIT["avx512"] | _BODY_BIT["avx2"]) else 0
     if vector not in _BODY_KIND:
         raise ValueError(
-            "expert_gemm vector must be True, False, 'avx512', 'avx2', 'avx512bf16' or "
-            f"'bf16dot_scalar', got {vector!r}"
+            f"expert_gemm vector must be True, False or one of {', '.join(_BODY_KIND)}, "
+            f"got {vector!r}"
         )
     if _BODY_BIT[vector] and not bodies & _BODY_BIT[vector]:
         raise ValueError(
@@ -502,23 +514,25 @@ def expert_gemm(
         raise ValueError("expert_gemm needs rows contiguous along the last dim")
     if scratch.dtype != torch.float32 or scratch.numel() < expert_gemm_scratch(q, k)[0]:
         raise ValueError("expert_gemm scratch too small")
-    for t in (groups.q_start, groups.expert, groups.out_row0, x_rows):
+    for t in (groups.q_start, groups.expert, groups.out_row0, groups.path_rows, x_rows):
         if t is not None and (t.dtype != torch.int64 or not t.is_contiguous()):
             raise ValueError("expert_gemm row and group indices must be contiguous int64")
     if alpha is not None and (alpha.dtype != torch.float32 or not alpha.is_contiguous()):
         raise ValueError("expert_gemm alpha must be contiguous fp32")
     body = _body_kind(vector)
-    if vector in _DOT_BODIES and (x.dtype != torch.bfloat16 or w.code != "bf16"):
+    if vector in _BF16_ONLY_BODIES and (x.dtype != torch.bfloat16 or w.code != "bf16"):
         raise ValueError(
             f"expert_gemm vector={vector!r} needs bf16 x and bf16 weights, got x {x.dtype} "
             f"and weights {w.code}"
         )
     s = w.scales
-    rc = lib.moe_ep_expert_gemm(
+    path = groups.path_rows
+    rc = lib.moe_ep_expert_gemm_v2(
         x.data_ptr(), x.stride(0), 1 if x.dtype == torch.float32 else 0,
         None if x_rows is None else x_rows.data_ptr(),
         int(groups.expert.numel()), groups.q_start.data_ptr(), groups.expert.data_ptr(),
-        groups.out_row0.data_ptr(), None if alpha is None else alpha.data_ptr(),
+        groups.out_row0.data_ptr(), None if path is None else path.data_ptr(),
+        None if alpha is None else alpha.data_ptr(),
         w.codes.data_ptr(), w.codes.stride(0) * w.codes.element_size(),
         w.codes.stride(1) * w.codes.element_size(), _CODE_KIND[w.code],
         None if s is None else s.data_ptr(),

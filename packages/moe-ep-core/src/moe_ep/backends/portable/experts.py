@@ -70,6 +70,12 @@ oneDNN bf16 kernels (this CPU lacks AVX-512 BF16 / AMX; the `mm` blocks then run
 widened weights, `_mm_widened`): measured (AMD EPYC AVX2, 2 threads, `layer_speed.py
 --sections crossover`) the expert GEMM 3.0-4.0x faster at 1-8 rows, 1.46x at 16, 1.14x at
 32, level at 64 (0.99x) and 0.60-0.72x from 128 (docs/layer.md)."""
+EXPERT_GEMM_ROWS_BF16_KSEQ = 256
+"""The same where the expert GEMM's default for bf16 is the AVX2 k-order body from
+`cpu_fused.KSEQ_ROWS` rows (AVX2 CPUs without AVX-512F; the `mm` blocks widen as above):
+measured (AMD EPYC AVX2, 4 experts H=2048 I=1024, `run_experts` both ways) at 2 threads the
+expert GEMM 2.3-2.7x faster at 8-16 rows, 1.78x at 32, 1.24-1.29x at 64-96, 1.03-1.08x at
+128-256, 0.89-0.96x from 384; at 1 thread 1.19x at 64, 0.84-1.00x at 128-256 (docs/layer.md)."""
 EXPERT_GEMM_ROWS_BF16_ONEDNN = 16
 """The same where torch runs bf16 GEMMs on oneDNN's bf16 kernels: measured on AMD EPYC with
 AVX-512 BF16 (2 threads, `layer_speed.py --sections crossover`, three runs): the expert GEMM
@@ -195,7 +201,11 @@ def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
     if weights.stored13.code != "bf16":
         avx512 = cpu_fused.vector_bodies() & 4
         return EXPERT_GEMM_ROWS_FP32_AVX512 if avx512 else EXPERT_GEMM_ROWS_FP32
-    return EXPERT_GEMM_ROWS_BF16_ONEDNN if _onednn_bf16() else EXPERT_GEMM_ROWS_BF16
+    if _onednn_bf16():
+        return EXPERT_GEMM_ROWS_BF16_ONEDNN
+    bodies = cpu_fused.vector_bodies()
+    kseq = bodies & 1 and not bodies & 4  # auto: the AVX2 k order (cpu_fused.KSEQ_ROWS)
+    return EXPERT_GEMM_ROWS_BF16_KSEQ if kseq else EXPERT_GEMM_ROWS_BF16
 
 
 @functools.cache
@@ -236,9 +246,11 @@ def _run_expert_gemm(
     y: torch.Tensor,
     ws: Workspace,
     pair_scale: torch.Tensor | None,
+    path: list[int],
 ) -> None:
     """FC1, SwiGLU and FC2 of the (expert, first pair, rows) runs, all experts in one
-    `cpu_fused.expert_gemm` call per GEMM (the threads split experts and output tiles)."""
+    `cpu_fused.expert_gemm` call per GEMM (the threads split experts and output tiles);
+    `path[e]`: the row count that picks expert e's vector body."""
     s13, s2 = weights.stored13, weights.stored2
     assert s13 is not None and s2 is not None
     cdt = weights.w2t.dtype
@@ -256,14 +268,14 @@ def _run_expert_gemm(
     a13 = None if weights.alpha13 is None else weights.alpha13[expert].contiguous()
     a2 = None if weights.alpha2 is None else weights.alpha2[expert].contiguous()
     x_rows = src_row[pair].contiguous()
-    cpu_fused.expert_gemm(
-        rows, x_rows, cpu_fused.ExpertGroups(q_start, expert, q_start[:-1]), s13, gu, xs, alpha=a13
-    )  # alpha13 here: the fp32 product _swiglu would take first
+    path_rows = torch.tensor([path[e] for e, _, _ in runs], dtype=torch.int64)
+    fc1 = cpu_fused.ExpertGroups(q_start, expert, q_start[:-1], path_rows)
+    cpu_fused.expert_gemm(rows, x_rows, fc1, s13, gu, xs, alpha=a13)
+    # alpha13 above: the fp32 product _swiglu would take first
     scale = None if pair_scale is None else pair_scale[pair]
     _swiglu(gu, h, None, swiglu_clamp, requantize, ws, scale)
-    cpu_fused.expert_gemm(
-        h, None, cpu_fused.ExpertGroups(q_start, expert, first), s2, y, xs, alpha=a2
-    )
+    fc2 = cpu_fused.ExpertGroups(q_start, expert, first, path_rows)
+    cpu_fused.expert_gemm(h, None, fc2, s2, y, xs, alpha=a2)
 
 
 def grouped_mm_applies(weights: PreparedWeights, device: torch.device) -> bool:
@@ -356,7 +368,9 @@ def run_experts(
     path = counts if path_counts is None else path_counts
     few = [e for e, c in enumerate(counts) if c > 0 and path[e] <= limit]
     for runs in _segments(few, starts, counts, ROW_BLOCK):
-        _run_expert_gemm(rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale)
+        _run_expert_gemm(
+            rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale, path
+        )
     many = [(e, starts[e], c) for e, c in enumerate(counts) if c > 0 and path[e] > limit]
     block = min(ROW_BLOCK, max((c for *_, c in many), default=0))
     if block == 0:

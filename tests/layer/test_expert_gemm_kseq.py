@@ -1,0 +1,186 @@
+"""The expert GEMM's k-order bodies: AVX2 with activation rows in the lanes, and its scalar twin.
+
+The reference is the order's definition computed by torch: each output the fp32 sum of its
+products in increasing k, left to right from +0. A bf16 x bf16 product is exact in fp32 (8 + 8
+significand bits), so `acc + x_k * w_k` in fp32 rounds once per step, as the kernels' fused
+multiply-add does (the data keep every product far from fp32's subnormal range, where the
+two would part).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from moe_ep.backends.portable import cpu_fused
+from moe_ep.backends.portable.cpu_fused import ExpertGroups, StoredWeight
+
+pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
+
+RAGGED = [0, 1, 3, 8, 9, 12, 13, 16, 17, 0, 40, 97, 130, 300, 1]
+"""Rows per expert: empty experts, the 8-row tail tile and the padded 16-row one on both sides
+of the auto threshold (13), one expert past a 96-row work item, one of several."""
+
+
+def _has_avx2() -> bool:
+    return bool(cpu_fused.vector_bodies() & 1)
+
+
+def _auto_is_kseq() -> bool:
+    """Whether `vector=True` takes the k order for bf16 groups of `KSEQ_ROWS`+ rows here."""
+    bodies = cpu_fused.vector_bodies()
+    return bool(bodies & 1) and not bodies & 4
+
+
+def reference_kseq(x: torch.Tensor, w: torch.Tensor, *, reverse: bool = False) -> torch.Tensor:
+    """fp32 `[Q, N]` of bf16 `x [Q, K]` times bf16 `w [N, K]` in the k order; `reverse` sums
+    from the last k instead (a planted fault the comparison must catch)."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(int(x.shape[0]), int(w.shape[0]))
+    order = range(int(x.shape[1]))
+    for e in reversed(order) if reverse else order:
+        acc = acc + xf[:, e : e + 1] * wf[:, e]
+    return acc
+
+
+def _groups(counts: list[int], path: list[int] | None = None) -> ExpertGroups:
+    q = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0, out=q[1:])
+    rows = None if path is None else torch.tensor(path, dtype=torch.int64)
+    return ExpertGroups(q, torch.arange(len(counts), dtype=torch.int64), q[:-1].clone(), rows)
+
+
+def _problem(
+    counts: list[int], n: int, k: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(len(counts), n, k, generator=g).bfloat16()
+    x = torch.randn(sum(counts) + 5, k, generator=g).bfloat16()
+    rows = torch.randperm(sum(counts) + 5, generator=g)[: sum(counts)].contiguous()
+    alpha = (torch.rand(len(counts), generator=g) + 0.5).float()
+    return x, rows, w, alpha
+
+
+def _run(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    w: torch.Tensor,
+    groups: ExpertGroups,
+    vector: bool | cpu_fused.Body,
+    out_dtype: torch.dtype,
+    alpha: torch.Tensor | None,
+) -> torch.Tensor:
+    n, k = int(w.shape[1]), int(w.shape[2])
+    out = torch.full((groups.rows, n), float("nan"), dtype=out_dtype)
+    scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, k))
+    stored = StoredWeight(w, "bf16")
+    assert cpu_fused.expert_gemm(x, rows, groups, stored, out, scratch, alpha=alpha, vector=vector)
+    return out
+
+
+def _want(
+    x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, counts: list[int], alpha: torch.Tensor
+) -> torch.Tensor:
+    parts, q = [], 0
+    for e, c in enumerate(counts):
+        parts.append(reference_kseq(x[rows[q : q + c]], w[e]) * alpha[e])
+        q += c
+    return torch.cat(parts)
+
+
+def _bodies() -> list[cpu_fused.Body]:
+    bodies: list[cpu_fused.Body] = ["kseq_scalar"]
+    return [*bodies, "avx2kseq"] if _has_avx2() else bodies
+
+
+@pytest.mark.parametrize(("n", "k"), [(5, 1), (7, 2), (50, 19), (97, 300), (13, 1043), (6, 2048)])
+def test_every_body_matches_the_k_order_bit_for_bit(n: int, k: int) -> None:
+    x, rows, w, alpha = _problem(RAGGED, n, k, seed=k)
+    want = _want(x, rows, w, RAGGED, alpha)
+    groups = _groups(RAGGED)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for vector in _bodies():
+                got = _run(x, rows, w, groups, vector, torch.float32, alpha)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (
+                    f"{vector} at {threads} threads, fp32 out: "
+                    f"{int((got != want).sum())} of {want.numel()} differ"
+                )
+                got16 = _run(x, rows, w, groups, vector, torch.bfloat16, alpha)
+                assert torch.equal(got16.view(torch.int16), want.bfloat16().view(torch.int16))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_comparison_sees_another_order() -> None:
+    """The data tell the k order from the reversed one and from the 16-lane fp32 order."""
+    counts = [16, 40]
+    x, rows, w, alpha = _problem(counts, 24, 300, seed=3)
+    groups = _groups(counts)
+    want = _want(x, rows, w, counts, alpha)
+    reversed_ = torch.cat(
+        [reference_kseq(x[rows[:16]], w[0], reverse=True) * alpha[0],
+         reference_kseq(x[rows[16:]], w[1], reverse=True) * alpha[1]]
+    )  # fmt: skip
+    assert not torch.equal(reversed_, want)
+    lanes16 = _run(x, rows, w, groups, False, torch.float32, alpha)  # the fp32 order's twin
+    assert not torch.equal(lanes16, want)
+    assert torch.equal(_run(x, rows, w, groups, "kseq_scalar", torch.float32, alpha), want)
+
+
+@pytest.mark.skipif(
+    not _auto_is_kseq(), reason="vector=True takes the k order only on AVX2 CPUs without AVX-512F"
+)
+def test_the_default_takes_the_k_order_by_path_rows() -> None:
+    """vector=True: groups of KSEQ_ROWS+ path rows sum in the k order, smaller ones in the
+    16-lane fp32 order; path_rows (a replica's logical expert's rows) decides, not the
+    group's own rows."""
+    t = cpu_fused.KSEQ_ROWS
+    counts = [t - 1, t, 5, t + 4]
+    x, rows, w, alpha = _problem(counts, 20, 100, seed=5)
+    kseq = _run(x, rows, w, _groups(counts), "kseq_scalar", torch.float32, alpha)
+    lanes = _run(x, rows, w, _groups(counts), False, torch.float32, alpha)
+    starts = [0, t - 1, 2 * t - 1, 2 * t + 4, 3 * t + 8]
+
+    def part(v: torch.Tensor, g: int) -> torch.Tensor:
+        return v[starts[g] : starts[g + 1]]
+
+    for path, picks in (
+        (None, [False, True, False, True]),
+        ([t - 1, t, t + 30, 1], [False, True, True, False]),
+    ):
+        got = _run(x, rows, w, _groups(counts, path), True, torch.float32, alpha)
+        for g, k_order in enumerate(picks):
+            want = part(kseq if k_order else lanes, g)
+            assert torch.equal(part(got, g), want), f"group {g} (path {path})"
+            assert not torch.equal(part(got, g), part(lanes if k_order else kseq, g))
+
+
+def test_other_kinds_and_missing_bodies_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    groups, scratch = _groups([2]), torch.empty(cpu_fused.expert_gemm_scratch(2, 16))
+    out = torch.empty(2, 4)
+    bf16 = StoredWeight(torch.ones(1, 4, 16, dtype=torch.bfloat16), "bf16")
+    e4m3 = StoredWeight(
+        torch.zeros(1, 4, 16, dtype=torch.uint8), "e4m3", torch.ones(1, 4, 1), "fp32", 16
+    )
+    x16, x32 = torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(2, 16)
+    for vector in _bodies():
+        with pytest.raises(ValueError, match=f"vector='{vector}' needs bf16 x and bf16 weights"):
+            cpu_fused.expert_gemm(x32, None, groups, bf16, out, scratch, vector=vector)
+        with pytest.raises(
+            ValueError, match=r"needs bf16 x and bf16 weights, got x torch\.bfloat16"
+        ):
+            cpu_fused.expert_gemm(x16, None, groups, e4m3, out, scratch, vector=vector)
+    monkeypatch.setattr(cpu_fused, "vector_bodies", lambda: 0)
+    with pytest.raises(ValueError, match="vector='avx2kseq': this build or CPU lacks"):
+        cpu_fused.expert_gemm(x16, None, groups, bf16, out, scratch, vector="avx2kseq")
+
+
+def test_the_python_threshold_is_the_libraries() -> None:
+    src = cpu_fused.SOURCE.read_text()
+    m = re.search(r"#define EG_KSEQ_ROWS (\d+)", src)
+    assert m is not None and int(m.group(1)) == cpu_fused.KSEQ_ROWS
