@@ -846,14 +846,21 @@ static void eg_rows_dot(const eg_args *a, int64_t g, int64_t q0, int64_t rows, i
  * block's missing rows zero), each weight element broadcast to all lanes (a 32-bit load of
  * elements k - 1 and k, masked to its high half: exact widening, no shuffle), and a register
  * tile of 16 rows x EG_KNR weight rows (12 ymm accumulators; 8 x EG_KNR for a last block of
- * at most 8 rows) runs over the whole of K. Work items: (group, block of EG_ROWS rows, tile
- * of EG_KCOLS output columns); the item's weights stream from memory for its first row
- * block (software prefetch of the next weight rows, EG_KPF elements ahead) and stay in L2
- * for the others. */
+ * at most 8 rows) runs over K blocks of EG_KKC (a row block's x in L1 for every tile; the
+ * accumulators go through the item's buffer between blocks, which changes no bit), or over
+ * the whole of K when the item has one row block. Work items: (group, block of EG_ROWS rows,
+ * tile of EG_KCOLS output columns); the item's weights stream from memory for its first row
+ * block (software prefetch of the same rows, one K block or EG_KPF elements ahead) and stay
+ * in L2 for the others. Tried and slower: a 1 x 12 tile for 8-row blocks (12 weight rows
+ * 4 KiB apart share one L1 set: 2x slower), the same with each K block of the weights first
+ * copied into a contiguous buffer (0.78-0.90x). */
 #define EG_KR 16       /* rows per transposed block (two ymm of lanes) */
 #define EG_KNR 6       /* weight rows of the register tile */
 #define EG_KCOLS 48    /* output columns per work item (a multiple of EG_KNR) */
 #define EG_KKC 256     /* K elements per block of the AVX2 k-order body */
+#ifndef EG_KPF
+#define EG_KPF 512     /* prefetch distance (elements) of a single row block's whole-K tiles */
+#endif
 /* EG_BODY_AUTO on CPUs without AVX-512F: bf16 groups of at least this many rows take the
  * k order (measured faster than the AVX2 fp32-order body from 12 rows, docs/layer.md). */
 #define EG_KSEQ_ROWS 13
@@ -877,7 +884,7 @@ static float eg_kseq_scalar(const float *xs_row, const uint16_t *w, int64_t k) {
  * element 0); with `ahead` the same rows' next EG_KKC elements are prefetched. */
 #define EG_KSEQ_TILE(RV, NR)                                                                   \
     static void eg_kseq_tile_##RV##_##NR(const float *xt, const uint16_t *const *w, int64_t e0, \
-                                         int64_t e1, float *acc, int ahead) {                  \
+                                         int64_t e1, float *acc, int64_t ahead) {              \
         __m256 a0[NR], a1[NR];                                                                 \
         const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32((int)0xffff0000u));          \
         _Pragma("GCC unroll 8") for (int n = 0; n < NR; n++) {                                 \
@@ -896,7 +903,7 @@ static float eg_kseq_scalar(const float *xs_row, const uint16_t *w, int64_t k) {
         for (int64_t c = e0; c < e1; c += 32) { /* 32 elements: one line of each weight row */ \
             if (ahead)                                                                         \
                 _Pragma("GCC unroll 8") for (int n = 0; n < NR; n++)                           \
-                    _mm_prefetch((const char *)(w[n] + c + EG_KKC), _MM_HINT_T0);              \
+                    _mm_prefetch((const char *)(w[n] + c + ahead), _MM_HINT_T0);               \
             const int64_t c1 = c + 32 < e1 ? c + 32 : e1;                                      \
             for (int64_t e = c; e < c1; e++) {                                                 \
                 const __m256 xe0 = _mm256_loadu_ps(xt + e * EG_KR);                            \
@@ -919,7 +926,7 @@ EG_KSEQ_TILE(2, 1) EG_KSEQ_TILE(1, 6) EG_KSEQ_TILE(1, 5) EG_KSEQ_TILE(1, 4) EG_K
 EG_KSEQ_TILE(1, 2) EG_KSEQ_TILE(1, 1)
 #undef EG_KSEQ_TILE
 typedef void (*eg_kseq_tile_fn)(const float *, const uint16_t *const *, int64_t, int64_t,
-                                float *, int);
+                                float *, int64_t);
 static const eg_kseq_tile_fn eg_kseq_tiles[2][EG_KNR + 1] = {
     {NULL, eg_kseq_tile_1_1, eg_kseq_tile_1_2, eg_kseq_tile_1_3, eg_kseq_tile_1_4,
      eg_kseq_tile_1_5, eg_kseq_tile_1_6},
@@ -958,14 +965,16 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
         memset(acc, 0, sizeof acc);
         /* K blocks of EG_KKC: a row block's x (EG_KR x EG_KKC fp32) stays in L1 for every
          * tile, the slab's weights (EG_KCOLS x EG_KKC bf16) in L2 for every row block */
-        for (int64_t kc = 0; kc < k; kc += EG_KKC) {
-            const int64_t k1 = kc + EG_KKC < k ? kc + EG_KKC : k;
+        const int64_t step = rows <= EG_KR ? k : EG_KKC;
+        for (int64_t kc = 0; kc < k; kc += step) {
+            const int64_t k1 = kc + step < k ? kc + step : k;
             for (int64_t r = 0; r < rows; r += EG_KR) {
                 const float *xt = a->xt + a->xt_start[g] + (i0 + r) / EG_KR * EG_KR * k;
                 for (int64_t t = 0; t < n_tiles; t++) {
                     const int64_t nr = n1 - j0 - t * EG_KNR < EG_KNR ? n1 - j0 - t * EG_KNR : EG_KNR;
                     eg_kseq_tiles[rows - r > 8][nr](xt, w_rows + t * EG_KNR, kc, k1,
-                                                     acc[r / EG_KR][t], r == 0 && k1 < k);
+                                                     acc[r / EG_KR][t],
+                                                     r > 0 ? 0 : step == k ? EG_KPF : EG_KKC);
                 }
             }
         }

@@ -495,10 +495,13 @@ def expert_gemm(
     (cpu_fused.c): the result does not depend on the thread count, the vector body or the
     grouping. `vector`: True the fastest vector bodies this CPU runs (bf16 x and weights:
     AVX-512 BF16 where the CPU has it; else AVX-512F, with AVX2 for bf16 row blocks of 1-2
-    rows; else AVX2; else the scalar twin), False the scalar twin, "avx512" / "avx2" that
-    body alone (ValueError where it is missing): tests force each. "avx512bf16" (ValueError
-    where missing) and its twin "bf16dot_scalar" (anywhere) sum in the bf16 dot-product
-    order instead (another order, other bits: cpu_fused.c), bf16 x and weights only.
+    rows; else AVX2, with the AVX2 k order for bf16 groups of `KSEQ_ROWS`+ path rows; else
+    the scalar twin), False the scalar twin, "avx512" / "avx2" that body alone (ValueError
+    where it is missing): tests force each. "avx512bf16" (ValueError where missing) and its
+    twin "bf16dot_scalar" (anywhere) sum in the bf16 dot-product order instead, "avx2kseq"
+    (ValueError where missing) and its twin "kseq_scalar" (anywhere) in the k order (each
+    output one fp32 fma chain in increasing k): other orders, other bits (cpu_fused.c), bf16
+    x and weights only.
     Returns False (nothing written) when the library is not available.
     """
     lib = library()
