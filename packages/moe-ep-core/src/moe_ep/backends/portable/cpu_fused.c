@@ -1287,6 +1287,17 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
                 a->out_row0[g] + block * EG_ROWS + r, tile * EG_COLS, n1);
 }
 
+/* The last g < groups with start[g] <= i (start ascending, start[0] <= i). */
+static int64_t eg_group_of(const int64_t *start, int64_t groups, int64_t i) {
+    int64_t lo = 0, hi = groups - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (start[mid] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* out[out_row0[g] + i, :n] = (x[row(q_start[g] + i), :k] @ w_e^T) [* alpha[g]] for every
  * group g (local expert e = g_expert[g]) and i < q_start[g + 1] - q_start[g], in the order
  * described above. row(q) = x_rows[q], or q when x_rows is NULL. w_e row j starts at byte
@@ -1373,12 +1384,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
         for (int64_t q = 0; q < total_rows; q++) {
             const int64_t row = x_rows ? x_rows[q] : q;
             const char *src = (const char *)x + row * ld_x * (int64_t)x_elem;
-            int64_t lo = 0, hi = groups - 1; /* the group holding row q */
-            while (lo < hi) {
-                const int64_t mid = (lo + hi + 1) / 2;
-                if (q_start[mid] <= q) lo = mid;
-                else hi = mid - 1;
-            }
+            const int64_t lo = eg_group_of(q_start, groups, q); /* the group holding row q */
             if (eg_group_dot(&a, eg_path_rows(&a, lo))) {
                 uint16_t *dst = (uint16_t *)(xs + q * ldxs);
                 memcpy(dst, src, sizeof(uint16_t) * (size_t)k);
@@ -1389,22 +1395,12 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            int64_t lo = 0, hi = groups - 1; /* the group holding block b */
-            while (lo < hi) {
-                const int64_t mid = (lo + hi + 1) / 2;
-                if (blk_start[mid] <= b) lo = mid;
-                else hi = mid - 1;
-            }
+            const int64_t lo = eg_group_of(blk_start, groups, b); /* the group holding block b */
             eg_kseq_transpose(&a, lo, b - blk_start[lo]);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
-            int64_t lo = 0, hi = groups - 1; /* the group holding item it */
-            while (lo < hi) {
-                const int64_t mid = (lo + hi + 1) / 2;
-                if (item_start[mid] <= it) lo = mid;
-                else hi = mid - 1;
-            }
+            const int64_t lo = eg_group_of(item_start, groups, it); /* the group holding item it */
             const int64_t i = it - item_start[lo];
             if (eg_group_kseq(&a, eg_path_rows(&a, lo)))
                 eg_item_kseq(&a, lo, i / ktiles, i % ktiles);
