@@ -12,6 +12,7 @@ import torch
 from layer_cases import Case, from_wire, make_problem, token_split
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEWeightPack
+from moe_ep.backends.portable.cpu_fused import KSEQ_ROWS
 from moe_ep.backends.portable.experts import ROW_BLOCK
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.oracle import compare_to_oracle, oracle_forward
@@ -26,6 +27,9 @@ SMALL = Case("pl_small", tokens=48, routing="skewed", pad_frac=0.1, seed=11)
 # the hot expert gets more pairs than one GEMM block: its replicas split it in whole blocks
 # and each must compute its part the way the whole expert would (`Dispatched.path_rows`)
 BIG = Case("pl_big", tokens=2700, routing="skewed", seed=12)
+# experts of 13-27 pairs: split over two replicas each holds fewer than the k order's
+# threshold (cpu_fused.KSEQ_ROWS), and must still sum in the order of the whole expert
+MID = Case("pl_mid", tokens=40, hidden=1024, inter=512, seed=13)  # sums long enough to show
 WORLD_SIZES = (1, 2, 4)
 
 
@@ -50,7 +54,7 @@ def _placements(case: Case, world_size: int) -> dict[str, Placement]:
 def _jobs(world_size: int) -> list[tuple[str, Case, str, dict[str, Any] | None]]:
     formats = ("bf16", "fp8") if world_size == 2 else ("bf16",)
     jobs = []
-    for case in (SMALL, BIG):
+    for case in (SMALL, MID, BIG):
         for fmt in formats:
             jobs.append((f"{case.name}/{fmt}/contiguous", case, fmt, None))
             for name, p in _placements(case, world_size).items():
@@ -74,6 +78,8 @@ def _output(world_size: int, key: str) -> torch.Tensor:
 
 def test_the_cases_exercise_replicas_and_whole_blocks() -> None:
     assert _global_load(BIG, 2)[E - 1] > ROW_BLOCK  # the hot expert is split in blocks
+    mid = _global_load(MID, 2)
+    assert all(KSEQ_ROWS <= c < 2 * KSEQ_ROWS for c in mid), mid  # halves fall below it
     for world in (2, 4):
         for case in (SMALL, BIG):
             p = _placements(case, world)["balanced"]
