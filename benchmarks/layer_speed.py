@@ -7,8 +7,9 @@
         [--out benchmarks/out/layer_speed.png | --no-plot]
 
 Measures one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) against
-  - dense bf16 matmuls doing the same useful FLOPs (`[T*k, H] @ [H, 2I]` and
-    `[T*k, I] @ [I, H]` into preallocated outputs): the machine's limit; target
+  - dense matmuls doing the same useful FLOPs (`[T*k, H] @ [H, 2I]` and
+    `[T*k, I] @ [I, H]` into preallocated outputs, bf16 and fp32: the faster is the
+    machine's limit, as in the peers section); target
     layer / dense <= 1.3x on the prefill shape (none stated for decode);
   - a naive per-expert loop with the layer's math (gather, gate / up / down matmuls, SwiGLU
     in fp32, weighted fp32 index_add): target naive / layer > 1x, on the prefill shape and
@@ -174,22 +175,32 @@ def eager_epilogues(fn: Callable[[], object]) -> object:
         cpu_fused.library = saved
 
 
+def dense_pair(shape: dict[str, int]) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The bf16 and the fp32 dense GEMMs of the shape's useful FLOPs: the faster is the
+    machine's limit (on CPUs without bf16 GEMM kernels torch's bf16 `mm` is a slow fallback,
+    so bf16 alone would flatter the layer)."""
+    m, h, i = shape["T"] * shape["k"], shape["H"], shape["I"]
+    return limits.dense_gemms(m, h, i, torch.bfloat16), limits.dense_gemms(m, h, i, torch.float32)
+
+
 def time_shape(shape: dict[str, int], reps: int) -> dict[str, float | bool]:
     """Round-robin minimum times (s) of the layer and the baselines on one shape."""
     p = problem(shape)
     layer = make_layer(p, shape)
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
-    dense = limits.dense_gemms(shape["T"] * shape["k"], shape["H"], shape["I"], torch.bfloat16)
-    t_layer, t_eager, t_dense, t_naive, t_naive16 = best_of(
+    dense16, dense32 = dense_pair(shape)
+    t_layer, t_eager, t_dense16, t_dense32, t_naive, t_naive16 = best_of(
         [
             lambda: layer(tensors),
             lambda: eager_epilogues(lambda: layer(tensors)),
-            dense,
+            dense16,
+            dense32,
             lambda: naive_forward(p),
             lambda: naive_bf16_forward(p),
         ],
         reps,
     )
+    t_dense = min(t_dense16, t_dense32)
     same = torch.equal(layer(tensors), layer(tensors))
     layer.destroy()
     return {
@@ -234,6 +245,7 @@ def _stage_timers(acc: dict[str, float]) -> Iterator[None]:
         setattr(mod, name, timed)
 
     wrap(experts, "_mm", "expert GEMMs")
+    wrap(cpu_fused, "expert_gemm", "expert GEMMs")  # experts of few rows (FC1 and FC2)
     wrap(experts, "_swiglu", "SwiGLU")
     wrap(experts, "run_experts", "experts total")
     wrap(comm, "combine", "combine")
@@ -246,7 +258,7 @@ def _stage_timers(acc: dict[str, float]) -> Iterator[None]:
 
 def stages(shape: dict[str, int], reps: int) -> dict[str, float]:
     """Minimum thread CPU seconds per stage of a forward on `shape` at 1 thread, and of the
-    dense GEMMs of the same useful FLOPs ("dense")."""
+    faster of the bf16 and fp32 dense GEMMs of the same useful FLOPs ("dense")."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     p = problem(shape)
@@ -266,13 +278,13 @@ def stages(shape: dict[str, int], reps: int) -> dict[str, float]:
     finally:
         layer.destroy()
         torch.set_num_threads(threads)
-    dense = limits.dense_gemms(shape["T"] * shape["k"], shape["H"], shape["I"], torch.bfloat16)
     torch.set_num_threads(1)
     try:
         for _ in range(reps):
-            start = time.thread_time()
-            dense()
-            best["dense"] = min(best.get("dense", float("inf")), time.thread_time() - start)
+            for dense in dense_pair(shape):
+                start = time.thread_time()
+                dense()
+                best["dense"] = min(best.get("dense", float("inf")), time.thread_time() - start)
     finally:
         torch.set_num_threads(threads)
     return best
@@ -281,16 +293,16 @@ def stages(shape: dict[str, int], reps: int) -> dict[str, float]:
 def stage_rows(best: dict[str, float]) -> list[tuple[str, str, float]]:
     """(stage, short name, seconds) rows of a prefill forward, the forward and the dense
     GEMMs last."""
-    gemm, swiglu = best["expert GEMMs"], best["SwiGLU"]
+    gemm, swiglu = best.get("expert GEMMs", 0.0), best.get("SwiGLU", 0.0)
     rest = best["forward"] - best["experts total"] - best["combine"]
     return [
-        ("expert GEMMs (FC1 + FC2)", "GEMMs", gemm),
+        ("expert GEMMs (FC1 + FC2: mm blocks, expert GEMM)", "GEMMs", gemm),
         ("SwiGLU (widen, silu, multiply, round)", "SwiGLU", swiglu),
         ("expert gathers + loop", "gathers", best["experts total"] - gemm - swiglu),
         ("combine (gather, widen, weight, slot sum)", "combine", best["combine"]),
         ("plan, dispatch, bookkeeping", "other", rest),
         ("forward", "forward", best["forward"]),
-        ("dense GEMMs (same useful FLOPs)", "dense", best["dense"]),
+        ("dense GEMMs (same useful FLOPs, faster of bf16 / fp32)", "dense", best["dense"]),
     ]
 
 
@@ -468,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             "GFLOP/s",
             "status",
         ),
-        caption=f"targets (docs/runbook.md): layer/dense {LAYER_VS_DENSE.label()} on prefill, "
+        caption=f"dense = the faster of the bf16 and fp32 GEMMs of equal FLOPs; targets "
+        f"(docs/runbook.md): layer/dense {LAYER_VS_DENSE.label()} on prefill, "
         f"naive/layer {NAIVE_VS_LAYER.label()}; eager = the layer with eager epilogues "
         "(MOE_EP_CPU_FUSED=0), bf16 loop = the naive loop all in bf16: reported",
     )
