@@ -86,7 +86,8 @@ EXPERT_GEMM_ROWS_FP32 = 64
 """Quantized formats (fp32 GEMMs on the dequantized weights otherwise): experts with at most
 this many rows run `cpu_fused.expert_gemm` on the codes and scales; measured (mxfp8, 2
 threads, AVX2 body) 1.1-2.4x faster than the fp32 `mm` blocks from 8 to 64 rows, slower
-from 128."""
+from 128; again on 2026-12-03 (medians of 7): 1.75x at 16, 1.30x at 32, 1.12x at 48,
+0.95x at 64, 0.88x at 96."""
 EXPERT_GEMM_ROWS_FP32_AVX512 = 1024
 """The same with the AVX-512F body: measured (mxfp8, 2 threads) 1.1-2.1x faster than the
 fp32 `mm` blocks at every row count of the sweep, 1 to 1024 (docs/layer.md)."""
