@@ -28,12 +28,6 @@ def _has_avx2() -> bool:
     return bool(cpu_fused.vector_bodies() & 1)
 
 
-def _auto_is_kseq() -> bool:
-    """Whether `vector=True` takes the k order for bf16 groups of `KSEQ_ROWS`+ rows here."""
-    bodies = cpu_fused.vector_bodies()
-    return bool(bodies & 1) and not bodies & 4
-
-
 def reference_kseq(x: torch.Tensor, w: torch.Tensor, *, reverse: bool = False) -> torch.Tensor:
     """fp32 `[Q, N]` of bf16 `x [Q, K]` times bf16 `w [N, K]` in the k order; `reverse` sums
     from the last k instead (a planted fault the comparison must catch)."""
@@ -133,7 +127,8 @@ def test_the_comparison_sees_another_order() -> None:
 
 
 @pytest.mark.skipif(
-    not _auto_is_kseq(), reason="vector=True takes the k order only on AVX2 CPUs without AVX-512F"
+    not cpu_fused.kseq_by_default(),
+    reason="vector=True takes the k order only on AVX2 CPUs without AVX-512F",
 )
 def test_the_default_takes_the_k_order_by_path_rows() -> None:
     """vector=True: groups of KSEQ_ROWS+ path rows sum in the k order, smaller ones in the

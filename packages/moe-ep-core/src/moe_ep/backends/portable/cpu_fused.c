@@ -870,11 +870,16 @@ static inline int eg_group_kseq(const eg_args *a, int64_t rows) {
     return a->vector >= EG_BODY_KSEQ || (a->auto_kseq && rows >= EG_KSEQ_ROWS);
 }
 
-/* One output of the k order from an fp32 scratch row in lane order (eg_widen_row). */
+/* Element e of an fp32 scratch row in lane order (eg_widen_row). */
+static inline float eg_lane_elem(const float *xs_row, int64_t e) {
+    return xs_row[(e & ~(int64_t)(EG_LANES - 1)) + eg_lane(e & (EG_LANES - 1))];
+}
+
+/* One output of the k order from an fp32 scratch row in lane order. */
 static float eg_kseq_scalar(const float *xs_row, const uint16_t *w, int64_t k) {
     float acc = 0.0f;
     for (int64_t e = 0; e < k; e++)
-        acc = __builtin_fmaf(xs_row[(e & ~(int64_t)15) + eg_lane(e & 15)], bf16_to_f32(w[e]), acc);
+        acc = __builtin_fmaf(eg_lane_elem(xs_row, e), bf16_to_f32(w[e]), acc);
     return acc;
 }
 
@@ -943,7 +948,7 @@ static void eg_kseq_transpose(const eg_args *a, int64_t g, int64_t block) {
     for (int64_t r = 0; r < EG_KR; r++) {
         const float *src = a->xs + (q0 + r) * a->ldxs;
         for (int64_t e = 0; e < k; e++)
-            dst[e * EG_KR + r] = r < rows ? src[(e & ~(int64_t)15) + eg_lane(e & 15)] : 0.0f;
+            dst[e * EG_KR + r] = r < rows ? eg_lane_elem(src, e) : 0.0f;
     }
 }
 
@@ -959,9 +964,9 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
     float acc[EG_ROWS / EG_KR][EG_KCOLS / EG_KNR][EG_KNR * EG_KR];
     const uint16_t *w_rows[EG_KCOLS];
     for (int64_t j = j0; j < n1; j++) w_rows[j - j0] = (const uint16_t *)(we + j * a->w_row_bytes);
-    const int64_t n_tiles = (n1 - j0 + EG_KNR - 1) / EG_KNR;
 #ifdef MOE_EP_AVX2
     if (a->vector != EG_BODY_KSEQ_SCALAR) {
+        const int64_t n_tiles = (n1 - j0 + EG_KNR - 1) / EG_KNR;
         memset(acc, 0, sizeof acc);
         /* K blocks of EG_KKC: a row block's x (EG_KR x EG_KKC fp32) stays in L1 for every
          * tile, the slab's weights (EG_KCOLS x EG_KKC bf16) in L2 for every row block */

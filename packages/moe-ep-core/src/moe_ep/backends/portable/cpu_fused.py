@@ -451,6 +451,14 @@ KSEQ_ROWS = 13
 """cpu_fused.c's EG_KSEQ_ROWS (kept equal by a test)."""
 
 
+def kseq_by_default() -> bool:
+    """Whether `expert_gemm(vector=True)` takes the AVX2 k order for bf16 groups of
+    `KSEQ_ROWS`+ path rows here: the AVX2 body and no AVX-512F one (cpu_fused.c's
+    auto_kseq)."""
+    bodies = vector_bodies()
+    return bool(bodies & _BODY_BIT["avx2"]) and not bodies & _BODY_BIT["avx512"]
+
+
 def _body_kind(vector: bool | Body) -> int:
     """`expert_gemm`'s `vector` as the C body number: True the fastest this CPU runs."""
     if vector is False:

@@ -204,9 +204,7 @@ def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
         return EXPERT_GEMM_ROWS_FP32_AVX512 if avx512 else EXPERT_GEMM_ROWS_FP32
     if _onednn_bf16():
         return EXPERT_GEMM_ROWS_BF16_ONEDNN
-    bodies = cpu_fused.vector_bodies()
-    kseq = bodies & 1 and not bodies & 4  # auto: the AVX2 k order (cpu_fused.KSEQ_ROWS)
-    return EXPERT_GEMM_ROWS_BF16_KSEQ if kseq else EXPERT_GEMM_ROWS_BF16
+    return EXPERT_GEMM_ROWS_BF16_KSEQ if cpu_fused.kseq_by_default() else EXPERT_GEMM_ROWS_BF16
 
 
 @functools.cache
