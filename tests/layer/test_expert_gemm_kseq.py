@@ -110,6 +110,57 @@ def test_every_body_matches_the_k_order_bit_for_bit(n: int, k: int) -> None:
         torch.set_num_threads(before)
 
 
+SPECIAL = [
+    1.5,
+    -1.5,
+    1.0078125,
+    3.0,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    0.0,
+    -0.0,
+    3.3895313892515355e38,
+    2.0**-70,
+    -(2.0**-70),
+    2.0**-75,
+    0.5,
+    7.0,
+    1.0,
+]
+"""bf16 values whose products (K = 1) are rounding ties, NaN, infinities, overflow past bf16's
+largest value (bf16 max x 1.0078125), signed zeros, fp32 subnormals (bf16 0 after rounding)
+and a tie under fp32's smallest subnormal (2^-150). No product underflows with a sign: there
+the fma's -0 and torch's rounded product plus +0 part (the module docstring)."""
+
+
+@pytest.mark.parametrize("alpha_on", [False, True])
+def test_the_stores_round_special_values_as_torch(alpha_on: bool) -> None:
+    """Each output's store (times alpha, then fp32 or bf16 by round-to-nearest-even, NaN
+    quietened) equals torch's, for 16 x 16 products of special values: whole 8 x 8 blocks
+    and, at N = 13, a partial one."""
+    v = torch.tensor(SPECIAL).bfloat16()
+    x = v[:, None].repeat(2, 1).contiguous()  # 32 rows: two 16-row blocks of every value
+    for n in (16, 13):
+        w = v.flip(0)[:n].reshape(1, n, 1).contiguous()
+        groups = _groups([32])
+        alpha = torch.tensor([0.75]) if alpha_on else None
+        want = reference_kseq(x, w[0]) * (alpha[0] if alpha is not None else 1.0)
+        bits = want.view(torch.int32)
+        # torch's round to nearest even, and a NaN keeps its sign and top payload bits,
+        # quietened (torch's vectorized cast writes 0xffff for every NaN instead)
+        want16 = torch.where(
+            want.isnan(), (bits >> 16) | 0x40, want.bfloat16().view(torch.int16).int()
+        ).to(torch.int16)
+        assert int(want.isnan().sum()) > 0 and int((want16 < 0).sum()) > 0
+        for vector in _bodies():
+            got = _run(x, torch.arange(32), w, groups, vector, torch.float32, alpha)
+            assert torch.equal(got.view(torch.int32), bits), f"{vector} N={n}, fp32 out"
+            got16 = _run(x, torch.arange(32), w, groups, vector, torch.bfloat16, alpha)
+            differ = int((got16.view(torch.int16) != want16).sum())
+            assert differ == 0, f"{vector} N={n}, bf16 out: {differ} differ"
+
+
 def test_the_comparison_sees_another_order() -> None:
     """The data tell the k order from the reversed one and from the 16-lane fp32 order."""
     counts = [16, 40]

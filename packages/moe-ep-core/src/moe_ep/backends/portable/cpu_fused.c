@@ -937,6 +937,46 @@ static const eg_kseq_tile_fn eg_kseq_tiles[2][EG_KNR + 1] = {
      eg_kseq_tile_1_5, eg_kseq_tile_1_6},
     {NULL, eg_kseq_tile_2_1, eg_kseq_tile_2_2, eg_kseq_tile_2_3, eg_kseq_tile_2_4,
      eg_kseq_tile_2_5, eg_kseq_tile_2_6}};
+
+/* f32_to_bf16 on 8 lanes, packed into 8 uint16: the same rounding. Its NaN rule is left out:
+ * a NaN made from bf16 operands (and alpha) has a zero low half, which the rounding keeps as
+ * the same quiet NaN. */
+static inline __m128i f32x8_to_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* The 8 x 8 block of sums acc[c * EG_KR] (8 columns c, 8 lanes each) stored as 8 output rows
+ * of 8 columns from out_row on (row m: lanes m of each column), times alpha, the first
+ * `rows` of them. */
+static void eg_kseq_store8x8(const eg_args *a, const float *acc, int64_t rows, int64_t out_row,
+                             int64_t j, const float *alpha) {
+    __m256 r[8], t[8];
+    for (int c = 0; c < 8; c++) r[c] = _mm256_loadu_ps(acc + c * EG_KR);
+    for (int c = 0; c < 8; c += 2) {
+        t[c] = _mm256_unpacklo_ps(r[c], r[c + 1]);
+        t[c + 1] = _mm256_unpackhi_ps(r[c], r[c + 1]);
+    }
+    for (int c = 0; c < 8; c += 4) {
+        r[c] = _mm256_shuffle_ps(t[c], t[c + 2], 0x44);
+        r[c + 1] = _mm256_shuffle_ps(t[c], t[c + 2], 0xee);
+        r[c + 2] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0x44);
+        r[c + 3] = _mm256_shuffle_ps(t[c + 1], t[c + 3], 0xee);
+    }
+    for (int m = 0; m < 4; m++) {
+        t[m] = _mm256_permute2f128_ps(r[m], r[m + 4], 0x20);
+        t[m + 4] = _mm256_permute2f128_ps(r[m], r[m + 4], 0x31);
+    }
+    for (int64_t m = 0; m < rows; m++) {
+        const __m256 v = alpha ? _mm256_mul_ps(t[m], _mm256_set1_ps(*alpha)) : t[m];
+        const int64_t o = (out_row + m) * a->ld_out + j;
+        if (a->out_kind == EG_OUT_F32) _mm256_storeu_ps((float *)a->out + o, v);
+        else _mm_storeu_si128((__m128i *)((uint16_t *)a->out + o), f32x8_to_bf16(v));
+    }
+}
 #endif
 
 /* Group g's rows i in [0, rows) transposed into its blocks (row i at lane i % EG_KR of block
@@ -991,13 +1031,26 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
                 acc[m / EG_KR][(j - j0) / EG_KNR][(j - j0) % EG_KNR * EG_KR + m % EG_KR] =
                     eg_kseq_scalar(xs_row, w_rows[j - j0], k);
         }
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t j = j0; j < n1; j++) {
-            const int64_t o = (a->out_row0[g] + i0 + m) * a->ld_out + j;
-            float v = acc[m / EG_KR][(j - j0) / EG_KNR][(j - j0) % EG_KNR * EG_KR + m % EG_KR];
-            v = a->alpha ? v * alpha : v;
-            if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
-            else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
+    /* the sums out, in 8 x 8 blocks (rows m0.., columns jb..): the AVX2 body transposes a
+     * whole block in registers, the twin and partial blocks go one element at a time */
+    for (int64_t m0 = 0; m0 < rows; m0 += 8)
+        for (int64_t jb = j0; jb < n1; jb += 8) {
+            const int64_t mr = rows - m0 < 8 ? rows - m0 : 8, out_row = a->out_row0[g] + i0 + m0;
+#ifdef MOE_EP_AVX2
+            if (a->vector != EG_BODY_KSEQ_SCALAR && jb + 8 <= n1) {
+                eg_kseq_store8x8(a, (const float *)acc[m0 / EG_KR] + (jb - j0) * EG_KR + m0 % EG_KR,
+                                 mr, out_row, jb, a->alpha ? &alpha : NULL);
+                continue;
+            }
+#endif
+            for (int64_t m = m0; m < m0 + mr; m++)
+                for (int64_t j = jb; j < n1 && j < jb + 8; j++) {
+                    const int64_t o = (out_row + m - m0) * a->ld_out + j;
+                    float v = ((const float *)acc[m / EG_KR])[(j - j0) * EG_KR + m % EG_KR];
+                    v = a->alpha ? v * alpha : v;
+                    if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
+                    else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
+                }
         }
 }
 
