@@ -245,3 +245,15 @@ def test_run_single_threaded_gives_each_task_one_thread_and_restores_the_caller(
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_cc
+@pytest.mark.skipif(
+    not {"avx2", "fma"} <= set(cpu_fused._cpu_features().split()),
+    reason="the CPU lacks AVX2 or FMA",
+)
+def test_the_library_has_the_avx2_bodies_where_the_cpu_runs_them() -> None:
+    """A source that does not build with the native arch flags falls back to a portable
+    build, silently slower and with the AVX2 tests skipped: this one says so."""
+    assert cpu_fused.library() is not None
+    assert cpu_fused.vector_bodies() & 1, "the native-arch build failed: see cpu_fused.status()"

@@ -120,18 +120,6 @@ static inline __m512 exp_f32x16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* silu of every bf16 value (indexed by its bits), by the scalar formula: silu of a bf16 g
- * is one load instead of an exp and a division (1.3-1.6x faster SwiGLU, same bits). Filled
- * when the library is loaded (65536 formula evaluations, well under a millisecond). */
-static float silu_of_bf16[65536];
-
-__attribute__((constructor)) static void fill_silu_of_bf16(void) {
-    for (uint32_t b = 0; b < 65536; b++) {
-        float x = bf16_to_f32((uint16_t)b);
-        silu_of_bf16[b] = x / (1.0f + exp_f32(-x));
-    }
-}
-
 /* The first inter - inter % 16 outputs of one row of moe_ep_swiglu_bf16; returns how many.
  * `scaled` (alpha and clamp applied) is a constant at each call, so each variant compiles
  * to its own loop. */
@@ -159,6 +147,45 @@ static inline __attribute__((always_inline)) int64_t swiglu_row_avx512(
 }
 #endif
 
+/* silu of every bf16 value (indexed by its bits), by the scalar formula: silu of a bf16 g
+ * is one load instead of an exp and a division (1.3-1.6x faster SwiGLU, same bits). Filled
+ * when the library is loaded (65536 formula evaluations, well under a millisecond). */
+static float silu_of_bf16[65536];
+
+__attribute__((constructor)) static void fill_silu_of_bf16(void) {
+    for (uint32_t b = 0; b < 65536; b++) {
+        float x = bf16_to_f32((uint16_t)b);
+        silu_of_bf16[b] = x / (1.0f + exp_f32(-x));
+    }
+}
+
+#ifdef MOE_EP_AVX2
+/* f32_to_bf16 on 8 lanes, packed into 8 uint16: the same rounding. Its NaN rule is left out:
+ * a NaN made from bf16 operands (and alpha) has a zero low half, which the rounding keeps as
+ * the same quiet NaN. */
+static inline __m128i f32x8_to_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* The first inter - inter % 8 outputs of one row of moe_ep_swiglu_bf16 without alpha and
+ * clamp, from `j` on; returns where it stopped. silu(g) by the table. */
+static inline int64_t swiglu_row_avx2(const uint16_t *g, const uint16_t *u, uint16_t *out,
+                                      int64_t j, int64_t inter) {
+    for (; j + 8 <= inter; j += 8) {
+        const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + j)));
+        const __m256 s = _mm256_i32gather_ps(silu_of_bf16, bits, 4);
+        const __m256 y = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(u + j))), 16));
+        _mm_storeu_si128((__m128i *)(out + j), f32x8_to_bf16(_mm256_mul_ps(s, y)));
+    }
+    return j;
+}
+#endif
+
 /* h[i, :] = bf16(silu(g) * u) for the rows of gu = [g | u] (each `inter` wide), in fp32:
  * with has_alpha, g and u are first multiplied by alpha; with has_clamp, g <= clamp and
  * -clamp <= u <= clamp. silu(x) = x / (1 + exp(-x)). Row strides in elements. */
@@ -179,6 +206,9 @@ void moe_ep_swiglu_bf16(const uint16_t *gu, int64_t ld_gu, uint16_t *h, int64_t 
                                     : swiglu_row_avx512(g, u, out, inter, 0, alpha, clamp);
 #endif
         if (!has_alpha && !has_clamp) {
+#ifdef MOE_EP_AVX2
+            j0 = swiglu_row_avx2(g, u, out, j0, inter);
+#endif
             for (int64_t j = j0; j < inter; j++) {
                 float x = bf16_to_f32(g[j]);
                 float s = x / (1.0f + exp_f32(-x));
@@ -937,17 +967,6 @@ static const eg_kseq_tile_fn eg_kseq_tiles[2][EG_KNR + 1] = {
      eg_kseq_tile_1_5, eg_kseq_tile_1_6},
     {NULL, eg_kseq_tile_2_1, eg_kseq_tile_2_2, eg_kseq_tile_2_3, eg_kseq_tile_2_4,
      eg_kseq_tile_2_5, eg_kseq_tile_2_6}};
-
-/* f32_to_bf16 on 8 lanes, packed into 8 uint16: the same rounding. Its NaN rule is left out:
- * a NaN made from bf16 operands (and alpha) has a zero low half, which the rounding keeps as
- * the same quiet NaN. */
-static inline __m128i f32x8_to_bf16(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
 
 /* The 8 x 8 block of sums acc[c * EG_KR] (8 columns c, 8 lanes each) stored as 8 output rows
  * of 8 columns from out_row on (row m: lanes m of each column), times alpha, the first
