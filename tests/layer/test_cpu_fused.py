@@ -107,17 +107,21 @@ def test_swiglu_vector_body_equals_the_scalar_loop(
 
 
 @needs_cc
-def test_swiglu_every_bf16_gate_value_vector_equals_scalar() -> None:
-    """All 65536 bf16 gate values (the vector body may look silu up by the bits), with an
-    up value that keeps most products normal and one that makes many subnormal."""
+@pytest.mark.parametrize(("alpha", "clamp"), [(None, None), (1.702, 7.0)])
+def test_swiglu_every_bf16_gate_value_vector_equals_scalar(
+    alpha: float | None, clamp: float | None
+) -> None:
+    """All 65536 bf16 gate values (the vector body may look silu up by the bits, or compute
+    exp on 8 or 16 lanes), with an up value that keeps most products normal and one that
+    makes many subnormal; with alpha and clamp, one beyond the clamp too."""
     g = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    for up in (2.5, 3e-38):
+    for up in (2.5, 3e-38, -9.0):
         narrow = torch.cat([g.view(2**15, 2), torch.full((2**15, 2), up).bfloat16()], 1)
         h = torch.empty(2**15, 2, dtype=torch.bfloat16)  # rows of two: scalar loop only
-        assert cpu_fused.swiglu(narrow, h, None, None)
+        assert cpu_fused.swiglu(narrow, h, alpha, clamp)
         wide = torch.cat([g.view(2**11, 32), torch.full((2**11, 32), up).bfloat16()], 1)
         h_wide = torch.empty(2**11, 32, dtype=torch.bfloat16)  # two full vectors per row
-        assert cpu_fused.swiglu(wide, h_wide, None, None)
+        assert cpu_fused.swiglu(wide, h_wide, alpha, clamp)
         assert torch.equal(h.view(torch.int16).reshape(-1), h_wide.view(torch.int16).reshape(-1))
 
 

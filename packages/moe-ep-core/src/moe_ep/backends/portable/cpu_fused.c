@@ -171,15 +171,59 @@ static inline __m128i f32x8_to_bf16(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
-/* The first inter - inter % 8 outputs of one row of moe_ep_swiglu_bf16 without alpha and
- * clamp, from `j` on; returns where it stopped. silu(g) by the table. */
-static inline int64_t swiglu_row_avx2(const uint16_t *g, const uint16_t *u, uint16_t *out,
-                                      int64_t j, int64_t inter) {
+/* exp_f32 on 8 lanes, operation for operation the same (the same bits). */
+static inline __m256 exp_f32x8(__m256 x) {
+    __m256 c = _mm256_blendv_ps(x, _mm256_set1_ps(-86.0f),
+                                _mm256_cmp_ps(x, _mm256_set1_ps(-86.0f), _CMP_LT_OQ));
+    const __m256 top = _mm256_set1_ps(88.72283935546875f), magic = _mm256_set1_ps(12582912.0f);
+    c = _mm256_blendv_ps(c, top, _mm256_cmp_ps(c, top, _CMP_GT_OQ));
+    c = _mm256_and_ps(c, _mm256_cmp_ps(c, c, _CMP_ORD_Q)); /* NaN -> 0 */
+    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(c, _mm256_set1_ps(1.44269504088896341f), magic),
+                                   magic);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145751953125f), c);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(126)), 23));
+    __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, scale), _mm256_set1_ps(2.0f));
+    e = _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(x, top, _CMP_GT_OQ));
+    return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+static inline __m256 bf16x8_to_f32(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* The first inter - inter % 8 outputs of one row of moe_ep_swiglu_bf16 from `j` on, the
+ * scalar loops' operations on 8 lanes; returns where it stopped. Without alpha and clamp
+ * (`scaled` 0, a constant at each call) silu(g) is looked up in the table. */
+static inline __attribute__((always_inline)) int64_t swiglu_row_avx2(
+    const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t j, int64_t inter,
+    int32_t scaled, float alpha, float clamp) {
+    const __m256 a = _mm256_set1_ps(alpha), hi = _mm256_set1_ps(clamp);
+    const __m256 lo = _mm256_set1_ps(-clamp), sign = _mm256_set1_ps(-0.0f);
     for (; j + 8 <= inter; j += 8) {
-        const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + j)));
-        const __m256 s = _mm256_i32gather_ps(silu_of_bf16, bits, 4);
-        const __m256 y = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(u + j))), 16));
+        __m256 y = bf16x8_to_f32(u + j), s;
+        if (scaled) { /* a compare with NaN is false: NaN stays, as in the scalar loop */
+            __m256 x = _mm256_mul_ps(bf16x8_to_f32(g + j), a);
+            y = _mm256_mul_ps(y, a);
+            x = _mm256_blendv_ps(x, hi, _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+            y = _mm256_blendv_ps(y, hi, _mm256_cmp_ps(y, hi, _CMP_GT_OQ));
+            y = _mm256_blendv_ps(y, lo, _mm256_cmp_ps(y, lo, _CMP_LT_OQ));
+            const __m256 e = exp_f32x8(_mm256_xor_ps(x, sign));
+            s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        } else {
+            const __m256i bits =
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + j)));
+            s = _mm256_i32gather_ps(silu_of_bf16, bits, 4);
+        }
         _mm_storeu_si128((__m128i *)(out + j), f32x8_to_bf16(_mm256_mul_ps(s, y)));
     }
     return j;
@@ -205,10 +249,11 @@ void moe_ep_swiglu_bf16(const uint16_t *gu, int64_t ld_gu, uint16_t *h, int64_t 
         j0 = has_alpha || has_clamp ? swiglu_row_avx512(g, u, out, inter, 1, alpha, clamp)
                                     : swiglu_row_avx512(g, u, out, inter, 0, alpha, clamp);
 #endif
-        if (!has_alpha && !has_clamp) {
 #ifdef MOE_EP_AVX2
-            j0 = swiglu_row_avx2(g, u, out, j0, inter);
+        j0 = has_alpha || has_clamp ? swiglu_row_avx2(g, u, out, j0, inter, 1, alpha, clamp)
+                                    : swiglu_row_avx2(g, u, out, j0, inter, 0, alpha, clamp);
 #endif
+        if (!has_alpha && !has_clamp) {
             for (int64_t j = j0; j < inter; j++) {
                 float x = bf16_to_f32(g[j]);
                 float s = x / (1.0f + exp_f32(-x));
