@@ -926,9 +926,10 @@ static void eg_rows_dot(const eg_args *a, int64_t g, int64_t q0, int64_t rows, i
  * the whole of K when the item has one row block. Work items: (group, block of EG_ROWS rows,
  * tile of EG_KCOLS output columns); the item's weights stream from memory for its first row
  * block (software prefetch of the same rows, one K block or EG_KPF elements ahead) and stay
- * in L2 for the others. Tried and slower: a 1 x 12 tile for 8-row blocks (12 weight rows
- * 4 KiB apart share one L1 set: 2x slower), the same with each K block of the weights first
- * copied into a contiguous buffer (0.78-0.90x). */
+ * in L2 for the others. The sums go out through 8 x 8 register transposes. Tried and
+ * slower: a 1 x 12 tile for 8-row blocks (12 weight rows 4 KiB apart share one L1 set: 2x
+ * slower), the same with each K block of the weights first copied into a contiguous buffer
+ * (0.78-0.90x), a 24 x 4 tile (17 live ymm: the compiler reloads x for every fma, 0.65x). */
 #define EG_KR 16       /* rows per transposed block (two ymm of lanes) */
 #define EG_KNR 6       /* weight rows of the register tile */
 #define EG_KCOLS 48    /* output columns per work item (a multiple of EG_KNR) */
