@@ -365,6 +365,12 @@ def print_crossover(out: Console, points: list[CrossoverPoint], machine: str) ->
     out.print(table)
 
 
+def _short_peer(name: str) -> str:
+    """A peer's name short enough for seven tick labels side by side ("hf grouped_mm" ->
+    "grouped")."""
+    return name.removeprefix("hf ").removesuffix("_mm")
+
+
 def plot_peers(
     results: list[ShapeResult],
     quant: list[QuantResult],
@@ -391,7 +397,7 @@ def plot_peers(
     if have:
         shown += plots.ratio_bars(
             axes[1],
-            [f"{n}\n({x['best_peer']})" for n, x in have],
+            [f"{n}\n({_short_peer(str(x['best_peer']))})" for n, x in have],
             [x["peer_over_layer"] for _, x in have],  # type: ignore[misc]
             [targets_of(n)["peer_over_layer"] for n, _ in have],
             wrap=7,
