@@ -7,7 +7,9 @@ rounded fp64 formula wherever eager does.
 
 from __future__ import annotations
 
+import platform
 import shutil
+import subprocess
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -261,3 +263,30 @@ def test_the_library_has_the_avx2_bodies_where_the_cpu_runs_them() -> None:
     build, silently slower and with the AVX2 tests skipped: this one says so."""
     assert cpu_fused.library() is not None
     assert cpu_fused.vector_bodies() & 1, "the native-arch build failed: see cpu_fused.status()"
+
+
+@needs_cc
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="the x86 vector bodies: x86 only"
+)
+@pytest.mark.parametrize(
+    "arch",
+    [[], ["-march=x86-64-v3"], ["-march=x86-64-v4"], ["-march=x86-64-v4", "-mavx512bf16"]],
+    ids=["portable", "avx2", "avx512f", "avx512bf16"],
+)
+def test_every_vector_body_compiles(arch: list[str], tmp_path: Path) -> None:
+    """The source builds for each x86 level, whatever this CPU runs: a body that does not
+    compile would make a native build fall back to the portable one on such CPUs only."""
+    cc = cpu_fused._compiler()
+    assert cc is not None
+    proc = subprocess.run(
+        [cc, "-O1", "-c", "-std=c11", "-fopenmp", "-Werror=implicit-function-declaration",
+         *arch, str(cpu_fused.SOURCE), "-o", str(tmp_path / "cpu_fused.o")],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dis = shutil.which("objdump")
+    if "-mavx512bf16" in arch and dis:  # the epilogues' AVX-512 block is really in it
+        out = subprocess.run([dis, "-d", str(tmp_path / "cpu_fused.o")], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        assert "vcvtneps2bf16" in out and "vscalefps" in out
