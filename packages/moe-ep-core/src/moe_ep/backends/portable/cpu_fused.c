@@ -750,6 +750,9 @@ typedef struct {
     void *out;
     int64_t ld_out, n, k;
     float *xt;                /* the k order's transposed x blocks (EG_BODY_KSEQ), or NULL */
+    const uint16_t *x16;      /* the call's bf16 x rows (row(q) = x_rows[q] or q), ld_x apart */
+    const int64_t *x_rows;
+    int64_t ld_x;
     const int64_t *xt_start;  /* group g's blocks start at xt + xt_start[g] */
 } eg_args;
 
@@ -1042,15 +1045,20 @@ static void eg_kseq_store8x8(const eg_args *a, const float *acc, int64_t rows, i
 #endif
 
 /* Group g's rows i in [0, rows) transposed into its blocks (row i at lane i % EG_KR of block
- * i / EG_KR), from the fp32 scratch rows in lane order; the last block's missing rows 0. */
+ * i / EG_KR), widened from the call's bf16 rows (exact; such groups skip the fp32 scratch);
+ * the last block's missing rows 0. */
 static void eg_kseq_transpose(const eg_args *a, int64_t g, int64_t block) {
     const int64_t q0 = a->q_start[g] + block * EG_KR, k = a->k;
     const int64_t rows = a->q_start[g + 1] - q0 < EG_KR ? a->q_start[g + 1] - q0 : EG_KR;
     float *dst = a->xt + a->xt_start[g] + block * EG_KR * k;
     for (int64_t r = 0; r < EG_KR; r++) {
-        const float *src = a->xs + (q0 + r) * a->ldxs;
-        for (int64_t e = 0; e < k; e++)
-            dst[e * EG_KR + r] = r < rows ? eg_lane_elem(src, e) : 0.0f;
+        if (r >= rows) {
+            for (int64_t e = 0; e < k; e++) dst[e * EG_KR + r] = 0.0f;
+            continue;
+        }
+        const int64_t q = q0 + r;
+        const uint16_t *src = a->x16 + (a->x_rows ? a->x_rows[q] : q) * a->ld_x;
+        for (int64_t e = 0; e < k; e++) dst[e * EG_KR + r] = bf16_to_f32(src[e]);
     }
 }
 
@@ -1476,7 +1484,8 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
                  .s_row_bytes = s_row_bytes, .s_block = s_block, .w_kind = w_kind,
                  .s_kind = s_kind, .out_kind = out_kind, .vector = vector,
                  .auto_dot = auto_dot, .auto_kseq = auto_kseq, .g_rows = g_rows, .out = out,
-                 .ld_out = ld_out, .n = n, .k = k, .xt = NULL, .xt_start = xt_start};
+                 .ld_out = ld_out, .n = n, .k = k, .xt = NULL, .xt_start = xt_start,
+                 .x16 = (const uint16_t *)x, .x_rows = x_rows, .ld_x = ld_x};
     const int transposed = vector == EG_BODY_KSEQ || auto_kseq; /* the AVX2 k-order body */
     item_start[0] = blk_start[0] = xt_start[0] = 0;
     for (int64_t g = 0; g < groups; g++) {
@@ -1505,6 +1514,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
             const int64_t row = x_rows ? x_rows[q] : q;
             const char *src = (const char *)x + row * ld_x * (int64_t)x_elem;
             const int64_t lo = eg_group_of(q_start, groups, q); /* the group holding row q */
+            if (transposed && eg_group_kseq(&a, eg_path_rows(&a, lo))) continue; /* xt only */
             if (eg_group_dot(&a, eg_path_rows(&a, lo))) {
                 uint16_t *dst = (uint16_t *)(xs + q * ldxs);
                 memcpy(dst, src, sizeof(uint16_t) * (size_t)k);
