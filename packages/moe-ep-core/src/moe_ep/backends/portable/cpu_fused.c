@@ -1070,8 +1070,9 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
     const int64_t j0 = tile * EG_KCOLS, n1 = j0 + EG_KCOLS < a->n ? j0 + EG_KCOLS : a->n;
     const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
-    /* the item's sums: [row block][weight-row tile][EG_KNR x EG_KR lanes] */
-    float acc[EG_ROWS / EG_KR][EG_KCOLS / EG_KNR][EG_KNR * EG_KR];
+    /* the item's sums: [row block][output column][EG_KR lanes]; a register tile of EG_KNR
+     * weight rows holds EG_KNR consecutive columns */
+    float acc[EG_ROWS / EG_KR][EG_KCOLS][EG_KR];
     const uint16_t *w_rows[EG_KCOLS];
     for (int64_t j = j0; j < n1; j++) w_rows[j - j0] = (const uint16_t *)(we + j * a->w_row_bytes);
 #ifdef MOE_EP_AVX2
@@ -1088,7 +1089,7 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
                 for (int64_t t = 0; t < n_tiles; t++) {
                     const int64_t nr = n1 - j0 - t * EG_KNR < EG_KNR ? n1 - j0 - t * EG_KNR : EG_KNR;
                     eg_kseq_tiles[rows - r > 8][nr](xt, w_rows + t * EG_KNR, kc, k1,
-                                                     acc[r / EG_KR][t],
+                                                     acc[r / EG_KR][t * EG_KNR],
                                                      r > 0 ? 0 : step == k ? EG_KPF : EG_KKC);
                 }
             }
@@ -1098,8 +1099,7 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
         for (int64_t m = 0; m < rows; m++) {
             const float *xs_row = a->xs + (a->q_start[g] + i0 + m) * a->ldxs;
             for (int64_t j = j0; j < n1; j++)
-                acc[m / EG_KR][(j - j0) / EG_KNR][(j - j0) % EG_KNR * EG_KR + m % EG_KR] =
-                    eg_kseq_scalar(xs_row, w_rows[j - j0], k);
+                acc[m / EG_KR][j - j0][m % EG_KR] = eg_kseq_scalar(xs_row, w_rows[j - j0], k);
         }
     /* the sums out, in 8 x 8 blocks (rows m0.., columns jb..): the AVX2 body transposes a
      * whole block in registers, the twin and partial blocks go one element at a time */
@@ -1108,15 +1108,15 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
             const int64_t mr = rows - m0 < 8 ? rows - m0 : 8, out_row = a->out_row0[g] + i0 + m0;
 #ifdef MOE_EP_AVX2
             if (a->vector != EG_BODY_KSEQ_SCALAR && jb + 8 <= n1) {
-                eg_kseq_store8x8(a, (const float *)acc[m0 / EG_KR] + (jb - j0) * EG_KR + m0 % EG_KR,
-                                 mr, out_row, jb, a->alpha ? &alpha : NULL);
+                eg_kseq_store8x8(a, &acc[m0 / EG_KR][jb - j0][m0 % EG_KR], mr, out_row, jb,
+                                 a->alpha ? &alpha : NULL);
                 continue;
             }
 #endif
             for (int64_t m = m0; m < m0 + mr; m++)
                 for (int64_t j = jb; j < n1 && j < jb + 8; j++) {
                     const int64_t o = (out_row + m - m0) * a->ld_out + j;
-                    float v = ((const float *)acc[m / EG_KR])[(j - j0) * EG_KR + m % EG_KR];
+                    float v = acc[m / EG_KR][j - j0][m % EG_KR];
                     v = a->alpha ? v * alpha : v;
                     if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
                     else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
