@@ -51,6 +51,19 @@ def _special_gu(rows: int, inter: int, ld: int, gen: torch.Generator) -> torch.T
     return gu
 
 
+@pytest.mark.parametrize(
+    ("gu_shape", "h_shape"), [((4, 10), (4, 4)), ((4, 6), (4, 4)), ((5, 8), (4, 4)), ((8,), (4,))]
+)
+def test_swiglu_refuses_shapes_that_do_not_pair(
+    gu_shape: tuple[int, ...], h_shape: tuple[int, ...]
+) -> None:
+    """A gu wider than 2 * I used to run, reading u from the wrong columns (wrong values, no
+    error); a narrower one or more rows read past the tensor."""
+    gu, h = torch.ones(gu_shape, dtype=torch.bfloat16), torch.empty(h_shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"swiglu gu must be \[rows, 2 \* I\] for h"):
+        cpu_fused.swiglu(gu, h, None, None)
+
+
 @needs_cc
 @pytest.mark.parametrize(("alpha", "clamp"), [(None, None), (0.75, None), (None, 7.0), (1.5, 7.0)])
 def test_swiglu_fused_within_one_ulp_of_eager(

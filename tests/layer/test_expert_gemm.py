@@ -196,6 +196,70 @@ def test_row_tiles_and_blocks_read_nothing_past_k(
     _bits_equal(_run(x, w, _groups(counts), torch.float32, vector=vector), want)
 
 
+def _random_stored(
+    code: str, scale: str | None, e: int, n: int, k: int, g: torch.Generator
+) -> tuple[StoredWeight, torch.Tensor]:
+    """Random codes (every e4m3 byte but NaN, or every e2m1 nibble) and scales of `scale`
+    (fp32 ones from 2^-130 to 2^10: subnormal, ordinary and from 2^8 up, where the AVX2 and
+    AVX-512 bodies leave their short e4m3 decode), with their fp32 values by torch's e4m3fn
+    conversion and the e2m1 / E8M0 definitions."""
+    if code == "e4m3":
+        codes = torch.randint(0, 256, (e, n, k), generator=g).to(torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x3C
+        stored, value = codes, codes.view(torch.float8_e4m3fn).float()
+    else:
+        nib = torch.randint(0, 16, (e, n, k), generator=g)
+        stored = (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
+        value = torch.tensor(E2M1 + [-v for v in E2M1])[nib]
+    if scale is None:
+        return StoredWeight(stored.contiguous(), code), value
+    block = 16 if scale != "e8m0" else 32
+    nb = k // block
+    if scale == "fp32":
+        s = torch.pow(2.0, torch.randint(-130, 11, (e, n, nb), generator=g).float())
+        s = s * (1 + torch.rand(e, n, nb, generator=g))
+        factor = s
+    elif scale == "e8m0":
+        s = torch.randint(100, 140, (e, n, nb), generator=g).to(torch.uint8)
+        factor = quant.e8m0_to_float32(s)
+    else:
+        s = torch.randint(0, 0x7F, (e, n, nb), generator=g).to(torch.uint8)
+        factor = s.view(torch.float8_e4m3fn).float()
+    w = StoredWeight(stored.contiguous(), code, s.contiguous(), scale, block)  # type: ignore[arg-type]
+    return w, value * factor.repeat_interleave(block, -1)
+
+
+@pytest.mark.parametrize("vector", BODIES, ids=BODY_IDS)
+@pytest.mark.parametrize(
+    ("code", "scale", "k"),
+    [("e4m3", None, 40), ("e4m3", "fp32", 96), ("e4m3", "e8m0", 96), ("e2m1", "e4m3", 96),
+     ("e2m1", "e8m0", 64), ("e2m1", None, 36)],
+)  # fmt: skip
+def test_quantized_formats_at_every_row_tile_match_the_documented_order(
+    code: str, scale: str | None, k: int, vector: bool | cpu_fused.Body
+) -> None:
+    """Each code and scale kind at row counts around every register tile (the AVX-512 body
+    decodes quantized weights in registers: 4 x 4 tiles up to 4 rows, 8 x 2 from 5), with
+    37 output columns (a 4-column tile's remainder), a K tail where the kind allows one, a
+    NaN code in one weight row, and alphas: bit for bit the reference order's outputs."""
+    need_body(vector)
+    g = torch.Generator().manual_seed(k + len(code))
+    counts, n = BLOCK_EDGES, 37
+    e = len(counts)
+    w, deq = _random_stored(code, scale, e, n, k, g)
+    if code == "e4m3":
+        w.codes[2, 5, 17] = 0x7F  # expert 2 (3 rows), weight row 5: NaN
+        deq[2, 5, 17] = float("nan")
+    x = torch.randn(sum(counts), k, generator=g)
+    alpha = torch.rand(e, generator=g) + 0.5
+    got = _run(x, w, _groups(counts), torch.float32, alpha, vector)
+    q_start = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    want = reference_gemm(x, deq, q_start, list(range(e)), alpha)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and int(nan.sum()) == (3 if code == "e4m3" else 0)
+    _bits_equal(got.masked_fill(nan, 0), want.masked_fill(nan, 0))
+
+
 def test_thread_counts_give_the_same_bits() -> None:
     g = torch.Generator().manual_seed(3)
     counts, n, k = RAGGED, 200, 384

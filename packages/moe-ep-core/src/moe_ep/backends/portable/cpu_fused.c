@@ -1327,6 +1327,175 @@ static void eg_row_tiles(const eg_args *a, int64_t rows, int nr, int bf16, const
     }
 }
 
+/* Outputs [orow0, orow0 + rows) x columns [j, j + nr) from their lane sums (acc rows ldacc
+ * apart, EG_LANES per column): eg_lane_sum, times alpha where the call has alphas, then
+ * stored as fp32 or rounded to bf16. */
+static void eg_store_sums(const eg_args *a, const float *acc, int64_t ldacc, int64_t rows,
+                          int nr, int64_t orow0, int64_t j, float alpha) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t orow = orow0 + r;
+        for (int n = 0; n < nr; n++) {
+            float v = eg_lane_sum(acc + r * ldacc + n * EG_LANES);
+            v = a->alpha ? v * alpha : v;
+            if (a->out_kind == EG_OUT_F32)
+                ((float *)a->out)[orow * a->ld_out + j + n] = v;
+            else
+                ((uint16_t *)a->out)[orow * a->ld_out + j + n] = f32_to_bf16(v);
+        }
+    }
+}
+
+#ifdef MOE_EP_AVX512_GEMM
+/* Groups of at most this many rows on the AVX-512F body read quantized weights straight
+ * from where they are stored, decoded in registers (eg_rows_q512): one row tile, so each
+ * code is decoded once either way, and the L1 buffer's store and reload are saved. */
+#ifndef EG_QREG_ROWS
+#define EG_QREG_ROWS 24
+#endif
+#define EG_QMR 8 /* rows of its register tile with 2 weight rows (4 x 4 for 4 rows or fewer) */
+
+/* eg_decode_chunk_avx512's values for one chunk of codes at element k, in a register:
+ * e4m3 by eg_decode_e4m3_fast_avx2's operations on 16 lanes while `fast` (c = 2^120 * s),
+ * else as eg_decode_chunk_avx512, then a NaN code's lanes set to the table's quiet NaN (what
+ * NaN * s gives there: the first operand's NaN); e2m1 by its 16-entry table. Times s (s = 1
+ * without scales: the same bits as no product). */
+static inline __attribute__((always_inline)) EG_AVX512 __m512 eg_q512_chunk(
+    const int32_t w_kind, const uint8_t *w_row, int64_t k, int fast, __m512 c, __m512 s) {
+    if (w_kind == EG_W_E4M3) {
+        const __m128i lanes = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m512i b = _mm512_cvtepu8_epi32(
+            _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w_row + k)), lanes));
+        const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+        const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
+        __m512 f;
+        if (fast) {
+            const __m512i v = _mm512_and_si512(_mm512_srai_epi32(_mm512_slli_epi32(b, 24), 4),
+                                               _mm512_set1_epi32((int)0x87f00000u));
+            f = _mm512_mul_ps(_mm512_castsi512_ps(v), c);
+        } else {
+            f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
+                              _mm512_set1_ps(1.329227995784916e36f)); /* 2^120 */
+            const __m512i sign =
+                _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+            f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign)),
+                              s);
+        }
+        return _mm512_mask_mov_ps(f, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+    }
+    const __m512 table = _mm512_loadu_ps(e2m1_value);
+    const __m128i pairs = _mm_loadl_epi64((const __m128i *)(w_row + k / 2));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(pairs, pairs));
+    const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srlv_epi32(b, shift), table), s);
+}
+
+/* eg_tile_avx512 over `chunks` whole chunks from element 0 of quantized weight rows w[n]
+ * (scale rows s[n], or NULL), decoded in registers per scale block: the same fma per lane
+ * in the same order as decoding them into the L1 buffer first. Prefetches each code line
+ * `ahead` bytes on. */
+static inline __attribute__((always_inline)) EG_AVX512 void eg_qtile_avx512(
+    const int mr, const int nr, const int32_t w_kind, const eg_args *a, const float *x,
+    const uint8_t *const *w, const uint8_t *const *s, int64_t chunks, float *acc,
+    int64_t ldacc, int64_t ahead) {
+    __m512 acc_v[EG_QMR][EG_NR512];
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) acc_v[m][n] = _mm512_loadu_ps(acc + m * ldacc + n * EG_LANES);
+    const int64_t bytes = w_kind == EG_W_E4M3 ? 16 : 8; /* code bytes per chunk */
+    const int64_t per = s ? a->s_block / EG_LANES : chunks; /* chunks per scale */
+    for (int64_t c0 = 0; c0 < chunks; c0 += per) {
+        const int64_t c1 = c0 + per < chunks ? c0 + per : chunks;
+        __m512 cv[EG_NR512], sv[EG_NR512];
+        int fast = 1;
+        for (int n = 0; n < nr; n++) {
+            const float sc = s ? eg_scale(s[n], a->s_kind, c0 * EG_LANES / a->s_block) : 1.0f;
+            fast &= __builtin_fabsf(sc) < 256.0f;
+            sv[n] = _mm512_set1_ps(sc);
+            cv[n] = _mm512_set1_ps(sc * 1.329227995784916e36f);
+        }
+        for (int64_t c = c0; c < c1; c++) {
+            if (ahead && (c * bytes) % 64 == 0)
+                for (int n = 0; n < nr; n++)
+                    _mm_prefetch((const char *)w[n] + c * bytes + ahead, _MM_HINT_T1);
+            __m512 wv[EG_NR512];
+            for (int n = 0; n < nr; n++)
+                wv[n] = eg_q512_chunk(w_kind, w[n], c * EG_LANES, fast, cv[n], sv[n]);
+            for (int m = 0; m < mr; m++) {
+                __m512 xv = _mm512_loadu_ps(x + m * a->ldxs + c * EG_LANES);
+                __asm__("" : "+v"(xv));
+                for (int n = 0; n < nr; n++) acc_v[m][n] = _mm512_fmadd_ps(xv, wv[n], acc_v[m][n]);
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) _mm512_storeu_ps(acc + m * ldacc + n * EG_LANES, acc_v[m][n]);
+}
+
+#define EG_QT(m, n, kind) eg_qtile_avx512(m, n, kind, a, x, w, s, chunks, acc, ldacc, ahead)
+#define EG_QT_4(n, kind)                                                                      \
+    (mr == 4 ? EG_QT(4, n, kind) : mr == 3 ? EG_QT(3, n, kind) : mr == 2 ? EG_QT(2, n, kind)  \
+                                                                         : EG_QT(1, n, kind))
+#define EG_QT_8(n, kind)                                                                      \
+    (mr == 8 ? EG_QT(8, n, kind) : mr == 7 ? EG_QT(7, n, kind) : mr == 6 ? EG_QT(6, n, kind)  \
+     : mr == 5 ? EG_QT(5, n, kind) : EG_QT_4(n, kind))
+#define EG_QT_KIND(kind)                                                                      \
+    (nr == 4 ? EG_QT_4(4, kind) : nr == 2 ? EG_QT_8(2, kind) : EG_QT_8(1, kind))
+/* eg_qtile_avx512 for mr <= 4 rows x nr = 4 weight rows, mr <= EG_QMR x 2, or mr x 1: each
+ * shape and code kind its own loop (at most 16 accumulators). */
+static EG_AVX512 void eg_qtile_avx512_any(int mr, int nr, const eg_args *a, const float *x,
+                                          const uint8_t *const *w, const uint8_t *const *s,
+                                          int64_t chunks, float *acc, int64_t ldacc,
+                                          int64_t ahead) {
+    if (a->w_kind == EG_W_E4M3) EG_QT_KIND(EG_W_E4M3);
+    else EG_QT_KIND(EG_W_E2M1);
+}
+#undef EG_QT_KIND
+#undef EG_QT_8
+#undef EG_QT_4
+#undef EG_QT
+#endif
+
+#ifdef MOE_EP_AVX512_GEMM
+/* eg_rows for quantized weights on the AVX-512F body, rows <= EG_MR512: the whole chunks of
+ * each weight row decoded in registers (eg_qtile_avx512), the K tail (a partial chunk)
+ * through the L1 buffer after them as in eg_rows: the same fma chain per lane, the same
+ * bits. */
+static void eg_rows_q512(const eg_args *a, int64_t g, int64_t q0, int64_t rows, int64_t orow0,
+                         int64_t j0, int64_t n1) {
+    float wbuf[EG_NR_MAX * EG_KC];
+    float acc[EG_SUB * EG_NR_MAX * EG_LANES];
+    const int64_t ldacc = EG_NR_MAX * EG_LANES;
+    const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
+    const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
+    const float alpha = a->alpha ? a->alpha[g] : 1.0f;
+    const float *x = a->xs + q0 * a->ldxs;
+    const int64_t chunks = a->k / EG_LANES, k_whole = chunks * EG_LANES;
+    const void *wbuf_rows[EG_NR_MAX] = {wbuf, wbuf + EG_KC, wbuf + 2 * EG_KC, wbuf + 3 * EG_KC};
+    const int64_t ahead = eg_prefetch_ahead(a->w_row_bytes);
+    const int64_t mr_max = rows <= EG_MR512 ? EG_MR512 : EG_QMR;
+    const int nr_max = rows <= EG_MR512 ? EG_NR512 : 2;
+    for (int64_t j = j0; j < n1;) {
+        const int nr = n1 - j >= nr_max ? nr_max : 1; /* the last few columns one by one */
+        const uint8_t *w_rows[EG_NR512], *s_rows[EG_NR512];
+        for (int n = 0; n < nr; n++) {
+            w_rows[n] = we + (j + n) * a->w_row_bytes;
+            s_rows[n] = se ? se + (j + n) * a->s_row_bytes : NULL;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)(rows * ldacc));
+        for (int64_t r = 0; r < rows && chunks > 0; r += mr_max) {
+            const int mr = rows - r < mr_max ? (int)(rows - r) : (int)mr_max;
+            eg_qtile_avx512_any(mr, nr, a, x + r * a->ldxs, w_rows, se ? s_rows : NULL, chunks,
+                                acc + r * ldacc, ldacc, r == 0 ? ahead : 0);
+        }
+        if (k_whole < a->k) {
+            eg_decode_rows(a, we, se, j, nr, k_whole, a->k, wbuf);
+            eg_row_tiles(a, rows, nr, 0, x + k_whole, wbuf_rows, 1, acc, ldacc, 0);
+        }
+        eg_store_sums(a, acc, ldacc, rows, nr, orow0, j, alpha);
+        j += nr;
+    }
+}
+#endif
+
 /* Rows [q0, q0 + rows) (rows <= EG_SUB) of group g, output row orow0 on, times output
  * columns [j0, n1): per EG_NR weight rows, per EG_KC block of K, every EG_MR x EG_NR
  * register tile of the rows over the block. bf16 weights (vector body) are read where they
@@ -1343,6 +1512,12 @@ static void eg_rows(const eg_args *a, int64_t g, int64_t q0, int64_t rows, int64
         own.vector = rows <= EG_AVX2_ROWS && a->w_kind == EG_W_BF16 ? EG_BODY_AVX2 : EG_BODY_AVX512;
         a = &own;
     }
+#ifdef MOE_EP_AVX512_GEMM
+    if (a->vector == EG_BODY_AVX512 && a->w_kind != EG_W_BF16 && rows <= EG_QREG_ROWS) {
+        eg_rows_q512(a, g, q0, rows, orow0, j0, n1);
+        return;
+    }
+#endif
     const int64_t ldacc = EG_NR_MAX * EG_LANES, nr_max = eg_nr(a->vector);
     const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
     const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
@@ -1382,17 +1557,7 @@ static void eg_rows(const eg_args *a, int64_t g, int64_t q0, int64_t rows, int64
                              (k1 - kd + EG_LANES - 1) / EG_LANES, acc, ldacc, 0);
             }
         }
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t orow = orow0 + r;
-            for (int n = 0; n < nr; n++) {
-                float v = eg_lane_sum(acc + r * ldacc + n * EG_LANES);
-                v = a->alpha ? v * alpha : v;
-                if (a->out_kind == EG_OUT_F32)
-                    ((float *)a->out)[orow * a->ld_out + j + n] = v;
-                else
-                    ((uint16_t *)a->out)[orow * a->ld_out + j + n] = f32_to_bf16(v);
-            }
-        }
+        eg_store_sums(a, acc, ldacc, rows, nr, orow0, j, alpha);
     }
 }
 

@@ -310,8 +310,14 @@ def swiglu(gu: torch.Tensor, h: torch.Tensor, alpha: float | None, clamp: float 
     """`h [b, I] = bf16(silu(g) * u)` for `gu [b, 2I] = [g | u]` (both bf16, CPU).
 
     Returns False (nothing written) when the fused path does not apply; the caller then
-    runs the eager code.
+    runs the eager code. Raises ValueError where the shapes do not pair up (the C loop
+    would read `u` at the wrong column, or past the rows).
     """
+    if gu.dim() != 2 or h.dim() != 2 or gu.shape != (h.shape[0], 2 * h.shape[1]):
+        raise ValueError(
+            f"swiglu gu must be [rows, 2 * I] for h [rows, I], got gu {tuple(gu.shape)} "
+            f"and h {tuple(h.shape)}"
+        )
     lib = library() if _rows_ok(gu, h) else None
     if lib is None:
         return False
