@@ -41,7 +41,6 @@ from moe_ep.errors import MoeEpUsageError
 
 __all__ = [
     "ROW_BLOCK",
-    "SMALL_M",
     "SWIGLU_ROWS",
     "TorchExperts",
     "expert_gemm_rows",
@@ -52,10 +51,6 @@ __all__ = [
 
 ROW_BLOCK = 2048
 """Rows per GEMM call: bounds the workspace when routing is skewed."""
-SMALL_M = 256
-"""CPU bf16 blocks of at most this many rows compute `(w @ x^T)^T` (weight rows streamed as
-the GEMM's A operand, then a transposing copy): measured 1.3-1.5x faster than `x @ w^T`
-for M <= 256 (weight-bandwidth bound, e.g. decode) and slower from M = 512 on."""
 WIDEN_COLS = 256
 """Output columns per fp32 block of `_mm_widened` (256 x K fp32 weights, 2 MiB at K = 2048,
 stay in cache for the block's GEMM): measured 1 thread, AVX2 box, 8 experts N = K = 2048,
@@ -95,15 +90,12 @@ fp32 `mm` blocks at every row count of the sweep, 1 to 1024 (docs/layer.md)."""
 
 def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name: str) -> None:
     """`out [b, N] = a [b, K] @ w [K, N]`, `w` a transposed view of K-major `[N, K]`."""
-    b = int(a.shape[0])
     cpu_bf16 = a.device.type == "cpu" and a.dtype == torch.bfloat16
     if cpu_bf16 and w.dtype == torch.bfloat16 and not _onednn_bf16():
         _mm_widened(a, w, out, ws, name)
-    elif b <= SMALL_M and cpu_bf16:
-        t = ws.get(name, (int(w.shape[1]), b), a.dtype, a.device)
-        torch.mm(w.t(), a.t(), out=t)
-        out.copy_(t.t())
     else:
+        # No `(w @ x^T)^T` form for few rows: with oneDNN's bf16 GEMMs it measured 1.0-2.7x
+        # slower at 17-250 rows, ragged counts worst (docs/layer.md), for the same bits.
         torch.mm(a, w, out=out)
 
 
