@@ -7,8 +7,9 @@ are never knobs: a cached winner would silently change the outputs of every laye
 afterwards. So the portable experts path crossover (`PortableConfig.expert_gemm_rows`) is
 an explicit field, not a knob: the CPU expert GEMM and the `mm` blocks sum in different
 orders (`tests/tune/test_portable_knobs.py` shows the bits differ), and the GEMM row block
-(`experts.ROW_BLOCK`) stays a constant: its blocks of <= 256 rows take another GEMM form,
-bit-equal on the AVX2 box but unshown where oneDNN runs bf16 GEMMs. The
+(`experts.ROW_BLOCK`) stays a constant: it sets the GEMMs' M, and where oneDNN runs bf16
+GEMMs nothing shows that another M gives the same bits. `cpu_prepacked_weights` gives the
+same bits but costs a copy of the weights: a memory choice, not a knob. The
 portable dispatch has no chunk size to tune: each direction is one uneven
 `all_to_all_single` (`comm.exchange`). `tests/cli/test_cli_tune.py` checks every declared
 field exists on its config class.

@@ -24,6 +24,7 @@ otherwise it needs the same thread count (oneDNN may split K across threads for 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import threading
@@ -46,6 +47,8 @@ __all__ = [
     "expert_gemm_rows",
     "expert_gemm_unavailable",
     "grouped_mm_applies",
+    "prepack",
+    "prepack_unavailable",
     "run_experts",
 ]
 
@@ -97,6 +100,42 @@ def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name
         # No `(w @ x^T)^T` form for few rows: with oneDNN's bf16 GEMMs it measured 1.0-2.7x
         # slower at 17-250 rows, ragged counts worst (docs/layer.md), for the same bits.
         torch.mm(a, w, out=out)
+
+
+PACKED_MIN_ROWS = 2
+"""`mm` blocks of at least this many rows use the prepacked weights: a 1-row block through
+them can give other bits than `torch.mm` (seen at K = 2048, N = 1536), from 2 rows on they
+matched at every shape tried (tests/layer/test_prepacked_weights.py)."""
+
+
+def prepack_unavailable(weights: PreparedWeights, device: torch.device) -> str | None:
+    """Why `PortableConfig.cpu_prepacked_weights` cannot apply to these weights here, or
+    None when it can."""
+    if device.type != "cpu":
+        return f"the device is {device}, not the CPU"
+    if not _onednn_bf16():
+        return "torch has no oneDNN bf16 GEMMs on this CPU (its bf16 blocks run widened to fp32)"
+    dtypes = (weights.w13t.dtype, weights.w2t.dtype)
+    if dtypes != (torch.bfloat16, torch.bfloat16):
+        return f"the FC1 / FC2 weights are {dtypes[0]} / {dtypes[1]}, not bf16"
+    return None
+
+
+def prepack(weights: PreparedWeights) -> PreparedWeights:
+    """`weights` with each local expert's FC1 and FC2 weights also in oneDNN's blocked
+    layout (a copy: the `mm` blocks then skip oneDNN's reorder of the weight per call).
+    Check `prepack_unavailable` first."""
+
+    def packed(wt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # wt[e] is [K, N]: the GEMM's weight is its [N, K] K-major storage
+        return tuple(torch.ops.mkldnn._reorder_linear_weight(w.t(), ROW_BLOCK) for w in wt)
+
+    return dataclasses.replace(weights, packed13=packed(weights.w13t), packed2=packed(weights.w2t))
+
+
+def _mm_packed(a: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
+    """`out = a @ w` for `packed` = `prepack`'s form of `w`: the same bits as `torch.mm`."""
+    out.copy_(torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
 
 
 def _mm_widened(
@@ -438,19 +477,30 @@ def _run_blocks(
     gu_buf = ws.get("expert_gu", (block, 2 * inter), fc1_dtype, dev)
     h_buf = ws.get("expert_h", (block, inter), cdt, dev)
     y_buf = None if direct else ws.get("expert_y", (block, hidden), cdt, dev)
+    p13, p2 = weights.packed13, weights.packed2
+
+    def fc2(e: int, b: int, h: torch.Tensor, out: torch.Tensor) -> None:
+        if p2 is not None and b >= PACKED_MIN_ROWS:
+            _mm_packed(h, p2[e], out)
+        else:
+            _mm(h, weights.w2t[e], out, ws, "fc2_t")
+
     for e, s, b in tasks:
         xe, gu, h = xe_buf[:b], gu_buf[:b], h_buf[:b]
         torch.index_select(rows, 0, src_row[s : s + b], out=xe)
         x1 = xe if x1_buf is None else x1_buf[:b].copy_(xe)  # exact: bf16 into fp32
-        _mm(x1, weights.w13t[e], gu, ws, "fc1_t")
+        if p13 is not None and b >= PACKED_MIN_ROWS:
+            _mm_packed(x1, p13[e], gu)
+        else:
+            _mm(x1, weights.w13t[e], gu, ws, "fc1_t")
         a13 = None if alpha13 is None else alpha13[e]
         scale = None if pair_scale is None else pair_scale[s : s + b]
         _swiglu(gu, h, a13, swiglu_clamp, requantize, ws, scale)
         if y_buf is None:
-            _mm(h, weights.w2t[e], y[s : s + b], ws, "fc2_t")
+            fc2(e, b, h, y[s : s + b])
         else:
             ye = y_buf[:b]
-            _mm(h, weights.w2t[e], ye, ws, "fc2_t")
+            fc2(e, b, h, ye)
             if alpha2 is not None:  # the product in fp32, then rounded to bf16
                 ye = ye.mul_(alpha2[e]) if cdt == torch.float32 else ye.float() * alpha2[e]
             y[s : s + b].copy_(ye)

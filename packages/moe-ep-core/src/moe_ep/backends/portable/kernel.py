@@ -28,6 +28,8 @@ from moe_ep.backends.portable.experts import (
     _grouped_mm_operands_ok,
     expert_gemm_rows,
     expert_gemm_unavailable,
+    prepack,
+    prepack_unavailable,
 )
 from moe_ep.backends.portable.modular import ModularKernel
 from moe_ep.backends.portable.recipes import (
@@ -152,6 +154,13 @@ class PortableTorchKernel(MegaKernel):
             )
         self.prepared = self.recipe.prepare(weights.to(dev))
         """The weights the experts read at each forward."""
+        if self.pconfig.cpu_prepacked_weights:
+            why = prepack_unavailable(self.prepared, dev)
+            if why is not None:
+                raise MoeEpUsageError(
+                    f"cpu_prepacked_weights=True cannot apply here: {why}; leave it False"
+                )
+            self.prepared = prepack(self.prepared)
         gemm_rows = self.pconfig.expert_gemm_rows
         if gemm_rows:
             why = expert_gemm_unavailable(self.prepared, dev)

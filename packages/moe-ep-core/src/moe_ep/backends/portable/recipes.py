@@ -69,6 +69,8 @@ class PreparedWeights:
     stored13 / stored2: on CPU, the same weights in their stored width (bf16: w13t's own
         storage; quantized formats: the codes and block scales the dequantized values came
         from) for the expert GEMM of few rows (`cpu_fused.expert_gemm`); None elsewhere.
+    packed13 / packed2: per local expert, FC1's / FC2's bf16 weights in oneDNN's blocked GEMM
+        layout (`PortableConfig.cpu_prepacked_weights`, `experts.prepack`), or None.
     """
 
     w13t: torch.Tensor
@@ -77,6 +79,8 @@ class PreparedWeights:
     alpha2: torch.Tensor | None = None
     stored13: StoredWeight | None = None
     stored2: StoredWeight | None = None
+    packed13: tuple[torch.Tensor, ...] | None = None
+    packed2: tuple[torch.Tensor, ...] | None = None
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""`PortableConfig.cpu_prepacked_weights`: the bf16 `mm` blocks on oneDNN's prepacked weight
+layout give `torch.mm`'s bits (the forward's outputs unchanged), and the field is honoured
+or refused: never accepted and ignored."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
+from moe_ep.backends.portable import experts
+from moe_ep.backends.portable.comm import Workspace
+from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
+from moe_ep.backends.portable.recipes import Bf16Recipe
+from moe_ep.errors import MoeEpUsageError
+from moe_ep.registry import get_kernel
+from moe_ep.spawn import free_port
+
+needs_onednn = pytest.mark.skipif(
+    not experts._onednn_bf16(),
+    reason="torch has no oneDNN bf16 GEMMs on this CPU: nothing to prepack",
+)
+
+
+def _weights(e: int, h: int, inter: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).bfloat16()
+    return w13, w2
+
+
+@needs_onednn
+@pytest.mark.parametrize(("k", "n"), [(8, 40), (100, 8), (768, 2048), (2048, 1536)])
+def test_prepacked_gemm_gives_torch_mm_bits_from_two_rows(k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    pack = MoEWeightPack(w[None], torch.zeros(1, k, n // 2).bfloat16())  # FC1's weight: w
+    packed = experts.prepack(Bf16Recipe().prepare(pack))
+    assert packed.packed13 is not None
+    for m in [experts.PACKED_MIN_ROWS, 3, 7, 16, 17, 33, 64, 65, 130, 257]:
+        x = torch.randn(m, k, generator=g).bfloat16()
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        experts._mm_packed(x, packed.packed13[0], out)
+        assert torch.equal(out, torch.mm(x, w.t())), m
+
+
+@needs_onednn
+def test_mm_blocks_on_prepacked_weights_give_the_same_outputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every expert through the `mm` blocks (ragged: empty, 1 and 2 rows, a block split
+    leaving 1 row), FC1 K = 2048 N = 1536: the prepacked run is bit-identical to the plain
+    one and really ran on the packed weights (from 2 rows) and on `torch.mm` (1 row)."""
+    e, h, inter = 7, 2048, 768
+    w13, w2 = _weights(e, h, inter, 5)
+    plain = Bf16Recipe().prepare(MoEWeightPack(w13, w2))
+    packed = experts.prepack(plain)
+    g = torch.Generator().manual_seed(6)
+    counts = [0, 1, 2, 3, 17, 64, 41]
+    rows = torch.randn(60, h, generator=g).bfloat16()
+    src_row = torch.randint(0, 60, (sum(counts),), generator=g)
+    monkeypatch.setattr(experts, "ROW_BLOCK", 40)  # 64 -> 40 + 24, 41 -> 40 + 1
+    real, sizes = experts._mm_packed, []
+
+    def counted(a: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> None:
+        sizes.append(int(a.shape[0]))
+        real(a, p, out)
+
+    monkeypatch.setattr(experts, "_mm_packed", counted)
+    outs = []
+    for weights in (plain, packed):
+        y = torch.empty(sum(counts), h, dtype=torch.bfloat16)
+        experts.run_experts(rows, src_row, counts, weights, None, None, y, Workspace(), gemm_rows=0)
+        outs.append(y)
+    assert sorted(sizes) == sorted(2 * [2, 3, 17, 40, 24, 40])  # FC1 and FC2; no 1-row block
+    assert torch.equal(outs[0], outs[1])
+
+
+def _forward(prepacked: bool) -> tuple[torch.Tensor, Any]:
+    g = torch.Generator().manual_seed(2)
+    e, t, h, inter, k = 4, 96, 256, 128, 2
+    w13, w2 = _weights(e, h, inter, 3)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    x, w = torch.randn(t, h, generator=g).bfloat16(), torch.rand(t, k, generator=g)
+    config = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=prepacked)
+    boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
+    layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), config)
+    try:
+        return layer(MoEEpTensors(x, ids, w)).clone(), layer._kernel.prepared
+    finally:
+        layer.destroy()
+
+
+@needs_onednn
+def test_the_layer_with_prepacked_weights_gives_the_same_bits() -> None:
+    off, plain = _forward(False)
+    on, packed = _forward(True)
+    assert plain.packed13 is None and packed.packed13 is not None and len(packed.packed2) == 4
+    assert torch.equal(on, off)
+
+
+def _kernel(name: str, device: torch.device, **fields: Any) -> Any:
+    cls: Any = get_kernel(name)
+    w13, w2 = _weights(2, 128, 128, 0)
+    return cls(
+        config=cls.config_cls(cpu_prepacked_weights=True, **fields),
+        fleet=FleetParams(2, 8, 128),
+        runtime=SimpleNamespace(world_size=1, rank=0, device=device),
+        weights=MoEWeightPack(w13, w2),
+    )
+
+
+def test_prepacking_is_refused_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(experts, "_onednn_bf16", lambda: True)  # the format decides
+    with pytest.raises(MoeEpUsageError) as info:
+        _kernel("any_fp8_fp8_bf16_torch", cpu)
+    assert str(info.value) == (
+        "cpu_prepacked_weights=True cannot apply here: the FC1 / FC2 weights are "
+        "torch.float32 / torch.float32, not bf16; leave it False"
+    )
+    with pytest.raises(MoeEpUsageError, match=r"FC1 / FC2 weights are torch.float32 / torch.bfl"):
+        _kernel("any_bf16_bf16_bf16_torch", cpu, fc1_output_high_precision=True)
+    monkeypatch.setattr(experts, "_onednn_bf16", lambda: False)
+    with pytest.raises(MoeEpUsageError, match=r"cannot apply here: torch has no oneDNN bf16 GEMMs"):
+        _kernel("any_bf16_bf16_bf16_torch", cpu)
+    plain = Bf16Recipe().prepare(MoEWeightPack(*_weights(1, 8, 8, 0)))
+    assert "not the CPU" in str(experts.prepack_unavailable(plain, torch.device("meta")))
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_prepacking_field_refuses_non_bools(bad: object) -> None:
+    with pytest.raises(MoeEpUsageError, match="cpu_prepacked_weights"):
+        Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=bad)  # type: ignore[arg-type]
+
+
+def test_prepacking_is_refused_with_capture_safe() -> None:
+    with pytest.raises(MoeEpUsageError, match=r"cpu_prepacked_weights=True is not read by the"):
+        Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=True, capture_safe=True)
