@@ -89,7 +89,7 @@ def _forward(prepacked: bool) -> tuple[torch.Tensor, Any]:
     boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
     layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), config)
     try:
-        return layer(MoEEpTensors(x, ids, w)).clone(), layer._kernel.prepared
+        return layer(MoEEpTensors(x, ids, w)).clone(), layer._kernel.prepared  # type: ignore[attr-defined]
     finally:
         layer.destroy()
 
