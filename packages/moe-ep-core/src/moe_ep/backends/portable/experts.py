@@ -138,6 +138,23 @@ def _mm_packed(a: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None
     out.copy_(torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
 
 
+def _block_mm(
+    a: torch.Tensor,
+    wt: torch.Tensor,
+    packed: tuple[torch.Tensor, ...] | None,
+    e: int,
+    out: torch.Tensor,
+    ws: Workspace,
+    name: str,
+) -> None:
+    """`out = a @ wt[e]`: on expert e's prepacked weight (`packed`, or None) from
+    `PACKED_MIN_ROWS` rows, else `_mm`."""
+    if packed is not None and int(a.shape[0]) >= PACKED_MIN_ROWS:
+        _mm_packed(a, packed[e], out)
+    else:
+        _mm(a, wt[e], out, ws, name)
+
+
 def _mm_widened(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name: str
 ) -> None:
@@ -477,30 +494,19 @@ def _run_blocks(
     gu_buf = ws.get("expert_gu", (block, 2 * inter), fc1_dtype, dev)
     h_buf = ws.get("expert_h", (block, inter), cdt, dev)
     y_buf = None if direct else ws.get("expert_y", (block, hidden), cdt, dev)
-    p13, p2 = weights.packed13, weights.packed2
-
-    def fc2(e: int, b: int, h: torch.Tensor, out: torch.Tensor) -> None:
-        if p2 is not None and b >= PACKED_MIN_ROWS:
-            _mm_packed(h, p2[e], out)
-        else:
-            _mm(h, weights.w2t[e], out, ws, "fc2_t")
-
     for e, s, b in tasks:
         xe, gu, h = xe_buf[:b], gu_buf[:b], h_buf[:b]
         torch.index_select(rows, 0, src_row[s : s + b], out=xe)
         x1 = xe if x1_buf is None else x1_buf[:b].copy_(xe)  # exact: bf16 into fp32
-        if p13 is not None and b >= PACKED_MIN_ROWS:
-            _mm_packed(x1, p13[e], gu)
-        else:
-            _mm(x1, weights.w13t[e], gu, ws, "fc1_t")
+        _block_mm(x1, weights.w13t, weights.packed13, e, gu, ws, "fc1_t")
         a13 = None if alpha13 is None else alpha13[e]
         scale = None if pair_scale is None else pair_scale[s : s + b]
         _swiglu(gu, h, a13, swiglu_clamp, requantize, ws, scale)
         if y_buf is None:
-            fc2(e, b, h, y[s : s + b])
+            _block_mm(h, weights.w2t, weights.packed2, e, y[s : s + b], ws, "fc2_t")
         else:
             ye = y_buf[:b]
-            fc2(e, b, h, ye)
+            _block_mm(h, weights.w2t, weights.packed2, e, ye, ws, "fc2_t")
             if alpha2 is not None:  # the product in fp32, then rounded to bf16
                 ye = ye.mul_(alpha2[e]) if cdt == torch.float32 else ye.float() * alpha2[e]
             y[s : s + b].copy_(ye)
