@@ -3,7 +3,7 @@
     uv run python benchmarks/layer_speed.py [--reps 5] [--threads 1 2]
         [--prefill T,H,I,E,k] [--decode T,H,I,E,k] [--stages]
         [--sections layer peers crossover] [--peer-shapes NAME ...]
-        [--baseline-kernel OLD_cpu_fused.c]
+        [--baseline-kernel OLD_cpu_fused.c] [--cpu-prepacked-weights]
         [--out benchmarks/out/layer_speed.png | --no-plot]
 
 Measures one `MoEEpLayer` forward (`any_bf16_bf16_bf16_torch`, world size 1) against
@@ -47,6 +47,10 @@ by rows per expert (bf16, mxfp8). Their plot goes to the --out name with `_peers
 --baseline-kernel PATH (with peers) times the layers once more on the fused CPU library
 built from another cpu_fused.c (e.g. `git show 0f2f303:<its path> > old.c`), in the same
 round robin: before / after a kernel change measured side by side under the same load.
+--cpu-prepacked-weights (with peers or crossover) also times the bf16 layer with
+`cpu_prepacked_weights=True` in the same round robin ("layer prepacked", reported; the
+judged ratios stay the default layer's), and the crossover's bf16 `mm` blocks on the
+prepacked weights; refused where torch has no oneDNN bf16 GEMMs.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ from benchlib.options import add_plot_options, benchmark_parser, moe_shape, posi
 from rich.console import Console
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
-from moe_ep.backends.portable import comm, cpu_fused, experts
+from moe_ep.backends.portable import comm, cpu_fused, experts, recipes
+from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
 from moe_ep.bench import limits, plots
 from moe_ep.bench.machine import this_machine
 from moe_ep.bench.progress import Steps
@@ -130,11 +135,20 @@ def naive_bf16_forward(p: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def make_layer(
-    p: dict[str, torch.Tensor], shape: dict[str, int], kernel_name: str = "any_bf16_bf16_bf16_torch"
+    p: dict[str, torch.Tensor],
+    shape: dict[str, int],
+    kernel_name: str = "any_bf16_bf16_bf16_torch",
+    prepacked: bool = False,
 ) -> MoEEpLayer:
+    """A world-size-1 layer on `p`'s weights; `prepacked`: bf16 with cpu_prepacked_weights."""
     boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
     fleet = FleetParams(shape["E"], shape["T"], shape["H"])
-    return MoEEpLayer(boot, fleet, MoEWeightPack(p["w13"], p["w2"]), kernel_name)
+    kernel: str | Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig = kernel_name
+    if prepacked:
+        if kernel_name != "any_bf16_bf16_bf16_torch":
+            raise ValueError(f"prepacked weights are bf16's, not {kernel_name}'s")
+        kernel = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=True)
+    return MoEEpLayer(boot, fleet, MoEWeightPack(p["w13"], p["w2"]), kernel)
 
 
 def rss_bytes() -> int:
@@ -384,6 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --sections peers: also time the layers on the fused CPU library built "
         "from this cpu_fused.c (an older commit's), in the same round robin",
     )
+    parser.add_argument(
+        "--cpu-prepacked-weights",
+        action="store_true",
+        help="with --sections peers / crossover: also time the bf16 layer (and the crossover's "
+        "bf16 mm blocks) with cpu_prepacked_weights=True, in the same round robin",
+    )
     add_plot_options(parser, OUT_DIR / "layer_speed.png")
     return parser
 
@@ -405,7 +425,15 @@ def run_peers(args: argparse.Namespace) -> None:
             )
             results.append(
                 moe_peers.time_peer_shape(
-                    name, shape, args.reps, bw, problem, make_layer, naive_forward, baseline
+                    name,
+                    shape,
+                    args.reps,
+                    bw,
+                    problem,
+                    make_layer,
+                    naive_forward,
+                    baseline,
+                    args.cpu_prepacked_weights,
                 )
             )
         steps.step("quantized formats at decode")
@@ -414,7 +442,7 @@ def run_peers(args: argparse.Namespace) -> None:
             quant = moe_peers.time_quantized(decode, args.reps, bw, problem, make_layer, baseline)
         if "crossover" in args.sections:
             steps.step("crossover: expert GEMM vs mm blocks by rows per expert")
-            points = moe_peers.crossover(args.reps)
+            points = moe_peers.crossover(args.reps, prepacked=args.cpu_prepacked_weights)
         bw_after = moe_peers.bandwidth(max(args.reps, 5))
     machine = this_machine([threads]).describe()
     out = console()
@@ -437,6 +465,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--baseline-kernel times the peers section: add --sections peers")
         if not args.baseline_kernel.is_file():
             parser.error(f"--baseline-kernel {args.baseline_kernel}: no such file")
+    if args.cpu_prepacked_weights:
+        if not {"peers", "crossover"} & set(args.sections):
+            parser.error("--cpu-prepacked-weights times the peers / crossover sections: add one")
+        probe = recipes.Bf16Recipe().prepare(
+            MoEWeightPack(torch.zeros(1, 2, 1).bfloat16(), torch.zeros(1, 1, 1).bfloat16())
+        )
+        why = experts.prepack_unavailable(probe, torch.device("cpu"))
+        if why is not None:
+            parser.error(f"--cpu-prepacked-weights cannot apply here: {why}")
     if "peers" in args.sections or "crossover" in args.sections:
         run_peers(args)
     if "layer" not in args.sections:

@@ -52,6 +52,8 @@ QUANT_VS_LIMIT = targets.QUANT_VS_LIMIT
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 BASELINE = "layer baseline"
 """The layer on the --baseline-kernel library (timed only when one is given)."""
+PREPACKED = "layer prepacked"
+"""The bf16 layer with `cpu_prepacked_weights=True` (timed only with --cpu-prepacked-weights)."""
 
 
 def bandwidth(reps: int) -> float:
@@ -94,15 +96,18 @@ def time_peer_shape(
     reps: int,
     bw: float,
     problem: Callable[[Shape], dict[str, torch.Tensor]],
-    make_layer: Callable[[dict[str, torch.Tensor], Shape], object],
+    make_layer: Callable[..., object],
     naive: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     baseline: ctypes.CDLL | None = None,
+    prepacked: bool = False,
 ) -> ShapeResult:
     """The layer, dense GEMMs of equal FLOPs, the naive loop and each transformers experts
     implementation on one shape, same weights and routing; with `baseline`, the layer once
-    more on that fused CPU library ("layer baseline")."""
+    more on that fused CPU library ("layer baseline"); with `prepacked`, once more with
+    `cpu_prepacked_weights=True` ("layer prepacked")."""
     p = problem(shape)
     layer = make_layer(p, shape)
+    packed_layer = make_layer(p, shape, prepacked=True) if prepacked else None
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
     pairs, h, i = shape["T"] * shape["k"], shape["H"], shape["I"]
     fns: dict[str, Callable[[], object]] = {
@@ -113,6 +118,8 @@ def time_peer_shape(
     }
     if baseline is not None:
         fns[BASELINE] = with_library(baseline, lambda: layer(tensors))  # type: ignore[operator]
+    if packed_layer is not None:
+        fns[PREPACKED] = lambda: packed_layer(tensors)  # type: ignore[operator]
     skipped: dict[str, str] = {}
     why = hf_moe.unavailable()
     for impl in hf_moe.IMPLEMENTATIONS:
@@ -127,6 +134,8 @@ def time_peer_shape(
     times = round_robin(fns, reps)
     limit = active_experts(p["ids"]) * bf16_weight_bytes(shape) / bw
     layer.destroy()  # type: ignore[attr-defined]
+    if packed_layer is not None:
+        packed_layer.destroy()  # type: ignore[attr-defined]
     return ShapeResult(name, shape, times, limit, skipped)
 
 
@@ -177,12 +186,16 @@ class CrossoverPoint:
     rows: int
     gemm: Samples
     mm: Samples
+    mm_prepacked: Samples | None = None
 
 
-def crossover(reps: int, experts_n: int = 4, h: int = 2048, i: int = 1024) -> list[CrossoverPoint]:
+def crossover(
+    reps: int, experts_n: int = 4, h: int = 2048, i: int = 1024, prepacked: bool = False
+) -> list[CrossoverPoint]:
     """`run_experts` with every expert on the expert GEMM of few rows, then on the `mm`
     blocks, at each row count per expert: bf16 and (as the quantized formats' fp32 path)
-    mxfp8."""
+    mxfp8; with `prepacked`, bf16's `mm` blocks also on prepacked weights
+    (`experts.prepack`) in the same round robin."""
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(experts_n, 2 * i, h, generator=g) / h**0.5).bfloat16()
     w2 = (torch.randn(experts_n, h, i, generator=g) / i**0.5).bfloat16()
@@ -190,6 +203,7 @@ def crossover(reps: int, experts_n: int = 4, h: int = 2048, i: int = 1024) -> li
     points = []
     for fmt, recipe in (("bf16", recipes.Bf16Recipe()), ("mxfp8", recipes.Mxfp8Recipe())):
         pw = recipe.prepare(pack)
+        pk = experts.prepack(pw) if prepacked and fmt == "bf16" else None
         for m in CROSSOVER_ROWS:
             pairs = m * experts_n
             rows = torch.randn(pairs, h).to(pw.w2t.dtype)
@@ -208,10 +222,14 @@ def crossover(reps: int, experts_n: int = 4, h: int = 2048, i: int = 1024) -> li
                 finally:
                     experts.expert_gemm_rows = saved  # type: ignore[assignment]
 
-            t = round_robin(
-                {"gemm": lambda run=run: run(1 << 30), "mm": lambda run=run: run(0)}, reps
-            )
-            points.append(CrossoverPoint(fmt, m, t["gemm"], t["mm"]))
+            fns: dict[str, Callable[[], object]] = {
+                "gemm": lambda run=run: run(1 << 30),
+                "mm": lambda run=run: run(0),
+            }
+            if pk is not None:
+                fns["mm prepacked"] = lambda run=run, pk=pk: run(0, pk)
+            t = round_robin(fns, reps)
+            points.append(CrossoverPoint(fmt, m, t["gemm"], t["mm"], t.get("mm prepacked")))
     return points
 
 
@@ -253,6 +271,7 @@ def print_peers(
     """The issue's table with the new figures and a status column, then the quantized one
     (each with the baseline library's layer and its ratio to the layer, when timed)."""
     base = [BASELINE, "baseline/layer"] if any(BASELINE in r.times for r in results) else []
+    packed = [PREPACKED, "layer/prepacked"] if any(PREPACKED in r.times for r in results) else []
     table = titled_table(
         "portable bf16 layer (EP1) vs its limits and transformers' experts",
         f"median of {reps} round-robin runs (min-max in ms); read bandwidth {bw / 1e9:.1f} GB/s",
@@ -264,6 +283,7 @@ def print_peers(
             "dense fp32",
             "layer",
             *base,
+            *packed,
             "naive",
             *(f"hf {i}" for i in hf_moe.IMPLEMENTATIONS),
             "layer/limit",
@@ -276,7 +296,13 @@ def print_peers(
         "transformers Qwen3-MoE experts block on the same weights and routing; targets: "
         f"decode T=64 layer/limit {VS_LIMIT.label()} and peer/layer "
         f"{PEER_OVER_LAYER_DECODE.label()}; every shape peer/layer {PEER_OVER_LAYER.label()}; "
-        f"T=512 layer/dense {VS_DENSE['T=512'].label()}; prefill {VS_DENSE['prefill'].label()}",
+        f"T=512 layer/dense {VS_DENSE['T=512'].label()}; prefill {VS_DENSE['prefill'].label()}"
+        + (
+            "; layer prepacked = the layer with cpu_prepacked_weights=True (the ratios judged "
+            "are the default layer's)"
+            if packed
+            else ""
+        ),
     )
     for r, ratios in zip(results, peer_rows(results), strict=True):
 
@@ -296,6 +322,11 @@ def print_peers(
             *(
                 [cell(BASELINE), f"{r.times[BASELINE].median / r.times['layer'].median:.2f}x"]
                 if base
+                else []
+            ),
+            *(
+                [cell(PREPACKED), f"{r.times['layer'].median / r.times[PREPACKED].median:.2f}x"]
+                if packed
                 else []
             ),
             cell("naive"),
@@ -348,19 +379,38 @@ def print_peers(
 
 
 def print_crossover(out: Console, points: list[CrossoverPoint], machine: str) -> None:
+    packed = any(pt.mm_prepacked is not None for pt in points)
     table = titled_table(
         "run_experts: expert GEMM of few rows vs the mm blocks",
         "4 experts, H=2048 I=1024, every expert the same row count; medians (min-max) in ms",
         machine,
-        ("format", "rows / expert", "expert GEMM", "mm blocks", "mm / expert GEMM"),
+        (
+            "format",
+            "rows / expert",
+            "expert GEMM",
+            "mm blocks",
+            "mm / expert GEMM",
+            *(["mm prepacked", "prepacked / expert GEMM"] if packed else []),
+        ),
     )
     for pt in points:
+        pk = pt.mm_prepacked
         table.add_row(
             pt.fmt,
             str(pt.rows),
             f"{pt.gemm.median * 1e3:.2f} ({pt.gemm.spread()})",
             f"{pt.mm.median * 1e3:.2f} ({pt.mm.spread()})",
             f"{pt.mm.median / pt.gemm.median:.2f}x",
+            *(
+                []
+                if not packed
+                else ["", ""]
+                if pk is None
+                else [
+                    f"{pk.median * 1e3:.2f} ({pk.spread()})",
+                    f"{pk.median / pt.gemm.median:.2f}x",
+                ]
+            ),
         )
     out.print(table)
 
@@ -422,7 +472,13 @@ def plot_peers(
     for fmt, ax in (("bf16", axes[4]), ("mxfp8", axes[5])):
         pts = [pt for pt in points if pt.fmt == fmt]
         if pts:
-            ax.plot([pt.rows for pt in pts], [pt.mm.median / pt.gemm.median for pt in pts], "o-")
+            xs = [pt.rows for pt in pts]
+            ax.plot(xs, [pt.mm.median / pt.gemm.median for pt in pts], "o-", label="mm blocks")
+            pks = [pt.mm_prepacked for pt in pts if pt.mm_prepacked is not None]
+            if len(pks) == len(pts):
+                ys = [pk.median / pt.gemm.median for pk, pt in zip(pks, pts, strict=True)]
+                ax.plot(xs, ys, "s--", label="mm blocks, prepacked weights")
+                ax.legend(fontsize=8)
             ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("rows per expert")

@@ -18,7 +18,7 @@ from conftest import BENCHMARKS
 SCRIPTS: dict[str, tuple[set[str], tuple[str, ...]]] = {
     "layer_speed": (
         {"--reps", "--threads", "--prefill", "--decode", "--stages", "--out", "--no-plot"}
-        | {"--sections", "--peer-shapes", "--baseline-kernel"},
+        | {"--sections", "--peer-shapes", "--baseline-kernel", "--cpu-prepacked-weights"},
         ("layer / dense <= 1.3x", "naive / layer > 1x", "target < 2x"),
     ),
     "layer_comm": (
