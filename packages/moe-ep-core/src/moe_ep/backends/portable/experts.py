@@ -85,10 +85,11 @@ EXPERT_GEMM_ROWS_FP32 = 64
 this many rows run `cpu_fused.expert_gemm` on the codes and scales; measured (mxfp8, 2
 threads, AVX2 body) 1.1-2.4x faster than the fp32 `mm` blocks from 8 to 64 rows, slower
 from 128; again on 2026-12-03 (medians of 7): 1.75x at 16, 1.30x at 32, 1.12x at 48,
-0.95x at 64, 0.88x at 96."""
-EXPERT_GEMM_ROWS_FP32_AVX512 = 1024
-"""The same with the AVX-512F body: measured (mxfp8, 2 threads) 1.1-2.1x faster than the
-fp32 `mm` blocks at every row count of the sweep, 1 to 1024 (docs/layer.md)."""
+0.95x at 64, 0.88x at 96. The same with the AVX-512F body (AMD EPYC Zen 5, 2026-12-04; it
+had been 1024 from a sweep on 2026-12-02): layers A/B in one process, crossover 64 against
+1024, mxfp8 T=1024 (98-149 rows per expert) 1.28x, prefill (983-1084) 1.30x, fp8 / nvfp4
+prefill 1.26x / 1.19x (at 128) faster, T=512 (52-81) 1.10x, T=256 (20-46) level; 32 not
+better (T=512 1.05x, T=256 0.94x)."""
 
 
 def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name: str) -> None:
@@ -248,8 +249,7 @@ def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
         return 0
     assert weights.stored13 is not None
     if weights.stored13.code != "bf16":
-        avx512 = cpu_fused.vector_bodies() & 4
-        return EXPERT_GEMM_ROWS_FP32_AVX512 if avx512 else EXPERT_GEMM_ROWS_FP32
+        return EXPERT_GEMM_ROWS_FP32
     if _onednn_bf16():
         return EXPERT_GEMM_ROWS_BF16_ONEDNN
     return EXPERT_GEMM_ROWS_BF16_KSEQ if cpu_fused.kseq_by_default() else EXPERT_GEMM_ROWS_BF16
