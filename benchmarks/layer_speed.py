@@ -71,7 +71,7 @@ from benchlib.options import add_plot_options, benchmark_parser, moe_shape, posi
 from rich.console import Console
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
-from moe_ep.backends.portable import comm, cpu_fused, experts, recipes
+from moe_ep.backends.portable import comm, cpu_fused, experts
 from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
 from moe_ep.bench import limits, plots
 from moe_ep.bench.machine import this_machine
@@ -468,10 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_prepacked_weights:
         if not {"peers", "crossover"} & set(args.sections):
             parser.error("--cpu-prepacked-weights times the peers / crossover sections: add one")
-        probe = recipes.Bf16Recipe().prepare(
-            MoEWeightPack(torch.zeros(1, 2, 1).bfloat16(), torch.zeros(1, 1, 1).bfloat16())
-        )
-        why = experts.prepack_unavailable(probe, torch.device("cpu"))
+        why = experts.prepack_host_unavailable(torch.device("cpu"))
         if why is not None:
             parser.error(f"--cpu-prepacked-weights cannot apply here: {why}")
     if "peers" in args.sections or "crossover" in args.sections:

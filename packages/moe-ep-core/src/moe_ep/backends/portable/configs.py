@@ -84,7 +84,10 @@ class PortableConfig(KernelConfig):
     """True: the bf16 experts' weights are also kept in oneDNN's blocked GEMM layout
     (`torch.ops.mkldnn._reorder_linear_weight`, once at construction), so the `mm` blocks
     (experts above the crossover) skip oneDNN's per-call weight reorder: the same bits
-    (tested against `torch.mm`), 1.04-1.5x faster per GEMM where measured, at the cost of a
+    where each block runs one intra-op thread (tested against `torch.mm`; so the layer runs
+    them with the fused CPU library; with `MOE_EP_CPU_FUSED=0` at 2+ threads oneDNN's AMX
+    kernels can split the two GEMMs differently: other bits, within the oracle's
+    tolerance), 1.04-1.5x faster per GEMM where measured, at the cost of a
     second copy of the bf16 expert weights. In-place changes to the weight tensors after
     construction are not seen by that copy (build the layer again, or `apply_placement`).
     Needs the CPU, torch's oneDNN bf16 GEMMs and bf16 FC1 / FC2 weights (the bf16 format

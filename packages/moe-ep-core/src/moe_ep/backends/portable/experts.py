@@ -48,6 +48,7 @@ __all__ = [
     "expert_gemm_unavailable",
     "grouped_mm_applies",
     "prepack",
+    "prepack_host_unavailable",
     "prepack_unavailable",
     "run_experts",
 ]
@@ -106,16 +107,26 @@ def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name
 PACKED_MIN_ROWS = 2
 """`mm` blocks of at least this many rows use the prepacked weights: a 1-row block through
 them can give other bits than `torch.mm` (seen at K = 2048, N = 1536), from 2 rows on they
-matched at every shape tried (tests/layer/test_prepacked_weights.py)."""
+matched at every shape tried at one intra-op thread (tests/layer/test_prepacked_weights.py;
+at two, AMX kernels split them differently)."""
+
+
+def prepack_host_unavailable(device: torch.device) -> str | None:
+    """Why `PortableConfig.cpu_prepacked_weights` cannot apply on `device` whatever the
+    weights, or None when it can (bf16 weights still needed: `prepack_unavailable`)."""
+    if device.type != "cpu":
+        return f"the device is {device}, not the CPU"
+    if not _onednn_bf16():
+        return "torch has no oneDNN bf16 GEMMs on this CPU (its bf16 blocks run widened to fp32)"
+    return None
 
 
 def prepack_unavailable(weights: PreparedWeights, device: torch.device) -> str | None:
     """Why `PortableConfig.cpu_prepacked_weights` cannot apply to these weights here, or
     None when it can."""
-    if device.type != "cpu":
-        return f"the device is {device}, not the CPU"
-    if not _onednn_bf16():
-        return "torch has no oneDNN bf16 GEMMs on this CPU (its bf16 blocks run widened to fp32)"
+    why = prepack_host_unavailable(device)
+    if why is not None:
+        return why
     dtypes = (weights.w13t.dtype, weights.w2t.dtype)
     if dtypes != (torch.bfloat16, torch.bfloat16):
         return f"the FC1 / FC2 weights are {dtypes[0]} / {dtypes[1]}, not bf16"
