@@ -278,6 +278,26 @@ def test_the_library_has_the_avx2_bodies_where_the_cpu_runs_them() -> None:
     assert cpu_fused.vector_bodies() & 1, "the native-arch build failed: see cpu_fused.status()"
 
 
+@pytest.mark.skipif(
+    not {"amx_bf16", "amx_tile"} <= set(cpu_fused._cpu_features().split()),
+    reason="this CPU has no AMX-BF16",
+)
+def test_the_library_has_the_amx_body_where_the_cpu_runs_it() -> None:
+    """Where the CPU has AMX-BF16 the native build has the AMX body and Linux grants it the
+    tile state (arch_prctl): otherwise the default would quietly sum in another order."""
+    assert cpu_fused.vector_bodies() & 16, (
+        "no AMX body: the native-arch build failed or arch_prctl(ARCH_REQ_XCOMP_PERM) was "
+        f"refused (moe_ep_vector_bodies() = {cpu_fused.vector_bodies():#x})"
+    )
+
+
+def _knows_amx(cc: str) -> bool:
+    """Whether `cc` compiles AMX code (GCC 11+, clang 12+): cpu_fused.c has the AMX body then."""
+    proc = subprocess.run([cc, "-mamx-bf16", "-E", "-x", "c", "/dev/null"], capture_output=True,
+                          check=False)  # fmt: skip
+    return proc.returncode == 0
+
+
 @needs_cc
 @pytest.mark.skipif(
     platform.machine() not in ("x86_64", "AMD64"), reason="the x86 vector bodies: x86 only"
@@ -303,3 +323,7 @@ def test_every_vector_body_compiles(arch: list[str], tmp_path: Path) -> None:
         out = subprocess.run([dis, "-d", str(tmp_path / "cpu_fused.o")], capture_output=True,
                              text=True, check=True).stdout  # fmt: skip
         assert "vcvtneps2bf16" in out and "vscalefps" in out
+    if arch and dis and _knows_amx(cc):  # the AMX body (by target attribute) is in it too
+        out = subprocess.run([dis, "-d", str(tmp_path / "cpu_fused.o")], capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        assert "tdpbf16ps" in out and "ldtilecfg" in out

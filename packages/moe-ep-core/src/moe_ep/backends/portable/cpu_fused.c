@@ -392,8 +392,9 @@ enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2 };
 enum { EG_S_NONE = 0, EG_S_F32 = 1, EG_S_E8M0 = 2, EG_S_E4M3 = 3 };
 enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
 int32_t moe_ep_vector_bodies(void);
-/* moe_ep_expert_gemm_v2's vector: EG_BODY_AUTO is the dot body for bf16 x and weights where the
- * CPU has AVX-512 BF16, else AVX-512F but AVX2 for bf16 blocks of few rows. */
+/* moe_ep_expert_gemm_v2's vector: EG_BODY_AUTO is, for bf16 x and weights, the AMX body where
+ * the CPU has AMX, else the dot body where it has AVX-512 BF16 (AVX2 for groups of few rows
+ * either way); else AVX-512F but AVX2 for bf16 blocks of few rows. */
 enum {
     EG_BODY_SCALAR = 0,
     EG_BODY_AVX2 = 1,
@@ -402,7 +403,9 @@ enum {
     EG_BODY_BF16DOT = 4,        /* AVX-512 BF16 vdpbf16ps: bf16 x and w only, its own order */
     EG_BODY_BF16DOT_SCALAR = 5, /* its scalar twin */
     EG_BODY_KSEQ = 6,           /* AVX2 + FMA, rows in the lanes: bf16 x and w only, the k order */
-    EG_BODY_KSEQ_SCALAR = 7     /* its scalar twin */
+    EG_BODY_KSEQ_SCALAR = 7,    /* its scalar twin */
+    EG_BODY_AMX = 8,            /* AMX-BF16 tdpbf16ps: bf16 x and w only, its own order */
+    EG_BODY_AMX_SCALAR = 9      /* its scalar twin */
 };
 
 #define EG_LANES 16
@@ -749,7 +752,7 @@ typedef struct {
     const uint8_t *w, *s;
     int64_t w_expert_bytes, w_row_bytes, s_expert_bytes, s_row_bytes, s_block;
     const int64_t *g_rows;    /* the row count that picks each group's body, or NULL */
-    int32_t w_kind, s_kind, out_kind, vector, auto_dot, auto_kseq;
+    int32_t w_kind, s_kind, out_kind, vector, auto_dot, auto_kseq, auto_amx;
     void *out;
     int64_t ld_out, n, k;
     float *xt;                /* the k order's transposed x blocks (EG_BODY_KSEQ), or NULL */
@@ -757,6 +760,8 @@ typedef struct {
     const int64_t *x_rows;
     int64_t ld_x;
     const int64_t *xt_start;  /* group g's blocks start at xt + xt_start[g] */
+    uint16_t *xv;             /* the AMX bodies' packed x blocks, or NULL */
+    const int64_t *xv_start;  /* group g's packed blocks: xv_start[g] on (EG_AMX_BLOCK each) */
 } eg_args;
 
 /* ---------------------------------------------------------------------------------------
@@ -946,7 +951,8 @@ static void eg_rows_dot(const eg_args *a, int64_t g, int64_t q0, int64_t rows, i
 
 /* Whether group g's rows run a k-order body: asked for, or under auto rows enough. */
 static inline int eg_group_kseq(const eg_args *a, int64_t rows) {
-    return a->vector >= EG_BODY_KSEQ || (a->auto_kseq && rows >= EG_KSEQ_ROWS);
+    return a->vector == EG_BODY_KSEQ || a->vector == EG_BODY_KSEQ_SCALAR ||
+           (a->auto_kseq && rows >= EG_KSEQ_ROWS);
 }
 
 /* Element e of an fp32 scratch row in lane order (eg_widen_row). */
@@ -1125,6 +1131,222 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
                     else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
                 }
         }
+}
+
+/* ---------------------------------------------------------------------------------------
+ * The AMX bodies (EG_BODY_AMX: AMX-BF16 `tdpbf16ps`; its scalar twin EG_BODY_AMX_SCALAR),
+ * for bf16 activations and bf16 weights only, in their own order, the "AMX order": K padded
+ * to a multiple of 32 with zeros; per 32-chunk c in increasing c, two chains from +0 over
+ * its 16 pairs p in increasing p,
+ *   e = ftz(fma(daz(x[32c + 2p]), daz(w[32c + 2p]), e)),
+ *   o = ftz(fma(daz(x[32c + 2p + 1]), daz(w[32c + 2p + 1]), o)),
+ * then acc = ftz(acc + ftz(e + o)) (acc from +0; each bf16 x bf16 product exact, one RNE
+ * rounding per step; daz / ftz as the dot bodies'); then times alpha, rounded to bf16 or
+ * stored as fp32 as above. That is the instruction's arithmetic as measured on an Intel
+ * Xeon with AMX (a C probe against emulations: this matched all 6.4M lanes of eight data
+ * classes, random, wide exponents, cancellation, bf16 subnormals, tiny and huge products,
+ * subnormal accumulators; one chain in k order, the two chains added to acc one after the
+ * other, or products flushed before the adds each missed 0.35-2.2M of them).
+ * The weights are the A tiles where they are stored (16 weight rows x one 32-chunk, the
+ * row stride apart; a last partial chunk or partial block of 16 rows through a zero-padded
+ * buffer), the activations the B tiles: each group's rows packed once per call into blocks
+ * of 16 rows, per chunk the 16 x 16 pairs in the tile's layout (`xv`), 1 KiB per chunk.
+ * Work items: (group, EG_AMX_ROWS rows, EG_AMX_COLS output columns); per block of 16
+ * weight rows the item's up to 4 blocks of 16 rows accumulate in tiles 0-3 over the whole
+ * of K (each A tile loaded once for all of them), the weights prefetched EG_AMX_PF chunks
+ * ahead into L2. Each thread configures its tiles once per call and releases them after. */
+#define EG_AMX_ROWS 64 /* rows per AMX work item (4 C tiles of 16) */
+#define EG_AMX_COLS 32 /* output columns per AMX work item (blocks of 16 weight rows) */
+#ifndef EG_AMX_PF
+#define EG_AMX_PF 8    /* prefetch distance in 32-element chunks */
+#endif
+#define EG_AMX_BLOCK(k32) ((k32) * 16) /* bf16 elements of one packed 16-row block */
+
+/* One output of the AMX order, element by element (the twin and the definition). */
+static float eg_amx_scalar(const uint16_t *x, const uint16_t *w, int64_t k) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < k; c += EG_DOT) {
+        float e = 0.0f, o = 0.0f;
+        for (int64_t p = 0; p < EG_DOT / 2; p++) {
+            const int64_t i = c + 2 * p, j = i + 1;
+            const float xe = i < k ? eg_flush(bf16_to_f32(x[i])) : 0.0f;
+            const float we = i < k ? eg_flush(bf16_to_f32(w[i])) : 0.0f;
+            const float xo = j < k ? eg_flush(bf16_to_f32(x[j])) : 0.0f;
+            const float wo = j < k ? eg_flush(bf16_to_f32(w[j])) : 0.0f;
+            e = eg_flush(__builtin_fmaf(xe, we, e));
+            o = eg_flush(__builtin_fmaf(xo, wo, o));
+        }
+        acc = eg_flush(acc + eg_flush(e + o));
+    }
+    return acc;
+}
+
+/* Whether a group of `rows` path rows runs an AMX body: asked for, or under auto (bf16
+ * where the CPU has AMX) more than EG_AVX2_ROWS rows (smaller ones keep the AVX2 body). */
+static inline int eg_group_amx(const eg_args *a, int64_t rows) {
+    return (a->vector == EG_BODY_AMX || a->vector == EG_BODY_AMX_SCALAR) &&
+           !(a->auto_amx && rows <= EG_AVX2_ROWS);
+}
+
+/* Packs rows [16 block, +16) of group g (zeros past its last row) into the B tiles'
+ * layout: per 32-chunk c, per pair p, per row t the pair (x[32c + 2p], x[32c + 2p + 1]). */
+static void eg_amx_pack(const eg_args *a, int64_t g, int64_t block) {
+    const int64_t q0 = a->q_start[g] + block * 16, k = a->k, k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
+    const int64_t rows = a->q_start[g + 1] - q0 < 16 ? a->q_start[g + 1] - q0 : 16;
+    uint32_t *dst = (uint32_t *)(a->xv + (a->xv_start[g] + block) * EG_AMX_BLOCK(k32));
+    for (int64_t t = 0; t < 16; t++) {
+        const uint16_t *src = t < rows ? a->x16 + (a->x_rows ? a->x_rows[q0 + t] : q0 + t) * a->ld_x
+                                       : NULL;
+        for (int64_t i = 0; i < k32; i += 2) {
+            const uint32_t lo = src && i < k ? src[i] : 0, hi = src && i + 1 < k ? src[i + 1] : 0;
+            dst[(i / EG_DOT * 16 + i % EG_DOT / 2) * 16 + t] = lo | hi << 16;
+        }
+    }
+}
+
+/* Writes the sums of 16 weight rows (from output column j, nr of them) x rows [m0, m0 +
+ * mr) of the item: sums[r * 16 + m], column j + r, row m. */
+static void eg_amx_store(const eg_args *a, const float *sums, int64_t out_row, int64_t mr,
+                         int64_t j, int64_t nr, float alpha) {
+    for (int64_t m = 0; m < mr; m++)
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t o = (out_row + m) * a->ld_out + j + r;
+            float v = sums[r * 16 + m];
+            v = a->alpha ? v * alpha : v;
+            if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
+            else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
+        }
+}
+
+#if defined(MOE_EP_AVX2) && defined(__x86_64__) && defined(__linux__) &&                        \
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) ||                           \
+     (defined(__clang__) && __clang_major__ >= 12))
+#define MOE_EP_AMX_GEMM 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+extern long syscall(long number, ...); /* glibc's; <unistd.h> declares it only past -std=c11 */
+#define EG_AMX __attribute__((target("amx-tile,amx-bf16")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} eg_tilecfg;
+
+/* Whether this CPU has AMX-TILE and AMX-BF16 and Linux lets this process use them (asked
+ * once: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)). */
+static int eg_amx_supported(void) {
+    static int ok = -1; /* a race here asks twice, with the same answer */
+    if (ok < 0) {
+        unsigned eax, ebx, ecx, edx;
+        const int cpu = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 22 & 1) &&
+                        (edx >> 24 & 1);
+        ok = cpu && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }
+    return ok;
+}
+
+/* Tiles 0-7 as 16 rows of 64 bytes (the C, A and B tiles of eg_item_amx). */
+static EG_AMX void eg_amx_configure(void) {
+    eg_tilecfg cfg __attribute__((aligned(64)));
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static EG_AMX void eg_amx_release(void) { _tile_release(); }
+
+/* One AMX work item: rows [block * EG_AMX_ROWS, +EG_AMX_ROWS) of group g times output
+ * columns [tile * EG_AMX_COLS, +EG_AMX_COLS). */
+static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
+    const int64_t i0 = block * EG_AMX_ROWS, n_rows = a->q_start[g + 1] - a->q_start[g];
+    const int64_t rows = n_rows - i0 < EG_AMX_ROWS ? n_rows - i0 : EG_AMX_ROWS, k = a->k;
+    const int64_t k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT, chunks = k32 / EG_DOT, whole = k / EG_DOT;
+    const int64_t j0 = tile * EG_AMX_COLS, n1 = j0 + EG_AMX_COLS < a->n ? j0 + EG_AMX_COLS : a->n;
+    const int64_t tbs = (rows + 15) / 16, ldw = a->w_row_bytes;
+    const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
+    const uint16_t *xv = a->xv + (a->xv_start[g] + i0 / 16) * EG_AMX_BLOCK(k32);
+    const int64_t tb_step = EG_AMX_BLOCK(k32); /* elements from one 16-row block to the next */
+    const float alpha = a->alpha ? a->alpha[g] : 1.0f;
+    uint16_t abuf[16 * EG_DOT] __attribute__((aligned(64)));
+    float sums[16 * 16] __attribute__((aligned(64)));
+    for (int64_t j = j0; j < n1; j += 16) {
+        const int64_t nr = n1 - j < 16 ? n1 - j : 16;
+        const uint8_t *wj = we + j * ldw;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < chunks; c++) {
+            const void *ap = wj + c * 2 * EG_DOT;
+            int64_t stride = ldw;
+            if (nr < 16 || c >= whole) { /* a partial block or chunk: zero-padded copy */
+                const int64_t kn = k - c * EG_DOT < EG_DOT ? k - c * EG_DOT : EG_DOT;
+                memset(abuf, 0, sizeof abuf);
+                for (int64_t r = 0; r < nr; r++)
+                    memcpy(abuf + r * EG_DOT, wj + r * ldw + c * 2 * EG_DOT, 2 * (size_t)kn);
+                ap = abuf;
+                stride = 2 * EG_DOT;
+            } else if (c + EG_AMX_PF < whole) {
+                for (int64_t r = 0; r < 16; r++)
+                    _mm_prefetch((const char *)wj + r * ldw + (c + EG_AMX_PF) * 2 * EG_DOT,
+                                 _MM_HINT_T1);
+            }
+            _tile_loadd(4, ap, stride);
+            const uint16_t *xc = xv + c * 16 * EG_DOT;
+            _tile_loadd(5, xc, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (tbs > 1) {
+                _tile_loadd(6, xc + tb_step, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (tbs > 2) {
+                _tile_loadd(7, xc + 2 * tb_step, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (tbs > 3) {
+                _tile_loadd(5, xc + 3 * tb_step, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        const int64_t out_row = a->out_row0[g] + i0;
+        for (int64_t tb = 0; tb < tbs; tb++) {
+            if (tb == 0) _tile_stored(0, sums, 64);
+            else if (tb == 1) _tile_stored(1, sums, 64);
+            else if (tb == 2) _tile_stored(2, sums, 64);
+            else _tile_stored(3, sums, 64);
+            const int64_t mr = rows - 16 * tb < 16 ? rows - 16 * tb : 16;
+            eg_amx_store(a, sums, out_row + 16 * tb, mr, j, nr, alpha);
+        }
+    }
+}
+#endif
+
+/* The AMX twin's work item, the same (group, rows, columns) split as eg_item_amx. */
+static void eg_item_amx_scalar(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
+    const int64_t i0 = block * EG_AMX_ROWS, n_rows = a->q_start[g + 1] - a->q_start[g];
+    const int64_t rows = n_rows - i0 < EG_AMX_ROWS ? n_rows - i0 : EG_AMX_ROWS;
+    const int64_t j0 = tile * EG_AMX_COLS, n1 = j0 + EG_AMX_COLS < a->n ? j0 + EG_AMX_COLS : a->n;
+    const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
+    const float alpha = a->alpha ? a->alpha[g] : 1.0f;
+    float sums[16 * 16];
+    for (int64_t j = j0; j < n1; j += 16) {
+        const int64_t nr = n1 - j < 16 ? n1 - j : 16;
+        for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+            const int64_t mr = rows - m0 < 16 ? rows - m0 : 16;
+            for (int64_t m = 0; m < mr; m++) {
+                const int64_t q = a->q_start[g] + i0 + m0 + m;
+                const uint16_t *x = a->x16 + (a->x_rows ? a->x_rows[q] : q) * a->ld_x;
+                for (int64_t r = 0; r < nr; r++)
+                    sums[r * 16 + m] = eg_amx_scalar(x, (const uint16_t *)(we + (j + r) * a->w_row_bytes), a->k);
+            }
+            eg_amx_store(a, sums, a->out_row0[g] + i0 + m0, mr, j, nr, alpha);
+        }
+    }
 }
 
 #ifdef MOE_EP_AVX2
@@ -1572,7 +1794,7 @@ static void eg_item(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
     const int64_t n1 = tile * EG_COLS + EG_COLS < a->n ? tile * EG_COLS + EG_COLS : a->n;
     const int dot = eg_group_dot(a, eg_path_rows(a, g));
     eg_args own;
-    if (!dot && a->auto_dot) { /* a small expert under auto: AVX2 (eg_rows) */
+    if (!dot && (a->auto_dot || a->auto_amx)) { /* a small expert under auto: AVX2 (eg_rows) */
         own = *a;
         own.vector = EG_BODY_AUTO;
         a = &own;
@@ -1601,13 +1823,15 @@ static int64_t eg_group_of(const int64_t *start, int64_t groups, int64_t i) {
  * s_kind values (s_block a multiple of 16). alpha may be NULL. g_rows: per group, the row
  * count that picks its body under auto (NULL: its own). xs: fp32 scratch of
  * q_start[groups] * (round_up(k, 16) + 16) elements. vector: the body (EG_BODY_*: 0 the scalar
- * twin, 1 AVX2, 2 AVX-512F, 3 auto: the dot body for bf16 x and weights where the CPU has
- * AVX-512 BF16 (EG_AUTO_BF16DOT), else AVX-512F but AVX2 for bf16 blocks of <= EG_AVX2_ROWS
- * rows; without AVX-512F the AVX2 body, and the AVX2 k-order body for bf16 x and weights in
- * groups of >= EG_KSEQ_ROWS rows; 4 the AVX-512 BF16 dot body, 5 its scalar twin, 6 the AVX2
- * k-order body, 7 its scalar twin: bf16 x and weights only, their own orders). Returns 0, -1
- * when out of memory, -2 when this build or CPU lacks the body asked for, -3 when a dot or
- * k-order body is asked for other kinds (nothing written in any of these). */
+ * twin, 1 AVX2, 2 AVX-512F, 3 auto: for bf16 x and weights the AMX body where the CPU has
+ * AMX, else the dot body where it has AVX-512 BF16 (EG_AUTO_BF16DOT), either with AVX2 for
+ * groups of <= EG_AVX2_ROWS path rows; else AVX-512F but AVX2 for bf16 blocks of <=
+ * EG_AVX2_ROWS rows; without AVX-512F the AVX2 body, and the AVX2 k-order body for bf16 x
+ * and weights in groups of >= EG_KSEQ_ROWS rows; 4 the AVX-512 BF16 dot body, 5 its scalar
+ * twin, 6 the AVX2 k-order body, 7 its scalar twin, 8 the AMX body, 9 its scalar twin: bf16
+ * x and weights only, their own orders). Returns 0, -1 when out of memory, -2 when this build
+ * or CPU lacks the body asked for, -3 when a dot, AMX or k-order body is asked for other
+ * kinds (nothing written in any of these). */
 int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                         int64_t groups, const int64_t *q_start, const int64_t *g_expert,
                         const int64_t *out_row0, const int64_t *g_rows, const float *alpha,
@@ -1621,26 +1845,31 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     const int bf16_only = x_kind == EG_X_BF16 && w_kind == EG_W_BF16;
     /* auto on bf16 with AVX-512 BF16: the dot body, but experts of <= EG_AVX2_ROWS rows stay
      * on the AVX2 body (eg_item), faster there */
-    const int auto_dot = vector == EG_BODY_AUTO && EG_AUTO_BF16DOT && bf16_only && (bodies & 8);
+    const int auto_amx = vector == EG_BODY_AUTO && bf16_only && (bodies & 16);
+    const int auto_dot =
+        vector == EG_BODY_AUTO && EG_AUTO_BF16DOT && bf16_only && (bodies & 8) && !auto_amx;
     /* auto without AVX-512F: the AVX2 body, and the k order for bf16 groups of
      * >= EG_KSEQ_ROWS rows (eg_group_kseq) */
     const int auto_kseq = vector == EG_BODY_AUTO && !(bodies & 4) && (bodies & 1) && bf16_only;
     if (vector == EG_BODY_AUTO && !(bodies & 4)) vector = bodies & 1 ? EG_BODY_AVX2 : EG_BODY_SCALAR;
-    vector = auto_dot ? EG_BODY_BF16DOT : vector;
+    vector = auto_dot ? EG_BODY_BF16DOT : auto_amx ? EG_BODY_AMX : vector;
     const int32_t need = vector == EG_BODY_BF16DOT ? 8
+                         : vector == EG_BODY_AMX ? 16
                          : vector == EG_BODY_AVX2 || vector == EG_BODY_KSEQ ? 1
                          : vector == EG_BODY_AVX512 || vector == EG_BODY_AUTO ? 5 : 0;
-    if (vector < 0 || vector > 7 || (bodies & need) != need) return -2;
+    if (vector < 0 || vector > 9 || (bodies & need) != need) return -2;
     const int dot = vector == EG_BODY_BF16DOT || vector == EG_BODY_BF16DOT_SCALAR;
     if ((dot || vector >= EG_BODY_KSEQ) && !bf16_only) return -3;
     const int64_t k16 = (k + EG_LANES - 1) / EG_LANES * EG_LANES;
     const int64_t k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
     const int64_t tiles = (n + EG_COLS - 1) / EG_COLS, ktiles = (n + EG_KCOLS - 1) / EG_KCOLS;
-    /* per group: its first work item, its first transposed block (k order, AVX2) and where
-     * its transposed rows start in xt */
-    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(3 * (groups + 1)));
+    const int64_t amx_tiles = (n + EG_AMX_COLS - 1) / EG_AMX_COLS;
+    /* per group: its first work item, its first transposed block (k order, AVX2), where its
+     * transposed rows start in xt, and its first packed block (AMX) */
+    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(4 * (groups + 1)));
     if (item_start == NULL) return -1;
     int64_t *blk_start = item_start + groups + 1, *xt_start = blk_start + groups + 1;
+    int64_t *xv_start = xt_start + groups + 1;
     /* x rows one cache line longer than k16: rows 2^n bytes apart (K = 2048) would share L1
      * sets with each other and with the weight rows (4 KiB apart) and evict them. */
     const int64_t ldxs = k16 + EG_LANES; /* a dot group's row: 2 * ldxs bf16 elements */
@@ -1650,28 +1879,35 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
                  .w_row_bytes = w_row_bytes, .s_expert_bytes = s_expert_bytes,
                  .s_row_bytes = s_row_bytes, .s_block = s_block, .w_kind = w_kind,
                  .s_kind = s_kind, .out_kind = out_kind, .vector = vector,
-                 .auto_dot = auto_dot, .auto_kseq = auto_kseq, .g_rows = g_rows, .out = out,
+                 .auto_dot = auto_dot, .auto_kseq = auto_kseq, .auto_amx = auto_amx, .g_rows = g_rows, .out = out,
                  .ld_out = ld_out, .n = n, .k = k, .xt = NULL, .xt_start = xt_start,
-                 .x16 = (const uint16_t *)x, .x_rows = x_rows, .ld_x = ld_x};
+                 .x16 = (const uint16_t *)x, .x_rows = x_rows, .ld_x = ld_x,
+                 .xv = NULL, .xv_start = xv_start};
     const int transposed = vector == EG_BODY_KSEQ || auto_kseq; /* the AVX2 k-order body */
-    item_start[0] = blk_start[0] = xt_start[0] = 0;
+    const int packed = vector == EG_BODY_AMX;                   /* the AMX body */
+    item_start[0] = blk_start[0] = xt_start[0] = xv_start[0] = 0;
     for (int64_t g = 0; g < groups; g++) {
         const int64_t rows = q_start[g + 1] - q_start[g];
-        const int kseq = eg_group_kseq(&a, eg_path_rows(&a, g));
+        const int64_t path = eg_path_rows(&a, g);
+        const int kseq = eg_group_kseq(&a, path), amx = eg_group_amx(&a, path);
         const int64_t blocks = kseq && transposed ? (rows + EG_KR - 1) / EG_KR : 0;
-        item_start[g + 1] = item_start[g] + (rows + EG_ROWS - 1) / EG_ROWS * (kseq ? ktiles : tiles);
+        item_start[g + 1] = item_start[g] + (amx ? (rows + EG_AMX_ROWS - 1) / EG_AMX_ROWS * amx_tiles
+                                             : (rows + EG_ROWS - 1) / EG_ROWS * (kseq ? ktiles : tiles));
         blk_start[g + 1] = blk_start[g] + blocks;
         xt_start[g + 1] = xt_start[g] + blocks * EG_KR * k;
+        xv_start[g + 1] = xv_start[g] + (amx && packed ? (rows + 15) / 16 : 0);
     }
-    if (xt_start[groups] > 0) {
-        a.xt = malloc(sizeof(float) * (size_t)xt_start[groups]);
-        if (a.xt == NULL) {
-            free(item_start);
-            return -1;
-        }
+    if (xt_start[groups] > 0) a.xt = malloc(sizeof(float) * (size_t)xt_start[groups]);
+    if (xv_start[groups] > 0)
+        a.xv = malloc(sizeof(uint16_t) * (size_t)(xv_start[groups] * EG_AMX_BLOCK(k32)));
+    if ((xt_start[groups] > 0 && a.xt == NULL) || (xv_start[groups] > 0 && a.xv == NULL)) {
+        free(a.xt);
+        free(a.xv);
+        free(item_start);
+        return -1;
     }
     const int64_t items = item_start[groups], total_rows = q_start[groups];
-    const int64_t blocks = blk_start[groups];
+    const int64_t blocks = blk_start[groups], vblocks = xv_start[groups];
     const size_t x_elem = x_kind == EG_X_F32 ? 4 : 2;
     (void)threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -1682,6 +1918,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
             const char *src = (const char *)x + row * ld_x * (int64_t)x_elem;
             const int64_t lo = eg_group_of(q_start, groups, q); /* the group holding row q */
             if (transposed && eg_group_kseq(&a, eg_path_rows(&a, lo))) continue; /* xt only */
+            if (eg_group_amx(&a, eg_path_rows(&a, lo))) continue; /* x16 (packed in xv) only */
             if (eg_group_dot(&a, eg_path_rows(&a, lo))) {
                 uint16_t *dst = (uint16_t *)(xs + q * ldxs);
                 memcpy(dst, src, sizeof(uint16_t) * (size_t)k);
@@ -1695,23 +1932,42 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
             const int64_t lo = eg_group_of(blk_start, groups, b); /* the group holding block b */
             eg_kseq_transpose(&a, lo, b - blk_start[lo]);
         }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < vblocks; b++) {
+            const int64_t lo = eg_group_of(xv_start, groups, b); /* the group holding block b */
+            eg_amx_pack(&a, lo, b - xv_start[lo]);
+        }
+#ifdef MOE_EP_AMX_GEMM
+        if (packed) eg_amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t lo = eg_group_of(item_start, groups, it); /* the group holding item it */
             const int64_t i = it - item_start[lo];
-            if (eg_group_kseq(&a, eg_path_rows(&a, lo)))
+            if (eg_group_amx(&a, eg_path_rows(&a, lo))) {
+#ifdef MOE_EP_AMX_GEMM
+                if (packed) eg_item_amx(&a, lo, i / amx_tiles, i % amx_tiles);
+                else
+#endif
+                    eg_item_amx_scalar(&a, lo, i / amx_tiles, i % amx_tiles);
+            } else if (eg_group_kseq(&a, eg_path_rows(&a, lo)))
                 eg_item_kseq(&a, lo, i / ktiles, i % ktiles);
             else
                 eg_item(&a, lo, i / tiles, i % tiles);
         }
+#ifdef MOE_EP_AMX_GEMM
+        if (packed) eg_amx_release();
+#endif
     }
     free(a.xt);
+    free(a.xv);
     free(item_start);
     return 0;
 }
 
 /* Which vector bodies this build has and this CPU runs: bit 0 the AVX2 expert GEMM, bit 1
- * the AVX-512 epilogues, bit 2 the AVX-512F expert GEMM, bit 3 the AVX-512 BF16 one. */
+ * the AVX-512 epilogues, bit 2 the AVX-512F expert GEMM, bit 3 the AVX-512 BF16 one, bit 4
+ * the AMX one (and Linux granted this process the tile state). */
 int32_t moe_ep_vector_bodies(void) {
     int32_t bodies = 0;
 #ifdef MOE_EP_AVX2
@@ -1725,6 +1981,9 @@ int32_t moe_ep_vector_bodies(void) {
 #endif
 #ifdef MOE_EP_BF16DOT_GEMM
     bodies |= eg_bf16dot_supported() ? 8 : 0;
+#endif
+#ifdef MOE_EP_AMX_GEMM
+    bodies |= eg_amx_supported() ? 16 : 0;
 #endif
     return bodies;
 }

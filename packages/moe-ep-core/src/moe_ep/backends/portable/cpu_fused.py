@@ -429,14 +429,21 @@ class ExpertGroups:
         return int(self.q_start[-1])
 
 
-Body = Literal["avx512", "avx2", "avx512bf16", "bf16dot_scalar", "avx2kseq", "kseq_scalar"]
+Body = Literal[
+    "avx512", "avx2", "avx512bf16", "bf16dot_scalar", "avx2kseq", "kseq_scalar", "amx",
+    "amx_scalar",
+]  # fmt: skip
 _BODY_KIND: dict[Body, int] = {
-    "avx2": 1, "avx512": 2, "avx512bf16": 4, "bf16dot_scalar": 5, "avx2kseq": 6, "kseq_scalar": 7
+    "avx2": 1, "avx512": 2, "avx512bf16": 4, "bf16dot_scalar": 5, "avx2kseq": 6, "kseq_scalar": 7,
+    "amx": 8, "amx_scalar": 9,
 }  # fmt: skip
 _BODY_BIT: dict[Body, int] = {
-    "avx2": 1, "avx512": 4, "avx512bf16": 8, "bf16dot_scalar": 0, "avx2kseq": 1, "kseq_scalar": 0
+    "avx2": 1, "avx512": 4, "avx512bf16": 8, "bf16dot_scalar": 0, "avx2kseq": 1, "kseq_scalar": 0,
+    "amx": 16, "amx_scalar": 0,
 }  # fmt: skip
-_BF16_ONLY_BODIES = ("avx512bf16", "bf16dot_scalar", "avx2kseq", "kseq_scalar")
+_BF16_ONLY_BODIES = (
+    "avx512bf16", "bf16dot_scalar", "avx2kseq", "kseq_scalar", "amx", "amx_scalar"
+)  # fmt: skip
 """The bodies of the bf16 dot-product order and of the k order (bf16 x and weights only;
 cpu_fused.c)."""
 
@@ -444,15 +451,17 @@ cpu_fused.c)."""
 def vector_bodies() -> int:
     """Bit 0: the library has the AVX2 expert GEMM body; bit 1: the AVX-512 epilogues; bit
     2: the AVX-512F expert GEMM body and this CPU runs it; bit 3: the AVX-512 BF16 one
-    (`vdpbf16ps`) and this CPU runs it. 0 without the library."""
+    (`vdpbf16ps`) and this CPU runs it; bit 4: the AMX one (`tdpbf16ps`), this CPU has
+    AMX-BF16 and Linux granted the process the tile state. 0 without the library."""
     lib = library()
     return 0 if lib is None else int(lib.moe_ep_vector_bodies())
 
 
 _BODY_AUTO = 3
-"""cpu_fused.c's EG_BODY_AUTO: AVX-512 BF16 for bf16 x and weights where the CPU has it;
-else AVX-512F, with AVX2 for bf16 blocks of 1-2 rows (faster); without AVX-512F the AVX2
-body, with the k order (AVX2) for bf16 experts of `KSEQ_ROWS` rows or more."""
+"""cpu_fused.c's EG_BODY_AUTO: for bf16 x and weights AMX where the CPU has it, else AVX-512
+BF16 where it has that, both with AVX2 for experts of 1-2 path rows (faster); else AVX-512F,
+with AVX2 for bf16 blocks of 1-2 rows (faster); without AVX-512F the AVX2 body, with the k
+order (AVX2) for bf16 experts of `KSEQ_ROWS` rows or more."""
 KSEQ_ROWS = 13
 """cpu_fused.c's EG_KSEQ_ROWS (kept equal by a test)."""
 
@@ -508,11 +517,13 @@ def expert_gemm(
     scratch: fp32 with at least `expert_gemm_scratch(Q, K)` elements. The sum order is fixed
     (cpu_fused.c): the result does not depend on the thread count, the vector body or the
     grouping. `vector`: True the fastest vector bodies this CPU runs (bf16 x and weights:
-    AVX-512 BF16 where the CPU has it; else AVX-512F, with AVX2 for bf16 row blocks of 1-2
-    rows; else AVX2, with the AVX2 k order for bf16 groups of `KSEQ_ROWS`+ path rows; else
-    the scalar twin), False the scalar twin, "avx512" / "avx2" that body alone (ValueError
-    where it is missing): tests force each. "avx512bf16" (ValueError where missing) and its
-    twin "bf16dot_scalar" (anywhere) sum in the bf16 dot-product order instead, "avx2kseq"
+    AMX where the CPU has it, else AVX-512 BF16 where it has that, either with AVX2 for
+    groups of 1-2 path rows; else AVX-512F, with AVX2 for bf16 row blocks of 1-2 rows; else
+    AVX2, with the AVX2 k order for bf16 groups of `KSEQ_ROWS`+ path rows; else the scalar
+    twin), False the scalar twin, "avx512" / "avx2" that body alone (ValueError where it is
+    missing): tests force each. "avx512bf16" (ValueError where missing) and its twin
+    "bf16dot_scalar" (anywhere) sum in the bf16 dot-product order instead, "amx" (ValueError
+    where missing) and its twin "amx_scalar" (anywhere) in the AMX order, "avx2kseq"
     (ValueError where missing) and its twin "kseq_scalar" (anywhere) in the k order (each
     output one fp32 fma chain in increasing k): other orders, other bits (cpu_fused.c), bf16
     x and weights only.

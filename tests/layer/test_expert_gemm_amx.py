@@ -1,0 +1,201 @@
+"""The expert GEMM's AMX bodies: AMX-BF16 (`tdpbf16ps`) and its scalar twin.
+
+The reference is a float64 emulation of the order cpu_fused.c documents for them, written
+from the instruction's arithmetic as probed on an Intel Xeon with AMX (the current SDM's
+pseudo-code has the same shape): K padded to whole 32-chunks; per chunk two fp32 chains from
++0 over its 16 pairs, one of the even elements and one of the odd, each step one fused
+multiply-add (exact bf16 products, one RNE rounding), then `acc = acc + (even + odd)`; fp32
+subnormal inputs read as zero and subnormal results flushed to zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ep.backends.portable import cpu_fused
+from moe_ep.backends.portable.cpu_fused import ExpertGroups, StoredWeight
+
+pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
+
+AMX = 16
+"""`cpu_fused.vector_bodies()` bit of the AMX body."""
+RAGGED = [0, 1, 2, 3, 4, 15, 16, 17, 24, 0, 33, 64, 65, 97, 300, 1]
+"""Rows per expert: empty experts, the 1-2-row experts the default keeps off AMX, partial
+and whole 16-row tiles, the 4 tiles of a 64-row work item and past it."""
+TINY = 2.0**-126  # fp32's smallest normal
+
+
+def _flush(v: torch.Tensor) -> torch.Tensor:
+    """Subnormal -> zero of its sign (values exactly representable in the tensor's dtype)."""
+    return torch.where(v.abs() < TINY, torch.zeros_like(v).copysign(v), v)
+
+
+def _round(v: torch.Tensor, flush: bool) -> torch.Tensor:
+    """float64 -> fp32 (RNE), flushed: one fp32 operation's result."""
+    return _flush(v.float()) if flush else v.float()
+
+
+def reference_amx(
+    x: torch.Tensor, w: torch.Tensor, *, flush: bool = True, chains: int = 2
+) -> torch.Tensor:
+    """fp32 `[Q, N]` of bf16 `x [Q, K]` times bf16 `w [N, K]` in the AMX order. `flush`
+    False and `chains=1` (one chain over the chunk, in k order) plant the faults the tests
+    show this comparison catches."""
+    q, k = x.shape
+    k32 = -(-k // 32) * 32
+    xp = torch.zeros(q, k32, dtype=torch.float64)
+    wp = torch.zeros(int(w.shape[0]), k32, dtype=torch.float64)
+    xp[:, :k], wp[:, :k] = x.double(), w.double()
+    if flush:
+        xp, wp = _flush(xp), _flush(wp)
+    xs = xp.view(q, 1, k32 // 32, 16, 2)
+    ws = wp.view(1, -1, k32 // 32, 16, 2)
+    acc = torch.zeros(q, int(w.shape[0]), dtype=torch.float32)
+    for c in range(k32 // 32):
+        if chains == 1:  # acc += every product of the chunk in k order
+            for p in range(16):
+                for e in (0, 1):
+                    acc = _round(acc.double() + xs[:, :, c, p, e] * ws[:, :, c, p, e], flush)
+            continue
+        even = torch.zeros_like(acc)
+        odd = torch.zeros_like(acc)
+        for p in range(16):
+            # bf16 x bf16 is exact in float64, so only the sum rounds (twice, float64 then
+            # fp32: a tie case these data miss, as in test_expert_gemm's _fma32)
+            even = _round(even.double() + xs[:, :, c, p, 0] * ws[:, :, c, p, 0], flush)
+            odd = _round(odd.double() + xs[:, :, c, p, 1] * ws[:, :, c, p, 1], flush)
+        acc = _round(acc.double() + _round(even.double() + odd.double(), flush).double(), flush)
+    return acc
+
+
+def _groups(counts: list[int], path: list[int] | None = None) -> ExpertGroups:
+    q_start = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    rows = None if path is None else torch.tensor(path, dtype=torch.int64)
+    return ExpertGroups(q_start, torch.arange(len(counts)), q_start[:-1].clone(), rows)
+
+
+def _run(x: torch.Tensor, w: torch.Tensor, counts: list[int], vector: bool | cpu_fused.Body,
+         out_dtype: torch.dtype = torch.float32,
+         path: list[int] | None = None) -> torch.Tensor:  # fmt: skip
+    groups = _groups(counts, path)
+    out = torch.full((groups.rows, int(w.shape[1])), float("nan"), dtype=out_dtype)
+    scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, int(w.shape[2])))
+    assert cpu_fused.expert_gemm(x, None, groups, StoredWeight(w, "bf16"), out, scratch,
+                                 vector=vector)  # fmt: skip
+    return out
+
+
+def _want(x: torch.Tensor, w: torch.Tensor, counts: list[int], **fault: object) -> torch.Tensor:
+    out, q0 = [], 0
+    for e, rows in enumerate(counts):
+        out.append(reference_amx(x[q0 : q0 + rows], w[e], **fault))  # type: ignore[arg-type]
+        q0 += rows
+    return torch.cat(out)
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    ia = a.view(torch.int16 if a.element_size() == 2 else torch.int32)
+    return int((ia != b.view(ia.dtype)).sum())
+
+
+def _bodies() -> list[cpu_fused.Body]:
+    return ["amx_scalar", *(["amx"] if cpu_fused.vector_bodies() & AMX else [])]
+
+
+def _amx_rows(counts: list[int]) -> torch.Tensor:
+    """Which rows the default (vector=True) sums in the AMX order where the CPU has AMX:
+    those of experts with more than 2 (path) rows; smaller ones take the AVX2 body."""
+    return torch.tensor([r > 2 for r in counts for _ in range(r)], dtype=torch.bool)
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 19), (70, 1043), (9, 2048), (33, 64), (16, 32)])
+def test_amx_bodies_match_the_emulation_at_one_and_two_threads(n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n * 31 + k)
+    w = torch.randn(len(RAGGED), n, k, generator=g).bfloat16()
+    x = torch.randn(sum(RAGGED), k, generator=g).bfloat16()
+    want = _want(x, w, RAGGED)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for vector in _bodies():
+                assert _differ(_run(x, w, RAGGED, vector), want) == 0, (vector, threads)
+                got = _run(x, w, RAGGED, vector, torch.bfloat16)
+                assert _differ(got, want.bfloat16()) == 0, (vector, threads)
+            if cpu_fused.vector_bodies() & AMX:
+                got, amx = _run(x, w, RAGGED, True), _amx_rows(RAGGED)
+                assert _differ(got[amx], want[amx]) == 0, threads
+                assert _differ(got[~amx], _run(x, w, RAGGED, "avx2")[~amx]) == 0, threads
+    finally:
+        torch.set_num_threads(before)
+    # the comparison tells the AMX order from one chain per chunk and from the dot order
+    assert _differ(_want(x, w, RAGGED, chains=1), want) > 0
+    assert _differ(_run(x, w, RAGGED, "bf16dot_scalar"), want) > 0
+
+
+def test_subnormal_inputs_and_results_are_flushed_as_the_instruction_does() -> None:
+    g = torch.Generator().manual_seed(5)
+    counts, n, k = [3, 0, 6, 17], 21, 77
+    x = torch.randn(sum(counts), k, generator=g)
+    # row 0: subnormal bf16 inputs only (2^-130.4 to 2^-127); times w ~ 2^10, normal products
+    x[0] = x[0].sign() * (0.1 + 0.9 * torch.rand(k, generator=g)) * 2.0**-127
+    x[1] = torch.where(torch.rand(k, generator=g) < 0.25, x[0], x[1])
+    x[3:] *= 2.0**-63  # times w ~ 2^-64: products and sums below fp32's smallest normal
+    w = torch.randn(len(counts), n, k, generator=g)
+    w[0] *= 2.0**10
+    w[2:] *= 2.0**-64
+    x, w = x.bfloat16(), w.bfloat16()
+    assert ((x[0].float().abs() < TINY) & (x[0] != 0)).all()
+    want = _want(x, w, counts)
+    unflushed = _want(x, w, counts, flush=False)
+    assert (want[0] == 0).all() and (unflushed[0] != 0).all()  # inputs read as zero
+    assert _differ(unflushed[3:], want[3:]) > 0  # subnormal results flushed
+    for vector in _bodies():
+        assert _differ(_run(x, w, counts, vector), want) == 0, vector
+
+
+def test_non_finite_weights_past_k_and_n_are_never_read() -> None:
+    """The A tiles of a partial chunk or block come from a zero-padded copy: weights past
+    an expert's K or N (here inf / NaN in the tensor's padding) never meet the zero x."""
+    g = torch.Generator().manual_seed(8)
+    counts, n, k = [5, 16, 2], 19, 45
+    full = torch.full((len(counts), n + 5, k + 19), float("inf")).bfloat16()
+    full[:, n:, :] = float("nan")
+    full[:, :n, :k] = torch.randn(len(counts), n, k, generator=g).bfloat16()
+    w = full[:, :n, :k]  # rows k + 19 elements apart, n of n + 5 rows
+    x = torch.randn(sum(counts), k, generator=g).bfloat16()
+    want = _want(x, w.contiguous(), counts)
+    for vector in _bodies():
+        groups = _groups(counts)
+        out = torch.empty(groups.rows, n)
+        scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, k))
+        stored = StoredWeight(w, "bf16")
+        assert cpu_fused.expert_gemm(x, None, groups, stored, out, scratch, vector=vector)
+        assert _differ(out, want) == 0, vector
+
+
+def test_the_default_picks_the_body_by_path_rows() -> None:
+    """Under the default, a group's body follows its path rows (a replica's logical expert's
+    count), not its own: 2 own rows of a 40-row expert sum in the AMX order, 5 own rows of
+    a 2-row path on the AVX2 body."""
+    if not cpu_fused.vector_bodies() & AMX:
+        pytest.skip("vector=True takes the AMX body only where the CPU has AMX")
+    g = torch.Generator().manual_seed(9)
+    counts, path, n, k = [2, 5], [40, 2], 24, 300
+    w = torch.randn(len(counts), n, k, generator=g).bfloat16()
+    x = torch.randn(sum(counts), k, generator=g).bfloat16()
+    got = _run(x, w, counts, True, path=path)
+    assert _differ(got[:2], _want(x, w, counts)[:2]) == 0
+    assert _differ(got[2:], _run(x, w, counts, "avx2")[2:]) == 0
+
+
+def test_amx_bodies_refuse_other_kinds_and_a_missing_body() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1, 8, 32, generator=g).bfloat16()
+    x = torch.randn(4, 32, generator=g)
+    with pytest.raises(ValueError, match="needs bf16 x and bf16 weights"):
+        _run(x, w, [4], "amx_scalar")
+    if not cpu_fused.vector_bodies() & AMX:
+        with pytest.raises(ValueError, match="lacks that body"):
+            _run(x.bfloat16(), w, [4], "amx")
