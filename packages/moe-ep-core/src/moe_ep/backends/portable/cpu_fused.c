@@ -1158,7 +1158,7 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
 #define EG_AMX_ROWS 64 /* rows per AMX work item (4 C tiles of 16) */
 #define EG_AMX_COLS 32 /* output columns per AMX work item (blocks of 16 weight rows) */
 #ifndef EG_AMX_PF
-#define EG_AMX_PF 8    /* prefetch distance in 32-element chunks */
+#define EG_AMX_PF 16   /* prefetch distance in 32-element chunks */
 #endif
 #define EG_AMX_BLOCK(k32) ((k32) * 16) /* bf16 elements of one packed 16-row block */
 
