@@ -1225,7 +1225,7 @@ static void eg_amx_store(const eg_args *a, const float *sums, int64_t out_row, i
 #include <cpuid.h>
 #include <sys/syscall.h>
 extern long syscall(long number, ...); /* glibc's; <unistd.h> declares it only past -std=c11 */
-#define EG_AMX __attribute__((target("amx-tile,amx-bf16")))
+#define EG_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1260,67 +1260,114 @@ static EG_AMX void eg_amx_configure(void) {
 
 static EG_AMX void eg_amx_release(void) { _tile_release(); }
 
+/* The A tile of weight rows [j, j + nr) (wj: row j), chunk c: where the weights are stored
+ * (their row stride apart, prefetching EG_AMX_PF chunks ahead), or for a partial block or
+ * chunk a zero-padded copy in buf (64 bytes apart). Sets *stride. */
+static inline const void *eg_amx_a(const eg_args *a, const uint8_t *wj, int64_t nr, int64_t c,
+                                   uint16_t *buf, int64_t *stride) {
+    const int64_t ldw = a->w_row_bytes, k = a->k, whole = k / EG_DOT;
+    if (nr < 16 || c >= whole) {
+        const int64_t kn = k - c * EG_DOT < EG_DOT ? k - c * EG_DOT : EG_DOT;
+        memset(buf, 0, sizeof(uint16_t) * 16 * EG_DOT);
+        for (int64_t r = 0; r < nr; r++)
+            memcpy(buf + r * EG_DOT, wj + r * ldw + c * 2 * EG_DOT, 2 * (size_t)kn);
+        *stride = 2 * EG_DOT;
+        return buf;
+    }
+    if (c + EG_AMX_PF < whole)
+        for (int64_t r = 0; r < 16; r++)
+            _mm_prefetch((const char *)wj + r * ldw + (c + EG_AMX_PF) * 2 * EG_DOT, _MM_HINT_T1);
+    *stride = ldw;
+    return wj + c * 2 * EG_DOT;
+}
+
+/* eg_amx_store's work on 16 lanes (AMX CPUs have AVX-512): row m of the output gathers
+ * sums[r * 16 + m] for r < nr, times alpha, rounded to bf16 as f32_to_bf16 (RNE, NaN
+ * quietened) or stored as fp32, a masked store of nr lanes. */
+static EG_AMX void eg_amx_store16(const eg_args *a, const float *sums, int64_t out_row,
+                                  int64_t mr, int64_t j, int64_t nr, float alpha) {
+    const __mmask16 keep = (__mmask16)((1u << nr) - 1u);
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                            5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (int64_t m = 0; m < mr; m++) {
+        __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep,
+                                            _mm512_add_epi32(col, _mm512_set1_epi32((int)m)),
+                                            sums, 4);
+        if (a->alpha) v = _mm512_mul_ps(v, _mm512_set1_ps(alpha));
+        const int64_t o = (out_row + m) * a->ld_out + j;
+        if (a->out_kind == EG_OUT_F32) {
+            _mm512_mask_storeu_ps((float *)a->out + o, keep, v);
+            continue;
+        }
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i h = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        h = _mm512_mask_mov_epi32(
+            h, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+        _mm256_mask_storeu_epi16((uint16_t *)a->out + o, keep, _mm512_cvtepi32_epi16(h));
+    }
+}
+
 /* One AMX work item: rows [block * EG_AMX_ROWS, +EG_AMX_ROWS) of group g times output
- * columns [tile * EG_AMX_COLS, +EG_AMX_COLS). */
+ * columns [tile * EG_AMX_COLS, +EG_AMX_COLS): per pair of 16-row blocks, the item's (up
+ * to) two blocks of 16 weight rows x the two row blocks accumulate in tiles 0-3 (C[w][t]
+ * in tile 2w + t; A tiles 4-5, B tiles 6-7) over the whole of K. */
 static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
     const int64_t i0 = block * EG_AMX_ROWS, n_rows = a->q_start[g + 1] - a->q_start[g];
-    const int64_t rows = n_rows - i0 < EG_AMX_ROWS ? n_rows - i0 : EG_AMX_ROWS, k = a->k;
-    const int64_t k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT, chunks = k32 / EG_DOT, whole = k / EG_DOT;
+    const int64_t rows = n_rows - i0 < EG_AMX_ROWS ? n_rows - i0 : EG_AMX_ROWS;
+    const int64_t k32 = (a->k + EG_DOT - 1) / EG_DOT * EG_DOT, chunks = k32 / EG_DOT;
     const int64_t j0 = tile * EG_AMX_COLS, n1 = j0 + EG_AMX_COLS < a->n ? j0 + EG_AMX_COLS : a->n;
-    const int64_t tbs = (rows + 15) / 16, ldw = a->w_row_bytes;
-    const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
-    const uint16_t *xv = a->xv + (a->xv_start[g] + i0 / 16) * EG_AMX_BLOCK(k32);
+    const int64_t nr0 = n1 - j0 < 16 ? n1 - j0 : 16, nr1 = n1 - j0 - nr0; /* weight rows */
+    const uint8_t *w0 = a->w + a->g_expert[g] * a->w_expert_bytes + j0 * a->w_row_bytes;
+    const uint8_t *w1 = w0 + 16 * a->w_row_bytes;
     const int64_t tb_step = EG_AMX_BLOCK(k32); /* elements from one 16-row block to the next */
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
-    uint16_t abuf[16 * EG_DOT] __attribute__((aligned(64)));
+    uint16_t abuf[2][16 * EG_DOT] __attribute__((aligned(64)));
     float sums[16 * 16] __attribute__((aligned(64)));
-    for (int64_t j = j0; j < n1; j += 16) {
-        const int64_t nr = n1 - j < 16 ? n1 - j : 16;
-        const uint8_t *wj = we + j * ldw;
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+        const int two = rows - r0 > 16; /* a second 16-row block */
+        const uint16_t *xv = a->xv + (a->xv_start[g] + (i0 + r0) / 16) * EG_AMX_BLOCK(k32);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t c = 0; c < chunks; c++) {
-            const void *ap = wj + c * 2 * EG_DOT;
-            int64_t stride = ldw;
-            if (nr < 16 || c >= whole) { /* a partial block or chunk: zero-padded copy */
-                const int64_t kn = k - c * EG_DOT < EG_DOT ? k - c * EG_DOT : EG_DOT;
-                memset(abuf, 0, sizeof abuf);
-                for (int64_t r = 0; r < nr; r++)
-                    memcpy(abuf + r * EG_DOT, wj + r * ldw + c * 2 * EG_DOT, 2 * (size_t)kn);
-                ap = abuf;
-                stride = 2 * EG_DOT;
-            } else if (c + EG_AMX_PF < whole) {
-                for (int64_t r = 0; r < 16; r++)
-                    _mm_prefetch((const char *)wj + r * ldw + (c + EG_AMX_PF) * 2 * EG_DOT,
-                                 _MM_HINT_T1);
-            }
-            _tile_loadd(4, ap, stride);
+            int64_t s0, s1;
+            const void *a0 = eg_amx_a(a, w0, nr0, c, abuf[0], &s0);
             const uint16_t *xc = xv + c * 16 * EG_DOT;
-            _tile_loadd(5, xc, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            if (tbs > 1) {
-                _tile_loadd(6, xc + tb_step, 64);
-                _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(4, a0, s0);
+            _tile_loadd(6, xc, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) {
+                _tile_loadd(7, xc + tb_step, 64);
+                _tile_dpbf16ps(1, 4, 7);
             }
-            if (tbs > 2) {
-                _tile_loadd(7, xc + 2 * tb_step, 64);
-                _tile_dpbf16ps(2, 4, 7);
-            }
-            if (tbs > 3) {
-                _tile_loadd(5, xc + 3 * tb_step, 64);
-                _tile_dpbf16ps(3, 4, 5);
+            if (nr1 > 0) {
+                const void *a1 = eg_amx_a(a, w1, nr1, c, abuf[1], &s1);
+                _tile_loadd(5, a1, s1);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) _tile_dpbf16ps(3, 5, 7);
             }
         }
-        const int64_t out_row = a->out_row0[g] + i0;
-        for (int64_t tb = 0; tb < tbs; tb++) {
-            if (tb == 0) _tile_stored(0, sums, 64);
-            else if (tb == 1) _tile_stored(1, sums, 64);
-            else if (tb == 2) _tile_stored(2, sums, 64);
-            else _tile_stored(3, sums, 64);
-            const int64_t mr = rows - 16 * tb < 16 ? rows - 16 * tb : 16;
-            eg_amx_store(a, sums, out_row + 16 * tb, mr, j, nr, alpha);
+        const int64_t out_row = a->out_row0[g] + i0 + r0;
+        const int64_t mr0 = rows - r0 < 16 ? rows - r0 : 16, mr1 = rows - r0 - mr0;
+        _tile_stored(0, sums, 64);
+        eg_amx_store16(a, sums, out_row, mr0, j0, nr0, alpha);
+        if (two) {
+            _tile_stored(1, sums, 64);
+            eg_amx_store16(a, sums, out_row + 16, mr1 < 16 ? mr1 : 16, j0, nr0, alpha);
+        }
+        if (nr1 > 0) {
+            _tile_stored(2, sums, 64);
+            eg_amx_store16(a, sums, out_row, mr0, j0 + 16, nr1, alpha);
+            if (two) {
+                _tile_stored(3, sums, 64);
+                eg_amx_store16(a, sums, out_row + 16, mr1 < 16 ? mr1 : 16, j0 + 16, nr1, alpha);
+            }
         }
     }
 }
