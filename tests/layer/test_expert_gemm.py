@@ -512,15 +512,19 @@ def test_crossover_by_format_and_device() -> None:
     fp8 = Mxfp8Recipe().prepare(_pack(2, 32, 64, seed=1))
     cpu = torch.device("cpu")
     bodies = cpu_fused.vector_bodies()
+    amx = bool(bodies & 16)  # cpu_fused.amx_by_default, from the bodies themselves
     want_bf16 = (
-        experts.EXPERT_GEMM_ROWS_BF16_ONEDNN
+        experts.EXPERT_GEMM_ROWS_BF16_AMX
+        if amx
+        else experts.EXPERT_GEMM_ROWS_BF16_ONEDNN
         if torch.ops.mkldnn._is_mkldnn_bf16_supported()
         else experts.EXPERT_GEMM_ROWS_BF16_KSEQ
         if bodies & 1 and not bodies & 4
         else experts.EXPERT_GEMM_ROWS_BF16
     )
     assert experts.expert_gemm_rows(bf16, cpu) == want_bf16
-    assert experts.expert_gemm_rows(fp8, cpu) == experts.EXPERT_GEMM_ROWS_FP32
+    want_fp32 = experts.EXPERT_GEMM_ROWS_FP32_AMX_CPU if amx else experts.EXPERT_GEMM_ROWS_FP32
+    assert experts.expert_gemm_rows(fp8, cpu) == want_fp32
     assert experts.expert_gemm_rows(bf16, torch.device("cuda")) == 0
     no_stored = PreparedWeights(bf16.w13t, bf16.w2t)
     assert experts.expert_gemm_rows(no_stored, cpu) == 0

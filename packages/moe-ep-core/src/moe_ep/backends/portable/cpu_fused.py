@@ -474,6 +474,12 @@ def kseq_by_default() -> bool:
     return bool(bodies & _BODY_BIT["avx2"]) and not bodies & _BODY_BIT["avx512"]
 
 
+def amx_by_default() -> bool:
+    """Whether `expert_gemm(vector=True)` takes the AMX body for bf16 groups of 3+ path rows
+    here: the CPU has AMX-BF16 and the library the AMX body (cpu_fused.c's auto_amx)."""
+    return bool(vector_bodies() & _BODY_BIT["amx"])
+
+
 def _body_kind(vector: bool | Body) -> int:
     """`expert_gemm`'s `vector` as the C body number: True the fastest this CPU runs."""
     if vector is False:

@@ -76,11 +76,25 @@ measured (AMD EPYC AVX2, 4 experts H=2048 I=1024, `run_experts` both ways) at 2 
 expert GEMM 2.3-2.7x faster at 8-16 rows, 1.78x at 32, 1.24-1.29x at 64-96, 1.03-1.08x at
 128-256, 0.89-0.96x from 384; at 1 thread 1.19x at 64, 0.84-1.00x at 128-256 (docs/layer.md)."""
 EXPERT_GEMM_ROWS_BF16_ONEDNN = 16
-"""The same where torch runs bf16 GEMMs on oneDNN's bf16 kernels: measured on AMD EPYC with
+"""The same where torch runs bf16 GEMMs on oneDNN's bf16 kernels and the CPU has no AMX
+(else `EXPERT_GEMM_ROWS_BF16_AMX`): measured on AMD EPYC with
 AVX-512 BF16 (2 threads, `layer_speed.py --sections crossover`, three runs): the expert GEMM
 1.3-2.6x faster than the `mm` blocks at 1-8 rows per expert, 0.76-1.61x at 16, 0.60-0.87x at
 32 and slower from there; decode T=64 (8 rows per expert on average) ran 39 ms with 16, 47
 ms with 8 (docs/layer.md)."""
+EXPERT_GEMM_ROWS_BF16_AMX = 64
+"""The same where the expert GEMM's default for bf16 is the AMX body (`cpu_fused.
+amx_by_default`): measured on an Intel Xeon with AMX (2 threads, layers A/B in one process,
+2026-12-06, E=64 k=8 H=2048 I=768, against the crossover 16 the oneDNN rule gave): T=128
+(about 8-25 rows per expert) 1.26x, T=256 (20-46) 1.34x, T=512 (52-81) 1.08x, T=1024 1.17x
+faster; 32 gained less (1.27 / 1.13 / 1.01 / 0.99x), 128 no more (1.28 / 1.35 / 1.00 /
+0.93x)."""
+EXPERT_GEMM_ROWS_FP32_AMX_CPU = 16
+"""Quantized formats on CPUs with AMX (the expert GEMM's fp32 order on the AVX-512F body,
+the `mm` blocks oneDNN's fp32 GEMMs): measured on that Intel Xeon (mxfp8, layers A/B in one
+process, 2026-12-06): 16 against 64 at T=256 1.17x, T=512 1.43x faster, T=64 level; 32
+1.13x / 1.40x. Other CPUs keep `EXPERT_GEMM_ROWS_FP32` (measured on AMD Zen 3 and Zen 5;
+Intel CPUs with AVX-512 but no AMX not measured)."""
 EXPERT_GEMM_ROWS_FP32 = 64
 """Quantized formats (fp32 GEMMs on the dequantized weights otherwise): experts with at most
 this many rows run `cpu_fused.expert_gemm` on the codes and scales; measured (mxfp8, 2
@@ -259,8 +273,11 @@ def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
     if expert_gemm_unavailable(weights, device) is not None:
         return 0
     assert weights.stored13 is not None
+    amx = cpu_fused.amx_by_default()
     if weights.stored13.code != "bf16":
-        return EXPERT_GEMM_ROWS_FP32
+        return EXPERT_GEMM_ROWS_FP32_AMX_CPU if amx else EXPERT_GEMM_ROWS_FP32
+    if amx:
+        return EXPERT_GEMM_ROWS_BF16_AMX
     if _onednn_bf16():
         return EXPERT_GEMM_ROWS_BF16_ONEDNN
     return EXPERT_GEMM_ROWS_BF16_KSEQ if cpu_fused.kseq_by_default() else EXPERT_GEMM_ROWS_BF16
