@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CP
 AMX = 16
 """`cpu_fused.vector_bodies()` bit of the AMX body."""
 RAGGED = [0, 1, 2, 3, 4, 15, 16, 17, 24, 0, 33, 64, 65, 97, 300, 1]
-"""Rows per expert: empty experts, the 1-2-row experts the default keeps off AMX, partial
-and whole 16-row tiles, the 4 tiles of a 64-row work item and past it."""
+"""Rows per expert: empty experts, partial and whole 16-row tiles, the 2 x 2 tiles of a
+32-row pass, a 64-row work item and past it."""
 TINY = 2.0**-126  # fp32's smallest normal
 
 
@@ -103,12 +103,6 @@ def _bodies() -> list[cpu_fused.Body]:
     return ["amx_scalar", *(["amx"] if cpu_fused.vector_bodies() & AMX else [])]
 
 
-def _amx_rows(counts: list[int]) -> torch.Tensor:
-    """Which rows the default (vector=True) sums in the AMX order where the CPU has AMX:
-    those of experts with more than 2 (path) rows; smaller ones take the AVX2 body."""
-    return torch.tensor([r > 2 for r in counts for _ in range(r)], dtype=torch.bool)
-
-
 @pytest.mark.parametrize(("n", "k"), [(37, 19), (70, 1043), (9, 2048), (33, 64), (16, 32)])
 def test_amx_bodies_match_the_emulation_at_one_and_two_threads(n: int, k: int) -> None:
     g = torch.Generator().manual_seed(n * 31 + k)
@@ -123,10 +117,8 @@ def test_amx_bodies_match_the_emulation_at_one_and_two_threads(n: int, k: int) -
                 assert _differ(_run(x, w, RAGGED, vector), want) == 0, (vector, threads)
                 got = _run(x, w, RAGGED, vector, torch.bfloat16)
                 assert _differ(got, want.bfloat16()) == 0, (vector, threads)
-            if cpu_fused.vector_bodies() & AMX:
-                got, amx = _run(x, w, RAGGED, True), _amx_rows(RAGGED)
-                assert _differ(got[amx], want[amx]) == 0, threads
-                assert _differ(got[~amx], _run(x, w, RAGGED, "avx2")[~amx]) == 0, threads
+            if cpu_fused.vector_bodies() & AMX:  # the default: every group on AMX
+                assert _differ(_run(x, w, RAGGED, True), want) == 0, threads
     finally:
         torch.set_num_threads(before)
     # the comparison tells the AMX order from one chain per chunk and from the dot order
@@ -175,19 +167,20 @@ def test_non_finite_weights_past_k_and_n_are_never_read() -> None:
         assert _differ(out, want) == 0, vector
 
 
-def test_the_default_picks_the_body_by_path_rows() -> None:
-    """Under the default, a group's body follows its path rows (a replica's logical expert's
-    count), not its own: 2 own rows of a 40-row expert sum in the AMX order, 5 own rows of
-    a 2-row path on the AVX2 body."""
+def test_the_default_takes_amx_whatever_the_path_rows() -> None:
+    """Where the CPU has AMX the default sums every bf16 group in the AMX order, 1-2-row
+    groups and any path rows (a replica's logical expert's count) included, so every copy
+    of an expert sums alike."""
     if not cpu_fused.vector_bodies() & AMX:
         pytest.skip("vector=True takes the AMX body only where the CPU has AMX")
     g = torch.Generator().manual_seed(9)
-    counts, path, n, k = [2, 5], [40, 2], 24, 300
+    counts, path, n, k = [2, 5, 1], [40, 2, 1], 24, 300
     w = torch.randn(len(counts), n, k, generator=g).bfloat16()
     x = torch.randn(sum(counts), k, generator=g).bfloat16()
-    got = _run(x, w, counts, True, path=path)
-    assert _differ(got[:2], _want(x, w, counts)[:2]) == 0
-    assert _differ(got[2:], _run(x, w, counts, "avx2")[2:]) == 0
+    want = _want(x, w, counts)
+    assert _differ(_run(x, w, counts, True, path=path), want) == 0
+    assert _differ(_run(x, w, counts, True), want) == 0
+    assert _differ(_run(x, w, counts, "avx2"), want) > 0
 
 
 def test_amx_bodies_refuse_other_kinds_and_a_missing_body() -> None:

@@ -458,8 +458,9 @@ def vector_bodies() -> int:
 
 
 _BODY_AUTO = 3
-"""cpu_fused.c's EG_BODY_AUTO: for bf16 x and weights AMX where the CPU has it, else AVX-512
-BF16 where it has that, both with AVX2 for experts of 1-2 path rows (faster); else AVX-512F,
+"""cpu_fused.c's EG_BODY_AUTO: for bf16 x and weights AMX where the CPU has it (every
+group), else AVX-512 BF16 where it has that, with AVX2 for experts of 1-2 path rows
+(faster); else AVX-512F,
 with AVX2 for bf16 blocks of 1-2 rows (faster); without AVX-512F the AVX2 body, with the k
 order (AVX2) for bf16 experts of `KSEQ_ROWS` rows or more."""
 KSEQ_ROWS = 13
@@ -475,8 +476,7 @@ def kseq_by_default() -> bool:
 
 
 def amx_by_default() -> bool:
-    """Whether `expert_gemm(vector=True)` takes the AMX body for bf16 groups of 3+ path rows
-    here: the CPU has AMX-BF16 and the library the AMX body (cpu_fused.c's auto_amx)."""
+    """Whether `expert_gemm(vector=True)` takes the AMX body for bf16 groups here: the CPU has AMX-BF16 and the library the AMX body (cpu_fused.c's auto_amx)."""
     return bool(vector_bodies() & _BODY_BIT["amx"])
 
 
@@ -523,8 +523,8 @@ def expert_gemm(
     scratch: fp32 with at least `expert_gemm_scratch(Q, K)` elements. The sum order is fixed
     (cpu_fused.c): the result does not depend on the thread count, the vector body or the
     grouping. `vector`: True the fastest vector bodies this CPU runs (bf16 x and weights:
-    AMX where the CPU has it, else AVX-512 BF16 where it has that, either with AVX2 for
-    groups of 1-2 path rows; else AVX-512F, with AVX2 for bf16 row blocks of 1-2 rows; else
+    AMX where the CPU has it, else AVX-512 BF16 where it has that with AVX2 for groups of
+    1-2 path rows; else AVX-512F, with AVX2 for bf16 row blocks of 1-2 rows; else
     AVX2, with the AVX2 k order for bf16 groups of `KSEQ_ROWS`+ path rows; else the scalar
     twin), False the scalar twin, "avx512" / "avx2" that body alone (ValueError where it is
     missing): tests force each. "avx512bf16" (ValueError where missing) and its twin
