@@ -476,7 +476,8 @@ def kseq_by_default() -> bool:
 
 
 def amx_by_default() -> bool:
-    """Whether `expert_gemm(vector=True)` takes the AMX body for bf16 groups here: the CPU has AMX-BF16 and the library the AMX body (cpu_fused.c's auto_amx)."""
+    """Whether `expert_gemm(vector=True)` takes the AMX body for bf16 groups here: the CPU
+    has AMX-BF16 and the library the AMX body (cpu_fused.c's auto_amx)."""
     return bool(vector_bodies() & _BODY_BIT["amx"])
 
 
