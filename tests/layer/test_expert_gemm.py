@@ -14,6 +14,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from stored_cases import E2M1, random_stored
 
 from moe_ep import quant
 from moe_ep.backends.portable import cpu_fused, experts
@@ -196,39 +197,6 @@ def test_row_tiles_and_blocks_read_nothing_past_k(
     _bits_equal(_run(x, w, _groups(counts), torch.float32, vector=vector), want)
 
 
-def _random_stored(
-    code: str, scale: str | None, e: int, n: int, k: int, g: torch.Generator
-) -> tuple[StoredWeight, torch.Tensor]:
-    """Random codes (every e4m3 byte but NaN, or every e2m1 nibble) and scales of `scale`
-    (fp32 ones from 2^-130 to 2^10: subnormal, ordinary and from 2^8 up, where the AVX2 and
-    AVX-512 bodies leave their short e4m3 decode), with their fp32 values by torch's e4m3fn
-    conversion and the e2m1 / E8M0 definitions."""
-    if code == "e4m3":
-        codes = torch.randint(0, 256, (e, n, k), generator=g).to(torch.uint8)
-        codes[(codes & 0x7F) == 0x7F] = 0x3C
-        stored, value = codes, codes.view(torch.float8_e4m3fn).float()
-    else:
-        nib = torch.randint(0, 16, (e, n, k), generator=g)
-        stored = (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
-        value = torch.tensor(E2M1 + [-v for v in E2M1])[nib]
-    if scale is None:
-        return StoredWeight(stored.contiguous(), code), value
-    block = 16 if scale != "e8m0" else 32
-    nb = k // block
-    if scale == "fp32":
-        s = torch.pow(2.0, torch.randint(-130, 11, (e, n, nb), generator=g).float())
-        s = s * (1 + torch.rand(e, n, nb, generator=g))
-        factor = s
-    elif scale == "e8m0":
-        s = torch.randint(100, 140, (e, n, nb), generator=g).to(torch.uint8)
-        factor = quant.e8m0_to_float32(s)
-    else:
-        s = torch.randint(0, 0x7F, (e, n, nb), generator=g).to(torch.uint8)
-        factor = s.view(torch.float8_e4m3fn).float()
-    w = StoredWeight(stored.contiguous(), code, s.contiguous(), scale, block)  # type: ignore[arg-type]
-    return w, value * factor.repeat_interleave(block, -1)
-
-
 @pytest.mark.parametrize("vector", BODIES, ids=BODY_IDS)
 @pytest.mark.parametrize(
     ("code", "scale", "k"),
@@ -246,7 +214,7 @@ def test_quantized_formats_at_every_row_tile_match_the_documented_order(
     g = torch.Generator().manual_seed(k + len(code))
     counts, n = BLOCK_EDGES, 37
     e = len(counts)
-    w, deq = _random_stored(code, scale, e, n, k, g)
+    w, deq = random_stored(code, scale, e, n, k, g)
     if code == "e4m3":
         w.codes[2, 5, 17] = 0x7F  # expert 2 (3 rows), weight row 5: NaN
         deq[2, 5, 17] = float("nan")
@@ -277,8 +245,6 @@ def test_thread_counts_give_the_same_bits() -> None:
 
 
 # --- in-register decode of the stored formats ----------------------------------------------
-
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX spec, FP4 E2M1 magnitudes
 
 
 def _decoded_by_one_hot_rows(w: StoredWeight) -> torch.Tensor:

@@ -10,11 +10,25 @@ subnormal inputs read as zero and subnormal results flushed to zero.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from stored_cases import random_stored
 
-from moe_ep.backends.portable import cpu_fused
+from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack, quant
+from moe_ep.backends.portable import cpu_fused, experts
+from moe_ep.backends.portable.comm import Workspace
 from moe_ep.backends.portable.cpu_fused import ExpertGroups, StoredWeight
+from moe_ep.backends.portable.recipes import (
+    Fp8BlockRecipe,
+    Fp8Fp4Recipe,
+    Mxfp8Recipe,
+    Nvfp4Recipe,
+    Recipe,
+)
+from moe_ep.oracle import compare_to_oracle, oracle_forward
+from moe_ep.spawn import free_port
 
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
 
@@ -75,14 +89,16 @@ def _groups(counts: list[int], path: list[int] | None = None) -> ExpertGroups:
     return ExpertGroups(q_start, torch.arange(len(counts)), q_start[:-1].clone(), rows)
 
 
-def _run(x: torch.Tensor, w: torch.Tensor, counts: list[int], vector: bool | cpu_fused.Body,
-         out_dtype: torch.dtype = torch.float32,
-         path: list[int] | None = None) -> torch.Tensor:  # fmt: skip
+def _run(x: torch.Tensor, w: torch.Tensor | StoredWeight, counts: list[int],
+         vector: bool | cpu_fused.Body, out_dtype: torch.dtype = torch.float32,
+         path: list[int] | None = None,
+         alpha: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     groups = _groups(counts, path)
-    out = torch.full((groups.rows, int(w.shape[1])), float("nan"), dtype=out_dtype)
-    scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, int(w.shape[2])))
-    assert cpu_fused.expert_gemm(x, None, groups, StoredWeight(w, "bf16"), out, scratch,
-                                 vector=vector)  # fmt: skip
+    stored = w if isinstance(w, StoredWeight) else StoredWeight(w, "bf16")
+    out = torch.full((groups.rows, stored.n), float("nan"), dtype=out_dtype)
+    scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, stored.k))
+    assert cpu_fused.expert_gemm(x, None, groups, stored, out, scratch, vector=vector,
+                                 alpha=alpha)  # fmt: skip
     return out
 
 
@@ -183,12 +199,132 @@ def test_the_default_takes_amx_whatever_the_path_rows() -> None:
     assert _differ(_run(x, w, counts, "avx2"), want) > 0
 
 
-def test_amx_bodies_refuse_other_kinds_and_a_missing_body() -> None:
+def test_amx_bodies_refuse_a_missing_body() -> None:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(1, 8, 32, generator=g).bfloat16()
     x = torch.randn(4, 32, generator=g)
-    with pytest.raises(ValueError, match="needs bf16 x and bf16 weights"):
-        _run(x, w, [4], "amx_scalar")
     if not cpu_fused.vector_bodies() & AMX:
         with pytest.raises(ValueError, match="lacks that body"):
             _run(x.bfloat16(), w, [4], "amx")
+
+
+def _bf16_exact(v: torch.Tensor) -> torch.Tensor:
+    """fp32 values with subnormals read as zero, as bf16: asserted exact."""
+    flushed = _flush(v.float())
+    out = flushed.bfloat16()
+    assert torch.equal(out.float(), flushed) or bool(flushed.isnan().any())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("code", "scale", "k"),
+    [("e4m3", "e8m0", 96), ("e4m3", None, 40), ("e2m1", "e4m3", 96), ("e2m1", "e8m0", 64),
+     ("e2m1", None, 36)],
+)  # fmt: skip
+def test_codes_exact_in_bf16_run_in_the_amx_order(code: str, scale: str | None, k: int) -> None:
+    """mxfp8's, nvfp4's and mxfp4's weights (every code, scales over a wide range) and fp32
+    x exact in bf16 (mxfp8-dequantized activations): bit for bit the AMX order on the
+    dequantized values (code * scale in fp32, subnormals read as zero), with alphas, K tails
+    where the kind allows, fp32 and bf16 outputs."""
+    g = torch.Generator().manual_seed(k + len(code))
+    counts, n = [3, 0, 17, 1, 40, 16], 37
+    w, deq = random_stored(code, scale, len(counts), n, k, g)
+    x32 = torch.randn(sum(counts), k, generator=g) * 4
+    k32 = -(-k // 32) * 32
+    x32 = torch.nn.functional.pad(x32, (0, k32 - k))  # the activations as mxfp8 dequantizes them
+    x = quant.dequantize_mxfp8(*quant.quantize_mxfp8(x32))[:, :k].contiguous()
+    alpha = torch.rand(len(counts), generator=g) + 0.5
+    want, q0 = [], 0
+    for e, rows in enumerate(counts):
+        ref = reference_amx(_bf16_exact(x[q0 : q0 + rows]), _bf16_exact(deq[e]))
+        want.append(ref * alpha[e])
+        q0 += rows
+    expect = torch.cat(want)
+    for vector in _bodies():
+        got = _run(x, w, counts, vector, alpha=alpha)
+        assert _differ(got, expect) == 0, vector
+        got16 = _run(x, w, counts, vector, torch.bfloat16, alpha=alpha)
+        assert _differ(got16, expect.bfloat16()) == 0, vector
+    if scale is not None:  # the fp32 order gives other bits (unscaled e2m1 sums are exact)
+        assert _differ(_run(x, w, counts, False, alpha=alpha), expect) > 0
+
+
+def test_amx_bodies_refuse_x_past_bf16_and_weights_not_exact_in_it() -> None:
+    g = torch.Generator().manual_seed(4)
+    w, _ = random_stored("e4m3", "e8m0", 1, 8, 64, g)
+    x = torch.randn(3, 64, generator=g)  # fp32 values with more than bf16's 8 bits
+    out = torch.full((3, 8), 7.0)
+    scratch = torch.empty(cpu_fused.expert_gemm_scratch(3, 64))
+    for vector in _bodies():
+        with pytest.raises(ValueError, match="not exact in bf16"):
+            cpu_fused.expert_gemm(x, None, _groups([3]), w, out, scratch, vector=vector)
+        assert (out == 7.0).all()  # nothing written
+    fp32_scaled, _ = random_stored("e4m3", "fp32", 1, 8, 64, g)
+    with pytest.raises(ValueError, match="needs weights exact in bf16"):
+        cpu_fused.expert_gemm(x.bfloat16(), None, _groups([3]), fp32_scaled, out, scratch,
+                              vector="amx_scalar")  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe_cls", [Mxfp8Recipe, Nvfp4Recipe, Fp8Fp4Recipe, Fp8BlockRecipe])
+def test_run_experts_sends_quantized_experts_above_the_crossover_to_amx(
+    recipe_cls: type[Recipe], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the CPU has AMX, a quantized format whose operands are exact in bf16 runs its
+    experts above the crossover on the AMX body (not the fp32 `mm` blocks), those at or under
+    it on the default body; a format that is not exact (fp8's fp32 scales) never on AMX."""
+    g = torch.Generator().manual_seed(11)
+    e, h, inter = 3, 128, 128
+    pack = MoEWeightPack(torch.randn(e, 2 * inter, h, generator=g) / 11,
+                         torch.randn(e, h, inter, generator=g) / 11)  # fmt: skip
+    recipe = recipe_cls()
+    pw = recipe.prepare(pack)
+    counts = [3, 0, 40]  # under and over the crossover
+    assert 3 <= experts.expert_gemm_rows(pw, torch.device("cpu")) < 40
+    vectors: list[object] = []
+    real = cpu_fused.expert_gemm
+
+    def recorded(*args: Any, vector: Any = True, **kw: Any) -> bool:
+        vectors.append(vector)
+        return real(*args, vector=vector, **kw)
+
+    monkeypatch.setattr(cpu_fused, "expert_gemm", recorded)
+    mm_rows: list[int] = []
+    real_mm = experts._mm
+
+    def counted_mm(a: torch.Tensor, *args: Any) -> None:
+        mm_rows.append(int(a.shape[0]))
+        real_mm(a, *args)
+
+    monkeypatch.setattr(experts, "_mm", counted_mm)
+    rows = recipe.unpack(recipe.pack(torch.randn(50, h, generator=g)), h)
+    src_row = torch.randint(0, 50, (sum(counts),), generator=g)
+    y = torch.empty(sum(counts), h, dtype=torch.bfloat16)
+    experts.run_experts(rows, src_row, counts, pw, recipe.requantize, None, y, Workspace())
+    amx = recipe.operands_exact_in_bf16 and cpu_fused.amx_by_default()
+    assert vectors.count("amx") == (2 if amx else 0)  # FC1 and FC2 of the 40-row expert
+    assert vectors.count(True) == 2  # FC1 and FC2 of the 3-row one
+    assert mm_rows == ([] if amx else [40, 40])
+
+
+@pytest.mark.parametrize("kernel", ["any_mxfp8_mxfp8_bf16_torch", "any_nvfp4_nvfp4_bf16_torch",
+                                    "any_fp8_fp4_bf16_torch"])  # fmt: skip
+def test_the_layer_with_experts_above_the_crossover_stays_within_the_oracle(kernel: str) -> None:
+    """About 32 rows per expert (above the quantized crossover): on AMX CPUs those experts
+    sum in the AMX order; the forward stays inside the format's oracle bound (which the
+    planted faults of test_oracle_faults.py fail)."""
+    g = torch.Generator().manual_seed(12)
+    e, t, h, inter, k = 4, 64, 256, 128, 2
+    w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    x, w = torch.randn(t, h, generator=g).bfloat16(), torch.rand(t, k, generator=g)
+    boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
+    layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), kernel)
+    try:
+        out = layer(MoEEpTensors(x, ids, w)).clone()
+    finally:
+        layer.destroy()
+    fmt = {"any_mxfp8_mxfp8_bf16_torch": "mxfp8", "any_nvfp4_nvfp4_bf16_torch": "nvfp4",
+           "any_fp8_fp4_bf16_torch": "fp8_fp4"}[kernel]  # fmt: skip
+    report = compare_to_oracle(out, oracle_forward(x, ids, w, w13, w2, fmt=fmt))
+    assert report.ok, report

@@ -282,6 +282,9 @@ def _fc2_input_not_requantized(run: Run) -> torch.Tensor:
         run.mp.setattr(run.recipe_cls, "unpack", unpack)
         return run.forward()
     run.mp.setattr(run.recipe_cls, "requantize", lambda recipe, h: h)
+    # the AMX order refuses FC2 inputs that are not exact in bf16 (ValueError, tested in
+    # test_expert_gemm_amx.py): this faulty kernel runs on the fp32 order instead
+    run.mp.setattr(experts, "amx_above_crossover", lambda weights, device: False)
     return run.forward()
 
 

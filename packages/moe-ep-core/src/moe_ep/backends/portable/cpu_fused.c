@@ -761,6 +761,8 @@ typedef struct {
     int64_t ld_x;
     const int64_t *xt_start;  /* group g's blocks start at xt + xt_start[g] */
     uint16_t *xv;             /* the AMX bodies' packed x blocks, or NULL */
+    int32_t x_kind;           /* EG_X_BF16 / EG_X_F32: x16's elements */
+    int32_t *inexact;         /* set when an fp32 x value is not exact in bf16 (AMX bodies) */
     const int64_t *xv_start;  /* group g's packed blocks: xv_start[g] on (EG_AMX_BLOCK each) */
 } eg_args;
 
@@ -1135,7 +1137,11 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
 
 /* ---------------------------------------------------------------------------------------
  * The AMX bodies (EG_BODY_AMX: AMX-BF16 `tdpbf16ps`; its scalar twin EG_BODY_AMX_SCALAR),
- * for bf16 activations and bf16 weights only, in their own order, the "AMX order": K padded
+ * for operands exact in bf16: bf16 or fp32 activations (an fp32 value past bf16's 8 bits is
+ * refused: -4), and bf16 weights or codes whose dequantized values are (e4m3 with E8M0
+ * scales, e2m1 with e4m3 or E8M0 scales: `code * scale` in fp32, the recipe's value, has at
+ * most 6 significant bits; a subnormal one reads as zero, as the instruction reads a
+ * subnormal input), in their own order, the "AMX order": K padded
  * to a multiple of 32 with zeros; per 32-chunk c in increasing c, two chains from +0 over
  * its 16 pairs p in increasing p,
  *   e = ftz(fma(daz(x[32c + 2p]), daz(w[32c + 2p]), e)),
@@ -1147,33 +1153,60 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * classes, random, wide exponents, cancellation, bf16 subnormals, tiny and huge products,
  * subnormal accumulators; one chain in k order, the two chains added to acc one after the
  * other, or products flushed before the adds each missed 0.35-2.2M of them).
- * The weights are the A tiles where they are stored (16 weight rows x one 32-chunk, the
+ * bf16 weights are the A tiles where they are stored (16 weight rows x one 32-chunk, the
  * row stride apart; a last partial chunk or partial block of 16 rows through a zero-padded
- * buffer), the activations the B tiles: each group's rows packed once per call into blocks
+ * buffer), codes decoded per chunk into that buffer; the activations the B tiles: each group's rows packed once per call into blocks
  * of 16 rows, per chunk the 16 x 16 pairs in the tile's layout (`xv`), 1 KiB per chunk.
  * Work items: (group, EG_AMX_ROWS rows, EG_AMX_COLS output columns), run as 2 x 2 tiles
  * (eg_item_amx), the weights prefetched EG_AMX_PF chunks ahead into L2. Each thread
  * configures its tiles once per call and releases them after. */
-#define EG_AMX_ROWS 64 /* rows per AMX work item (two passes of 2 x 16) */
+#define EG_AMX_ROWS 256 /* rows per AMX work item (passes of 2 x 16 rows) */
 #define EG_AMX_COLS 32 /* output columns per AMX work item (blocks of 16 weight rows) */
 #ifndef EG_AMX_PF
 #define EG_AMX_PF 16   /* prefetch distance in 32-element chunks */
 #endif
 #define EG_AMX_BLOCK(k32) ((k32) * 16) /* bf16 elements of one packed 16-row block */
 
-/* One output of the AMX order, element by element (the twin and the definition). */
-static float eg_amx_scalar(const uint16_t *x, const uint16_t *w, int64_t k) {
+/* bf16 bits of fp32 v, subnormals to a zero of their sign (daz), truncated: exact for the
+ * AMX bodies' operands; *inexact set when the dropped bits are not all zero. */
+static inline uint16_t eg_amx_bits(float v, int32_t *inexact) {
+    bits32 b;
+    b.f = eg_flush(v);
+    if (b.u & 0xffffu) *inexact = 1;
+    return (uint16_t)(b.u >> 16);
+}
+
+/* Weight element i of a row (codes w_row, scales s_row) as bf16 bits: bf16 as stored, a
+ * code times its scale (the fp32 product of eg_code and eg_scale) otherwise. */
+static inline uint16_t eg_amx_w_bits(const eg_args *a, const uint8_t *w_row, const uint8_t *s_row,
+                                     int64_t i) {
+    if (a->w_kind == EG_W_BF16) return ((const uint16_t *)w_row)[i];
+    int32_t unused = 0;
+    const float s = a->s_kind != EG_S_NONE ? eg_scale(s_row, a->s_kind, i / a->s_block) : 1.0f;
+    return eg_amx_bits(eg_code(w_row, a->w_kind, i) * s, &unused);
+}
+
+/* Element i of call row q of x as bf16 bits (an fp32 x checked exact). */
+static inline uint16_t eg_amx_x_bits(const eg_args *a, int64_t q, int64_t i) {
+    const int64_t row = a->x_rows ? a->x_rows[q] : q;
+    if (a->x_kind == EG_X_BF16) return a->x16[row * a->ld_x + i];
+    return eg_amx_bits(((const float *)a->x16)[row * a->ld_x + i], a->inexact);
+}
+
+/* One output of the AMX order, element by element (the twin and the definition): call row
+ * q of x times weight row w_row (scales s_row). */
+static float eg_amx_scalar(const eg_args *a, int64_t q, const uint8_t *w_row, const uint8_t *s_row) {
+    const int64_t k = a->k;
     float acc = 0.0f;
     for (int64_t c = 0; c < k; c += EG_DOT) {
         float e = 0.0f, o = 0.0f;
-        for (int64_t p = 0; p < EG_DOT / 2; p++) {
-            const int64_t i = c + 2 * p, j = i + 1;
-            const float xe = i < k ? eg_flush(bf16_to_f32(x[i])) : 0.0f;
-            const float we = i < k ? eg_flush(bf16_to_f32(w[i])) : 0.0f;
-            const float xo = j < k ? eg_flush(bf16_to_f32(x[j])) : 0.0f;
-            const float wo = j < k ? eg_flush(bf16_to_f32(w[j])) : 0.0f;
-            e = eg_flush(__builtin_fmaf(xe, we, e));
-            o = eg_flush(__builtin_fmaf(xo, wo, o));
+        for (int64_t i = c; i < c + EG_DOT; i += 2) {
+            const float xe = i < k ? bf16_to_f32(eg_amx_x_bits(a, q, i)) : 0.0f;
+            const float we = i < k ? bf16_to_f32(eg_amx_w_bits(a, w_row, s_row, i)) : 0.0f;
+            const float xo = i + 1 < k ? bf16_to_f32(eg_amx_x_bits(a, q, i + 1)) : 0.0f;
+            const float wo = i + 1 < k ? bf16_to_f32(eg_amx_w_bits(a, w_row, s_row, i + 1)) : 0.0f;
+            e = eg_flush(__builtin_fmaf(eg_flush(xe), eg_flush(we), e));
+            o = eg_flush(__builtin_fmaf(eg_flush(xo), eg_flush(wo), o));
         }
         acc = eg_flush(acc + eg_flush(e + o));
     }
@@ -1193,14 +1226,12 @@ static void eg_amx_pack(const eg_args *a, int64_t g, int64_t block) {
     const int64_t q0 = a->q_start[g] + block * 16, k = a->k, k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
     const int64_t rows = a->q_start[g + 1] - q0 < 16 ? a->q_start[g + 1] - q0 : 16;
     uint32_t *dst = (uint32_t *)(a->xv + (a->xv_start[g] + block) * EG_AMX_BLOCK(k32));
-    for (int64_t t = 0; t < 16; t++) {
-        const uint16_t *src = t < rows ? a->x16 + (a->x_rows ? a->x_rows[q0 + t] : q0 + t) * a->ld_x
-                                       : NULL;
+    for (int64_t t = 0; t < 16; t++)
         for (int64_t i = 0; i < k32; i += 2) {
-            const uint32_t lo = src && i < k ? src[i] : 0, hi = src && i + 1 < k ? src[i + 1] : 0;
+            const uint32_t lo = t < rows && i < k ? eg_amx_x_bits(a, q0 + t, i) : 0;
+            const uint32_t hi = t < rows && i + 1 < k ? eg_amx_x_bits(a, q0 + t, i + 1) : 0;
             dst[(i / EG_DOT * 16 + i % EG_DOT / 2) * 16 + t] = lo | hi << 16;
         }
-    }
 }
 
 /* Writes the sums of 16 weight rows (from output column j, nr of them) x rows [m0, m0 +
@@ -1259,25 +1290,70 @@ static EG_AMX void eg_amx_configure(void) {
 
 static EG_AMX void eg_amx_release(void) { _tile_release(); }
 
-/* The A tile of weight rows [j, j + nr) (wj: row j), chunk c: where the weights are stored
- * (their row stride apart, prefetching EG_AMX_PF chunks ahead), or for a partial block or
- * chunk a zero-padded copy in buf (64 bytes apart). Sets *stride. */
-static inline const void *eg_amx_a(const eg_args *a, const uint8_t *wj, int64_t nr, int64_t c,
-                                   uint16_t *buf, int64_t *stride) {
-    const int64_t ldw = a->w_row_bytes, k = a->k, whole = k / EG_DOT;
-    if (nr < 16 || c >= whole) {
-        const int64_t kn = k - c * EG_DOT < EG_DOT ? k - c * EG_DOT : EG_DOT;
-        memset(buf, 0, sizeof(uint16_t) * 16 * EG_DOT);
-        for (int64_t r = 0; r < nr; r++)
-            memcpy(buf + r * EG_DOT, wj + r * ldw + c * 2 * EG_DOT, 2 * (size_t)kn);
-        *stride = 2 * EG_DOT;
-        return buf;
+/* Weight row w_row's (scales s_row) elements [32c, 32c + 32) as bf16 at dst, zeros past K:
+ * whole chunks of e4m3 / e2m1 codes decoded 16 at a time (the fp32 value of
+ * eg_decode_chunk_avx512, times the scale, daz, truncated), the rest element by element. */
+static EG_AMX void eg_amx_decode(const eg_args *a, const uint8_t *w_row, const uint8_t *s_row,
+                                 int64_t c, uint16_t *dst) {
+    const int64_t i0 = c * EG_DOT;
+    if (a->w_kind == EG_W_BF16 || i0 + EG_DOT > a->k) {
+        for (int64_t i = 0; i < EG_DOT; i++)
+            dst[i] = i0 + i < a->k ? eg_amx_w_bits(a, w_row, s_row, i0 + i) : 0;
+        return;
     }
+    for (int64_t i = i0; i < i0 + EG_DOT; i += EG_LANES) {
+        __m512 f;
+        if (a->w_kind == EG_W_E4M3) {
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w_row + i)));
+            const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+            f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
+                              _mm512_set1_ps(1.329227995784916e36f)); /* 2^120 */
+            const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+            f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+            const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
+            f = _mm512_mask_mov_ps(f, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+        } else { /* e2m1: element 2m in byte m's low nibble */
+            const __m128i pairs = _mm_loadl_epi64((const __m128i *)(w_row + i / 2));
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(pairs, pairs));
+            const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+            f = _mm512_permutexvar_ps(_mm512_srlv_epi32(b, shift), _mm512_loadu_ps(e2m1_value));
+        }
+        if (a->s_kind != EG_S_NONE)
+            f = _mm512_mul_ps(f, _mm512_set1_ps(eg_scale(s_row, a->s_kind, i / a->s_block)));
+        __m512i u = _mm512_castps_si512(f);
+        const __mmask16 sub = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
+        u = _mm512_mask_and_epi32(u, sub, u, _mm512_set1_epi32((int)0x80000000u));
+        _mm256_storeu_si256((__m256i *)(dst + (i - i0)),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    }
+}
+
+/* The A tile of weight rows [j, j + nr) of the expert at we (scales se), chunk c: bf16
+ * weights where they are stored (their row stride apart), prefetching EG_AMX_PF chunks
+ * ahead; a partial block or chunk, or codes, decoded into buf (64 bytes apart, zeros past
+ * nr rows and past K). Sets *stride. */
+static EG_AMX const void *eg_amx_a(const eg_args *a, const uint8_t *we, const uint8_t *se,
+                                   int64_t j, int64_t nr, int64_t c, uint16_t *buf,
+                                   int64_t *stride) {
+    const int64_t ldw = a->w_row_bytes, whole = a->k / EG_DOT;
+    const int64_t chunk_bytes = EG_DOT * eg_bits(a->w_kind) / 8;
     if (c + EG_AMX_PF < whole)
-        for (int64_t r = 0; r < 16; r++)
-            _mm_prefetch((const char *)wj + r * ldw + (c + EG_AMX_PF) * 2 * EG_DOT, _MM_HINT_T1);
-    *stride = ldw;
-    return wj + c * 2 * EG_DOT;
+        for (int64_t r = 0; r < nr; r++)
+            _mm_prefetch((const char *)we + (j + r) * ldw + (c + EG_AMX_PF) * chunk_bytes,
+                         _MM_HINT_T1);
+    if (a->w_kind == EG_W_BF16 && nr == 16 && c < whole) {
+        *stride = ldw;
+        return we + j * ldw + c * chunk_bytes;
+    }
+    for (int64_t r = 0; r < 16; r++) {
+        if (r < nr)
+            eg_amx_decode(a, we + (j + r) * ldw, se ? se + (j + r) * a->s_row_bytes : NULL, c,
+                          buf + r * EG_DOT);
+        else
+            memset(buf + r * EG_DOT, 0, sizeof(uint16_t) * EG_DOT);
+    }
+    *stride = 2 * EG_DOT;
+    return buf;
 }
 
 /* eg_amx_store's work on 16 lanes (AMX CPUs have AVX-512): row m of the output gathers
@@ -1321,12 +1397,24 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
     const int64_t k32 = (a->k + EG_DOT - 1) / EG_DOT * EG_DOT, chunks = k32 / EG_DOT;
     const int64_t j0 = tile * EG_AMX_COLS, n1 = j0 + EG_AMX_COLS < a->n ? j0 + EG_AMX_COLS : a->n;
     const int64_t nr0 = n1 - j0 < 16 ? n1 - j0 : 16, nr1 = n1 - j0 - nr0; /* weight rows */
-    const uint8_t *w0 = a->w + a->g_expert[g] * a->w_expert_bytes + j0 * a->w_row_bytes;
-    const uint8_t *w1 = w0 + 16 * a->w_row_bytes;
+    const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
+    const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
     const int64_t tb_step = EG_AMX_BLOCK(k32); /* elements from one 16-row block to the next */
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
     uint16_t abuf[2][16 * EG_DOT] __attribute__((aligned(64)));
     float sums[16 * 16] __attribute__((aligned(64)));
+    /* codes: the item's A tiles decoded once for all its passes (2 x chunks x 1 KiB, in L2)
+     * when more than one pass needs them and the buffer can be had */
+    uint16_t *decoded = NULL;
+    if (a->w_kind != EG_W_BF16 && rows > 32)
+        decoded = aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * chunks * 16 * EG_DOT));
+    if (decoded)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t unused; /* codes always land in the buffer given, 64 bytes a row */
+            uint16_t *d0 = decoded + c * 16 * EG_DOT, *d1 = d0 + chunks * 16 * EG_DOT;
+            (void)eg_amx_a(a, we, se, j0, nr0, c, d0, &unused);
+            if (nr1 > 0) (void)eg_amx_a(a, we, se, j0 + 16, nr1, c, d1, &unused);
+        }
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int two = rows - r0 > 16; /* a second 16-row block */
         const uint16_t *xv = a->xv + (a->xv_start[g] + (i0 + r0) / 16) * EG_AMX_BLOCK(k32);
@@ -1335,8 +1423,9 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t c = 0; c < chunks; c++) {
-            int64_t s0, s1;
-            const void *a0 = eg_amx_a(a, w0, nr0, c, abuf[0], &s0);
+            int64_t s0 = 2 * EG_DOT, s1 = 2 * EG_DOT;
+            const void *a0 = decoded ? decoded + c * 16 * EG_DOT
+                                     : eg_amx_a(a, we, se, j0, nr0, c, abuf[0], &s0);
             const uint16_t *xc = xv + c * 16 * EG_DOT;
             _tile_loadd(4, a0, s0);
             _tile_loadd(6, xc, 64);
@@ -1346,7 +1435,8 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
                 _tile_dpbf16ps(1, 4, 7);
             }
             if (nr1 > 0) {
-                const void *a1 = eg_amx_a(a, w1, nr1, c, abuf[1], &s1);
+                const void *a1 = decoded ? decoded + (chunks + c) * 16 * EG_DOT
+                                         : eg_amx_a(a, we, se, j0 + 16, nr1, c, abuf[1], &s1);
                 _tile_loadd(5, a1, s1);
                 _tile_dpbf16ps(2, 5, 6);
                 if (two) _tile_dpbf16ps(3, 5, 7);
@@ -1369,6 +1459,7 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
             }
         }
     }
+    free(decoded);
 }
 #endif
 
@@ -1378,18 +1469,18 @@ static void eg_item_amx_scalar(const eg_args *a, int64_t g, int64_t block, int64
     const int64_t rows = n_rows - i0 < EG_AMX_ROWS ? n_rows - i0 : EG_AMX_ROWS;
     const int64_t j0 = tile * EG_AMX_COLS, n1 = j0 + EG_AMX_COLS < a->n ? j0 + EG_AMX_COLS : a->n;
     const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
+    const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
     float sums[16 * 16];
     for (int64_t j = j0; j < n1; j += 16) {
         const int64_t nr = n1 - j < 16 ? n1 - j : 16;
         for (int64_t m0 = 0; m0 < rows; m0 += 16) {
             const int64_t mr = rows - m0 < 16 ? rows - m0 : 16;
-            for (int64_t m = 0; m < mr; m++) {
-                const int64_t q = a->q_start[g] + i0 + m0 + m;
-                const uint16_t *x = a->x16 + (a->x_rows ? a->x_rows[q] : q) * a->ld_x;
+            for (int64_t m = 0; m < mr; m++)
                 for (int64_t r = 0; r < nr; r++)
-                    sums[r * 16 + m] = eg_amx_scalar(x, (const uint16_t *)(we + (j + r) * a->w_row_bytes), a->k);
-            }
+                    sums[r * 16 + m] = eg_amx_scalar(a, a->q_start[g] + i0 + m0 + m,
+                                                     we + (j + r) * a->w_row_bytes,
+                                                     se ? se + (j + r) * a->s_row_bytes : NULL);
             eg_amx_store(a, sums, a->out_row0[g] + i0 + m0, mr, j, nr, alpha);
         }
     }
@@ -1905,11 +1996,17 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
                          : vector == EG_BODY_AVX512 || vector == EG_BODY_AUTO ? 5 : 0;
     if (vector < 0 || vector > 9 || (bodies & need) != need) return -2;
     const int dot = vector == EG_BODY_BF16DOT || vector == EG_BODY_BF16DOT_SCALAR;
-    if ((dot || vector >= EG_BODY_KSEQ) && !bf16_only) return -3;
+    const int amx_body = vector == EG_BODY_AMX || vector == EG_BODY_AMX_SCALAR;
+    /* the AMX bodies: operands whose values are exact in bf16 (fp32 x checked as packed) */
+    const int amx_kinds = w_kind == EG_W_BF16 ? s_kind == EG_S_NONE
+                          : w_kind == EG_W_E4M3 ? s_kind == EG_S_E8M0 || s_kind == EG_S_NONE
+                                                : s_kind != EG_S_F32;
+    if (amx_body ? !amx_kinds : (dot || vector >= EG_BODY_KSEQ) && !bf16_only) return -3;
     const int64_t k16 = (k + EG_LANES - 1) / EG_LANES * EG_LANES;
     const int64_t k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
     const int64_t tiles = (n + EG_COLS - 1) / EG_COLS, ktiles = (n + EG_KCOLS - 1) / EG_KCOLS;
     const int64_t amx_tiles = (n + EG_AMX_COLS - 1) / EG_AMX_COLS;
+    int32_t inexact = 0; /* an fp32 x value not exact in bf16 (AMX bodies): -4 */
     /* per group: its first work item, its first transposed block (k order, AVX2), where its
      * transposed rows start in xt, and its first packed block (AMX) */
     int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(4 * (groups + 1)));
@@ -1928,7 +2025,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
                  .auto_dot = auto_dot, .auto_kseq = auto_kseq, .g_rows = g_rows, .out = out,
                  .ld_out = ld_out, .n = n, .k = k, .xt = NULL, .xt_start = xt_start,
                  .x16 = (const uint16_t *)x, .x_rows = x_rows, .ld_x = ld_x,
-                 .xv = NULL, .xv_start = xv_start};
+                 .xv = NULL, .xv_start = xv_start, .x_kind = x_kind, .inexact = &inexact};
     const int transposed = vector == EG_BODY_KSEQ || auto_kseq; /* the AVX2 k-order body */
     const int packed = vector == EG_BODY_AMX;                   /* the AMX body */
     item_start[0] = blk_start[0] = xt_start[0] = xv_start[0] = 0;
@@ -1983,11 +2080,19 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
             const int64_t lo = eg_group_of(xv_start, groups, b); /* the group holding block b */
             eg_amx_pack(&a, lo, b - xv_start[lo]);
         }
+        /* the twin's fp32 x checked exact in bf16 before any output (the body's packing
+         * above checks it) */
+        if (amx_body && !packed && x_kind == EG_X_F32) {
+#pragma omp for schedule(static)
+            for (int64_t q = 0; q < total_rows; q++)
+                for (int64_t i = 0; i < k; i++) (void)eg_amx_x_bits(&a, q, i);
+        }
 #ifdef MOE_EP_AMX_GEMM
         if (packed) eg_amx_configure();
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
+            if (inexact) continue;
             const int64_t lo = eg_group_of(item_start, groups, it); /* the group holding item it */
             const int64_t i = it - item_start[lo];
             if (eg_group_amx(&a)) {
@@ -2008,7 +2113,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     free(a.xt);
     free(a.xv);
     free(item_start);
-    return 0;
+    return inexact ? -4 : 0;
 }
 
 /* Which vector bodies this build has and this CPU runs: bit 0 the AVX2 expert GEMM, bit 1

@@ -441,11 +441,15 @@ _BODY_BIT: dict[Body, int] = {
     "avx2": 1, "avx512": 4, "avx512bf16": 8, "bf16dot_scalar": 0, "avx2kseq": 1, "kseq_scalar": 0,
     "amx": 16, "amx_scalar": 0,
 }  # fmt: skip
-_BF16_ONLY_BODIES = (
-    "avx512bf16", "bf16dot_scalar", "avx2kseq", "kseq_scalar", "amx", "amx_scalar"
-)  # fmt: skip
+_BF16_ONLY_BODIES = ("avx512bf16", "bf16dot_scalar", "avx2kseq", "kseq_scalar")
 """The bodies of the bf16 dot-product order and of the k order (bf16 x and weights only;
 cpu_fused.c)."""
+_AMX_BODIES = ("amx", "amx_scalar")
+_AMX_WEIGHTS = {
+    ("bf16", None), ("e4m3", None), ("e4m3", "e8m0"), ("e2m1", None), ("e2m1", "e8m0"),
+    ("e2m1", "e4m3"),
+}  # fmt: skip
+"""The AMX order's weights (code, scale): those whose values are exact in bf16."""
 
 
 def vector_bodies() -> int:
@@ -533,7 +537,9 @@ def expert_gemm(
     where missing) and its twin "amx_scalar" (anywhere) in the AMX order, "avx2kseq"
     (ValueError where missing) and its twin "kseq_scalar" (anywhere) in the k order (each
     output one fp32 fma chain in increasing k): other orders, other bits (cpu_fused.c), bf16
-    x and weights only.
+    x and weights only, but for "amx" / "amx_scalar": fp32 x too (every value exact in bf16,
+    else ValueError with nothing written) and codes whose values are exact in bf16 (e4m3
+    with e8m0 scales, e2m1 with e8m0 / e4m3 scales; fp32-scaled fp8 refused).
     Returns False (nothing written) when the library is not available.
     """
     lib = library()
@@ -560,6 +566,12 @@ def expert_gemm(
             f"expert_gemm vector={vector!r} needs bf16 x and bf16 weights, got x {x.dtype} "
             f"and weights {w.code}"
         )
+    if vector in _AMX_BODIES and (w.code, w.scale) not in _AMX_WEIGHTS:
+        raise ValueError(
+            f"expert_gemm vector={vector!r} needs weights exact in bf16 (bf16, e4m3 with e8m0 "
+            f"or no scales, e2m1 with e8m0 / e4m3 or no scales), got {w.code} with {w.scale} "
+            "scales"
+        )
     s = w.scales
     path = groups.path_rows
     rc = lib.moe_ep_expert_gemm_v2(
@@ -579,6 +591,11 @@ def expert_gemm(
     )  # fmt: skip
     if rc in (-2, -3):
         raise ValueError(f"expert_gemm: the library refused vector body {body} (rc {rc})")
+    if rc == -4:
+        raise ValueError(
+            f"expert_gemm vector={vector!r}: x holds an fp32 value that is not exact in bf16 "
+            "(the AMX order's operands must be; nothing written)"
+        )
     if rc != 0:
         raise MemoryError("expert_gemm: out of memory for its work list")
     return True

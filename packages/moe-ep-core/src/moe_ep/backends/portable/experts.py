@@ -44,6 +44,7 @@ __all__ = [
     "ROW_BLOCK",
     "SWIGLU_ROWS",
     "TorchExperts",
+    "amx_above_crossover",
     "expert_gemm_rows",
     "expert_gemm_unavailable",
     "grouped_mm_applies",
@@ -322,10 +323,11 @@ def _run_expert_gemm(
     ws: Workspace,
     pair_scale: torch.Tensor | None,
     path: list[int],
+    vector: bool | cpu_fused.Body = True,
 ) -> None:
     """FC1, SwiGLU and FC2 of the (expert, first pair, rows) runs, all experts in one
-    `cpu_fused.expert_gemm` call per GEMM (the threads split experts and output tiles);
-    `path[e]`: the row count that picks expert e's vector body."""
+    `cpu_fused.expert_gemm` call per GEMM (the threads split experts and output tiles) on
+    body `vector`; `path[e]`: the row count that picks expert e's vector body."""
     s13, s2 = weights.stored13, weights.stored2
     assert s13 is not None and s2 is not None
     cdt = weights.w2t.dtype
@@ -345,12 +347,28 @@ def _run_expert_gemm(
     x_rows = src_row[pair].contiguous()
     path_rows = torch.tensor([path[e] for e, _, _ in runs], dtype=torch.int64)
     fc1 = cpu_fused.ExpertGroups(q_start, expert, q_start[:-1], path_rows)
-    cpu_fused.expert_gemm(rows, x_rows, fc1, s13, gu, xs, alpha=a13)
+    cpu_fused.expert_gemm(rows, x_rows, fc1, s13, gu, xs, alpha=a13, vector=vector)
     # alpha13 above: the fp32 product _swiglu would take first
     scale = None if pair_scale is None else pair_scale[pair]
     _swiglu(gu, h, None, swiglu_clamp, requantize, ws, scale)
     fc2 = cpu_fused.ExpertGroups(q_start, expert, first, path_rows)
-    cpu_fused.expert_gemm(h, None, fc2, s2, y, xs, alpha=a2)
+    cpu_fused.expert_gemm(h, None, fc2, s2, y, xs, alpha=a2, vector=vector)
+
+
+def amx_above_crossover(weights: PreparedWeights, device: torch.device) -> bool:
+    """Whether the experts above the crossover run the expert GEMM in the AMX order instead
+    of the `mm` blocks: a quantized format whose operands are exact in bf16, on a CPU with
+    AMX (where the fp32 `mm` blocks on the dequantized weights are the slow path: measured
+    mxfp8, 16 experts N = K = 2048, 2 threads: the AMX order 54 / 217 ms at 64 / 256 rows per
+    expert against the fp32 order's 118 / 471 and the `mm` blocks' about 82 / 229; its
+    e4m3 / e2m1 decode makes it slower than the fp32 order at 1-8 rows, docs/layer.md)."""
+    quantized = weights.stored13 is not None and weights.stored13.code != "bf16"
+    return (
+        quantized
+        and weights.operands_exact_in_bf16
+        and expert_gemm_unavailable(weights, device) is None
+        and cpu_fused.amx_by_default()
+    )
 
 
 def grouped_mm_applies(weights: PreparedWeights, device: torch.device) -> bool:
@@ -447,6 +465,13 @@ def run_experts(
             rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale, path
         )
     many = [(e, starts[e], c) for e, c in enumerate(counts) if c > 0 and path[e] > limit]
+    if gemm_rows is None and amx_above_crossover(weights, rows.device):
+        for runs in _segments([e for e, *_ in many], starts, counts, ROW_BLOCK):
+            _run_expert_gemm(
+                rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale, path,
+                vector="amx",
+            )  # fmt: skip
+        return
     block = min(ROW_BLOCK, max((c for *_, c in many), default=0))
     if block == 0:
         return

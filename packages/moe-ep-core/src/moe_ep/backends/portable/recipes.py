@@ -71,6 +71,8 @@ class PreparedWeights:
         from) for the expert GEMM of few rows (`cpu_fused.expert_gemm`); None elsewhere.
     packed13 / packed2: per local expert, FC1's / FC2's bf16 weights in oneDNN's blocked GEMM
         layout (`PortableConfig.cpu_prepacked_weights`, `experts.prepack`), or None.
+    operands_exact_in_bf16: the recipe's `operands_exact_in_bf16` (its expert GEMM operands
+        can take the AMX order where the CPU has AMX).
     """
 
     w13t: torch.Tensor
@@ -81,6 +83,7 @@ class PreparedWeights:
     stored2: StoredWeight | None = None
     packed13: tuple[torch.Tensor, ...] | None = None
     packed2: tuple[torch.Tensor, ...] | None = None
+    operands_exact_in_bf16: bool = False
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -108,6 +111,10 @@ class Recipe(ABC):
     requantize_is_rounding: bool = False
     """True when `requantize` is the identity: rounding the fp32 SwiGLU output to the compute
     dtype is the whole FC2-input quantization (lets the experts fuse the rounding)."""
+    operands_exact_in_bf16: bool = False
+    """True when every dequantized activation (FC1 and FC2 inputs) and weight value of this
+    format is exact in bf16 (power-of-two or e4m3 scales on e4m3 / e2m1 codes): the CPU
+    expert GEMM can then sum them in the AMX order (`cpu_fused.expert_gemm(vector="amx")`)."""
 
     def check_dims(self, hidden: int, intermediate: int) -> None:
         m = self.k_multiple
@@ -345,13 +352,17 @@ class Fp8BlockRecipe(Recipe):
         w13, stored13 = self._fc1_weight(weights.w13, weights.w13_scale)
         w2, stored2 = self._weight("w2", weights.w2, weights.w2_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
+        return PreparedWeights(
+            w13t, w2t, stored13=stored13, stored2=stored2,
+            operands_exact_in_bf16=self.operands_exact_in_bf16,
+        )  # fmt: skip
 
 
 class Mxfp8Recipe(Recipe):
     """mxfp8: e4m3 elements, one E8M0 byte per 32 along K (ceil rule), acts and weights."""
 
     name = "mxfp8"
+    operands_exact_in_bf16 = True
     quantized_weight_dtypes = (torch.float8_e4m3fn,)
     k_multiple = 32
     scale_desc = "E8M0 uint8"
@@ -389,7 +400,10 @@ class Mxfp8Recipe(Recipe):
         w13, stored13 = self._weight("w13", weights.w13, weights.w13_scale)
         w2, stored2 = self._weight("w2", weights.w2, weights.w2_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
+        return PreparedWeights(
+            w13t, w2t, stored13=stored13, stored2=stored2,
+            operands_exact_in_bf16=self.operands_exact_in_bf16,
+        )  # fmt: skip
 
 
 class Nvfp4Recipe(Recipe):
@@ -401,6 +415,7 @@ class Nvfp4Recipe(Recipe):
     """
 
     name = "nvfp4"
+    operands_exact_in_bf16 = True
     quantized_weight_dtypes = (torch.uint8,)
     k_multiple = 16
     scale_desc = "e4m3"
@@ -450,7 +465,10 @@ class Nvfp4Recipe(Recipe):
         w13t, w2t = _layout(w13, w2, torch.float32)
         alpha13 = torch.as_tensor(quant.nvfp4_alpha(self.act_gs, gs13), dtype=torch.float32)
         alpha2 = torch.as_tensor(quant.nvfp4_alpha(self.hidden_gs, gs2), dtype=torch.float32)
-        return PreparedWeights(w13t, w2t, alpha13, alpha2, stored13, stored2)
+        return PreparedWeights(
+            w13t, w2t, alpha13, alpha2, stored13, stored2,
+            operands_exact_in_bf16=self.operands_exact_in_bf16,
+        )  # fmt: skip
 
 
 class Fp8Fp4Recipe(Fp8BlockRecipe):
@@ -458,6 +476,7 @@ class Fp8Fp4Recipe(Fp8BlockRecipe):
     scales, mxfp4 weights (e2m1, E8M0 per 32)."""
 
     name = "fp8_fp4"
+    operands_exact_in_bf16 = True
     quantized_weight_dtypes = (torch.uint8,)
     k_multiple = 32
     act_block = 32
@@ -536,7 +555,10 @@ class Fp8Mxfp4Recipe(_HybridFp8Recipe):
         w13, stored13 = _mxfp4_weight(weights.w13, weights.w13_scale, clamp_range=True)
         w2, stored2 = _mxfp4_weight(weights.w2, weights.w2_scale, clamp_range=True)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
+        return PreparedWeights(
+            w13t, w2t, stored13=stored13, stored2=stored2,
+            operands_exact_in_bf16=self.operands_exact_in_bf16,
+        )  # fmt: skip
 
 
 class Fp8Nvfp4Recipe(_HybridFp8Recipe):
@@ -600,7 +622,10 @@ class Fp8Nvfp4Recipe(_HybridFp8Recipe):
         )
         w2, alpha2, stored2 = self._weight(weights.w2, weights.w2_scale, weights.w2_global_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(w13t, w2t, alpha13, alpha2, stored13, stored2)
+        return PreparedWeights(
+            w13t, w2t, alpha13, alpha2, stored13, stored2,
+            operands_exact_in_bf16=self.operands_exact_in_bf16,
+        )  # fmt: skip
 
 
 class Mxfp8Mxfp4Recipe(Mxfp8Recipe):
@@ -623,4 +648,7 @@ class Mxfp8Mxfp4Recipe(Mxfp8Recipe):
             weights.w2, weights.w2_scale, clamp_range=False, normal_scales=True
         )
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(w13t, w2t, stored13=stored13, stored2=stored2)
+        return PreparedWeights(
+            w13t, w2t, stored13=stored13, stored2=stored2,
+            operands_exact_in_bf16=self.operands_exact_in_bf16,
+        )  # fmt: skip
