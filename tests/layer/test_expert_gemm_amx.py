@@ -14,12 +14,22 @@ from typing import Any
 
 import pytest
 import torch
+from body_cases import (
+    TINY,
+    at_one_and_two_threads,
+    bodies_match,
+    chunk_pairs,
+    daz,
+    differ,
+    groups,
+    run,
+)  # fmt: skip
 from stored_cases import random_stored
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack, quant
 from moe_ep.backends.portable import cpu_fused, experts
 from moe_ep.backends.portable.comm import Workspace
-from moe_ep.backends.portable.cpu_fused import ExpertGroups, StoredWeight
+from moe_ep.backends.portable.cpu_fused import StoredWeight
 from moe_ep.backends.portable.recipes import (
     Fp8BlockRecipe,
     Fp8Fp4Recipe,
@@ -37,17 +47,11 @@ AMX = 16
 RAGGED = [0, 1, 2, 3, 4, 15, 16, 17, 24, 0, 33, 64, 65, 97, 300, 1]
 """Rows per expert: empty experts, partial and whole 16-row tiles, the 2 x 2 tiles of a
 32-row pass, a 64-row work item and past it."""
-TINY = 2.0**-126  # fp32's smallest normal
-
-
-def _flush(v: torch.Tensor) -> torch.Tensor:
-    """Subnormal -> zero of its sign (values exactly representable in the tensor's dtype)."""
-    return torch.where(v.abs() < TINY, torch.zeros_like(v).copysign(v), v)
 
 
 def _round(v: torch.Tensor, flush: bool) -> torch.Tensor:
     """float64 -> fp32 (RNE), flushed: one fp32 operation's result."""
-    return _flush(v.float()) if flush else v.float()
+    return daz(v.float()) if flush else v.float()
 
 
 def reference_amx(
@@ -56,15 +60,8 @@ def reference_amx(
     """fp32 `[Q, N]` of bf16 `x [Q, K]` times bf16 `w [N, K]` in the AMX order. `flush`
     False and `chains=1` (one chain over the chunk, in k order) plant the faults the tests
     show this comparison catches."""
-    q, k = x.shape
-    k32 = -(-k // 32) * 32
-    xp = torch.zeros(q, k32, dtype=torch.float64)
-    wp = torch.zeros(int(w.shape[0]), k32, dtype=torch.float64)
-    xp[:, :k], wp[:, :k] = x.double(), w.double()
-    if flush:
-        xp, wp = _flush(xp), _flush(wp)
-    xs = xp.view(q, 1, k32 // 32, 16, 2)
-    ws = wp.view(1, -1, k32 // 32, 16, 2)
+    q, k32 = int(x.shape[0]), -(-int(x.shape[1]) // 32) * 32
+    xs, ws = chunk_pairs(x, w, flush)
     acc = torch.zeros(q, int(w.shape[0]), dtype=torch.float32)
     for c in range(k32 // 32):
         if chains == 1:  # acc += every product of the chunk in k order
@@ -83,36 +80,12 @@ def reference_amx(
     return acc
 
 
-def _groups(counts: list[int], path: list[int] | None = None) -> ExpertGroups:
-    q_start = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
-    rows = None if path is None else torch.tensor(path, dtype=torch.int64)
-    return ExpertGroups(q_start, torch.arange(len(counts)), q_start[:-1].clone(), rows)
-
-
-def _run(x: torch.Tensor, w: torch.Tensor | StoredWeight, counts: list[int],
-         vector: bool | cpu_fused.Body, out_dtype: torch.dtype = torch.float32,
-         path: list[int] | None = None,
-         alpha: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    groups = _groups(counts, path)
-    stored = w if isinstance(w, StoredWeight) else StoredWeight(w, "bf16")
-    out = torch.full((groups.rows, stored.n), float("nan"), dtype=out_dtype)
-    scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, stored.k))
-    assert cpu_fused.expert_gemm(x, None, groups, stored, out, scratch, vector=vector,
-                                 alpha=alpha)  # fmt: skip
-    return out
-
-
 def _want(x: torch.Tensor, w: torch.Tensor, counts: list[int], **fault: object) -> torch.Tensor:
     out, q0 = [], 0
     for e, rows in enumerate(counts):
         out.append(reference_amx(x[q0 : q0 + rows], w[e], **fault))  # type: ignore[arg-type]
         q0 += rows
     return torch.cat(out)
-
-
-def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
-    ia = a.view(torch.int16 if a.element_size() == 2 else torch.int32)
-    return int((ia != b.view(ia.dtype)).sum())
 
 
 def _bodies() -> list[cpu_fused.Body]:
@@ -125,21 +98,11 @@ def test_amx_bodies_match_the_emulation_at_one_and_two_threads(n: int, k: int) -
     w = torch.randn(len(RAGGED), n, k, generator=g).bfloat16()
     x = torch.randn(sum(RAGGED), k, generator=g).bfloat16()
     want = _want(x, w, RAGGED)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for vector in _bodies():
-                assert _differ(_run(x, w, RAGGED, vector), want) == 0, (vector, threads)
-                got = _run(x, w, RAGGED, vector, torch.bfloat16)
-                assert _differ(got, want.bfloat16()) == 0, (vector, threads)
-            if cpu_fused.vector_bodies() & AMX:  # the default: every group on AMX
-                assert _differ(_run(x, w, RAGGED, True), want) == 0, threads
-    finally:
-        torch.set_num_threads(before)
+    bodies = _bodies() + ([True] if cpu_fused.vector_bodies() & AMX else [])  # type: ignore[list-item]
+    at_one_and_two_threads(bodies_match(x, w, RAGGED, want, bodies))  # True: every group on AMX
     # the comparison tells the AMX order from one chain per chunk and from the dot order
-    assert _differ(_want(x, w, RAGGED, chains=1), want) > 0
-    assert _differ(_run(x, w, RAGGED, "bf16dot_scalar"), want) > 0
+    assert differ(_want(x, w, RAGGED, chains=1), want) > 0
+    assert differ(run(x, w, RAGGED, "bf16dot_scalar"), want) > 0
 
 
 def test_subnormal_inputs_and_results_are_flushed_as_the_instruction_does() -> None:
@@ -158,9 +121,9 @@ def test_subnormal_inputs_and_results_are_flushed_as_the_instruction_does() -> N
     want = _want(x, w, counts)
     unflushed = _want(x, w, counts, flush=False)
     assert (want[0] == 0).all() and (unflushed[0] != 0).all()  # inputs read as zero
-    assert _differ(unflushed[3:], want[3:]) > 0  # subnormal results flushed
+    assert differ(unflushed[3:], want[3:]) > 0  # subnormal results flushed
     for vector in _bodies():
-        assert _differ(_run(x, w, counts, vector), want) == 0, vector
+        assert differ(run(x, w, counts, vector), want) == 0, vector
 
 
 def test_non_finite_weights_past_k_and_n_are_never_read() -> None:
@@ -175,12 +138,12 @@ def test_non_finite_weights_past_k_and_n_are_never_read() -> None:
     x = torch.randn(sum(counts), k, generator=g).bfloat16()
     want = _want(x, w.contiguous(), counts)
     for vector in _bodies():
-        groups = _groups(counts)
-        out = torch.empty(groups.rows, n)
-        scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, k))
+        rows = groups(counts)
+        out = torch.empty(rows.rows, n)
+        scratch = torch.empty(cpu_fused.expert_gemm_scratch(rows.rows, k))
         stored = StoredWeight(w, "bf16")
-        assert cpu_fused.expert_gemm(x, None, groups, stored, out, scratch, vector=vector)
-        assert _differ(out, want) == 0, vector
+        assert cpu_fused.expert_gemm(x, None, rows, stored, out, scratch, vector=vector)
+        assert differ(out, want) == 0, vector
 
 
 def test_the_default_takes_amx_whatever_the_path_rows() -> None:
@@ -194,9 +157,9 @@ def test_the_default_takes_amx_whatever_the_path_rows() -> None:
     w = torch.randn(len(counts), n, k, generator=g).bfloat16()
     x = torch.randn(sum(counts), k, generator=g).bfloat16()
     want = _want(x, w, counts)
-    assert _differ(_run(x, w, counts, True, path=path), want) == 0
-    assert _differ(_run(x, w, counts, True), want) == 0
-    assert _differ(_run(x, w, counts, "avx2"), want) > 0
+    assert differ(run(x, w, counts, True, path=path), want) == 0
+    assert differ(run(x, w, counts, True), want) == 0
+    assert differ(run(x, w, counts, "avx2"), want) > 0
 
 
 def test_amx_bodies_refuse_a_missing_body() -> None:
@@ -205,12 +168,12 @@ def test_amx_bodies_refuse_a_missing_body() -> None:
     x = torch.randn(4, 32, generator=g)
     if not cpu_fused.vector_bodies() & AMX:
         with pytest.raises(ValueError, match="lacks that body"):
-            _run(x.bfloat16(), w, [4], "amx")
+            run(x.bfloat16(), w, [4], "amx")
 
 
 def _bf16_exact(v: torch.Tensor) -> torch.Tensor:
     """fp32 values with subnormals read as zero, as bf16: asserted exact."""
-    flushed = _flush(v.float())
+    flushed = daz(v.float())
     out = flushed.bfloat16()
     assert torch.equal(out.float(), flushed) or bool(flushed.isnan().any())
     return out
@@ -241,12 +204,12 @@ def test_codes_exact_in_bf16_run_in_the_amx_order(code: str, scale: str | None, 
         q0 += rows
     expect = torch.cat(want)
     for vector in _bodies():
-        got = _run(x, w, counts, vector, alpha=alpha)
-        assert _differ(got, expect) == 0, vector
-        got16 = _run(x, w, counts, vector, torch.bfloat16, alpha=alpha)
-        assert _differ(got16, expect.bfloat16()) == 0, vector
+        got = run(x, w, counts, vector, alpha=alpha)
+        assert differ(got, expect) == 0, vector
+        got16 = run(x, w, counts, vector, torch.bfloat16, alpha=alpha)
+        assert differ(got16, expect.bfloat16()) == 0, vector
     if scale is not None:  # the fp32 order gives other bits (unscaled e2m1 sums are exact)
-        assert _differ(_run(x, w, counts, False, alpha=alpha), expect) > 0
+        assert differ(run(x, w, counts, False, alpha=alpha), expect) > 0
 
 
 def test_amx_bodies_refuse_x_past_bf16_and_weights_not_exact_in_it() -> None:
@@ -257,11 +220,11 @@ def test_amx_bodies_refuse_x_past_bf16_and_weights_not_exact_in_it() -> None:
     scratch = torch.empty(cpu_fused.expert_gemm_scratch(3, 64))
     for vector in _bodies():
         with pytest.raises(ValueError, match="not exact in bf16"):
-            cpu_fused.expert_gemm(x, None, _groups([3]), w, out, scratch, vector=vector)
+            cpu_fused.expert_gemm(x, None, groups([3]), w, out, scratch, vector=vector)
         assert (out == 7.0).all()  # nothing written
     fp32_scaled, _ = random_stored("e4m3", "fp32", 1, 8, 64, g)
     with pytest.raises(ValueError, match="needs weights exact in bf16"):
-        cpu_fused.expert_gemm(x.bfloat16(), None, _groups([3]), fp32_scaled, out, scratch,
+        cpu_fused.expert_gemm(x.bfloat16(), None, groups([3]), fp32_scaled, out, scratch,
                               vector="amx_scalar")  # fmt: skip
 
 

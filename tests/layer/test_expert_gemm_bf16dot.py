@@ -11,21 +11,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from body_cases import (
+    TINY,
+    at_one_and_two_threads,
+    bodies_match,
+    chunk_pairs,
+    daz,
+    differ,
+    groups,
+    run,
+)  # fmt: skip
 
 from moe_ep.backends.portable import cpu_fused
-from moe_ep.backends.portable.cpu_fused import ExpertGroups, StoredWeight
+from moe_ep.backends.portable.cpu_fused import StoredWeight
 
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
 
 RAGGED = [0, 1, 2, 3, 4, 5, 8, 9, 17, 24, 25, 0, 97, 300, 1]
 """Rows per expert: empty experts, the 4-row tiles and their tails, the 24-row blocks, one
 expert past a 96-row work item."""
-TINY = 2.0**-126  # fp32's smallest normal
-
-
-def _flush(v: torch.Tensor) -> torch.Tensor:
-    """Subnormal -> zero of its sign (values exactly representable in the tensor's dtype)."""
-    return torch.where(v.abs() < TINY, torch.zeros_like(v).copysign(v), v)
 
 
 def reference_dot(
@@ -33,41 +37,19 @@ def reference_dot(
 ) -> torch.Tensor:
     """fp32 `[Q, N]` of bf16 `x [Q, K]` times bf16 `w [N, K]` in the dot order. `odd_first`
     and `flush` False plant the faults the tests show this comparison catches."""
-    q, k = x.shape
-    k32 = -(-k // 32) * 32
-    xp = torch.zeros(q, k32, dtype=torch.float64)
-    wp = torch.zeros(int(w.shape[0]), k32, dtype=torch.float64)
-    xp[:, :k], wp[:, :k] = x.double(), w.double()
-    if flush:
-        xp, wp = _flush(xp), _flush(wp)
-    xs = xp.view(q, 1, k32 // 32, 16, 2)
-    ws = wp.view(1, -1, k32 // 32, 16, 2)
+    q, k32 = int(x.shape[0]), -(-int(x.shape[1]) // 32) * 32
+    xs, ws = chunk_pairs(x, w, flush)
     acc = torch.zeros(q, int(w.shape[0]), 16, dtype=torch.float32)
     for c in range(k32 // 32):
         for e in (1, 0) if odd_first else (0, 1):
             # bf16 x bf16 is exact in float64, so only the sum rounds (twice, float64 then
             # fp32: a tie case these data miss, as in test_expert_gemm's _fma32)
             acc = (acc.double() + xs[:, :, c, :, e] * ws[:, :, c, :, e]).float()
-            acc = _flush(acc) if flush else acc
+            acc = daz(acc) if flush else acc
     t = acc[..., :8] + acc[..., 8:]
     u = t[..., :4] + t[..., 4:]
     v = u[..., :2] + u[..., 2:]
     return v[..., 0] + v[..., 1]
-
-
-def _groups(counts: list[int]) -> ExpertGroups:
-    q_start = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
-    return ExpertGroups(q_start, torch.arange(len(counts)), q_start[:-1].clone())
-
-
-def _run(x: torch.Tensor, w: torch.Tensor, counts: list[int], vector: bool | cpu_fused.Body,
-         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
-    groups = _groups(counts)
-    out = torch.full((groups.rows, int(w.shape[1])), float("nan"), dtype=out_dtype)
-    scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, int(w.shape[2])))
-    assert cpu_fused.expert_gemm(x, None, groups, StoredWeight(w, "bf16"), out, scratch,
-                                 vector=vector)  # fmt: skip
-    return out
 
 
 def _want(x: torch.Tensor, w: torch.Tensor, counts: list[int], **fault: bool) -> torch.Tensor:
@@ -76,11 +58,6 @@ def _want(x: torch.Tensor, w: torch.Tensor, counts: list[int], **fault: bool) ->
         out.append(reference_dot(x[q0 : q0 + rows], w[e], **fault))
         q0 += rows
     return torch.cat(out)
-
-
-def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
-    ia = a.view(torch.int16 if a.element_size() == 2 else torch.int32)
-    return int((ia != b.view(ia.dtype)).sum())
 
 
 def _bodies() -> list[cpu_fused.Body]:
@@ -100,24 +77,20 @@ def test_dot_bodies_match_the_emulation_at_one_and_two_threads(n: int, k: int) -
     w = torch.randn(len(RAGGED), n, k, generator=g).bfloat16()
     x = torch.randn(sum(RAGGED), k, generator=g).bfloat16()
     want = _want(x, w, RAGGED)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for vector in _bodies():
-                assert _differ(_run(x, w, RAGGED, vector), want) == 0, (vector, threads)
-                got = _run(x, w, RAGGED, vector, torch.bfloat16)
-                assert _differ(got, want.bfloat16()) == 0, (vector, threads)
-            if cpu_fused.vector_bodies() & 24 == 8:  # AVX-512 BF16 without AMX
-                got, dot = _run(x, w, RAGGED, True), _default_rows(RAGGED)
-                assert _differ(got[dot], want[dot]) == 0, threads
-                assert _differ(got[~dot], _run(x, w, RAGGED, "avx2")[~dot]) == 0, threads
-    finally:
-        torch.set_num_threads(before)
+    same = bodies_match(x, w, RAGGED, want, _bodies())
+
+    def check(threads: int) -> None:
+        same(threads)
+        if cpu_fused.vector_bodies() & 24 == 8:  # AVX-512 BF16 without AMX
+            got, dot = run(x, w, RAGGED, True), _default_rows(RAGGED)
+            assert differ(got[dot], want[dot]) == 0, threads
+            assert differ(got[~dot], run(x, w, RAGGED, "avx2")[~dot]) == 0, threads
+
+    at_one_and_two_threads(check)
     # the comparison catches a pair taken in the other order (from the second chunk on: the
     # first pair's sum starts at +0, so its order cannot show) and the fp32-FMA order
-    assert (_differ(_want(x, w, RAGGED, odd_first=False), want) > 0) == (k > 32)
-    assert _differ(_run(x, w, RAGGED, False), want) > 0
+    assert (differ(_want(x, w, RAGGED, odd_first=False), want) > 0) == (k > 32)
+    assert differ(run(x, w, RAGGED, False), want) > 0
 
 
 def test_subnormal_inputs_and_results_are_flushed_as_the_instruction_does() -> None:
@@ -136,22 +109,22 @@ def test_subnormal_inputs_and_results_are_flushed_as_the_instruction_does() -> N
     want = _want(x, w, counts)
     unflushed = _want(x, w, counts, flush=False)
     assert (want[0] == 0).all() and (unflushed[0] != 0).all()  # inputs read as zero
-    assert _differ(unflushed[3:], want[3:]) > 0  # subnormal results flushed
+    assert differ(unflushed[3:], want[3:]) > 0  # subnormal results flushed
     for vector in _bodies():
-        assert _differ(_run(x, w, counts, vector), want) == 0, vector
+        assert differ(run(x, w, counts, vector), want) == 0, vector
 
 
 def test_dot_bodies_refuse_other_formats_and_a_missing_body(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    groups, scratch = _groups([2]), torch.empty(cpu_fused.expert_gemm_scratch(2, 32))
+    two, scratch = groups([2]), torch.empty(cpu_fused.expert_gemm_scratch(2, 32))
     bf16 = StoredWeight(torch.ones(1, 4, 32, dtype=torch.bfloat16), "bf16")
     e4m3 = StoredWeight(torch.full((1, 4, 32), 0x38, dtype=torch.uint8), "e4m3")
     out = torch.empty(2, 4)
     for x, w in ((torch.ones(2, 32), bf16), (torch.ones(2, 32).bfloat16(), e4m3)):
         with pytest.raises(ValueError, match=r"vector='bf16dot_scalar' needs bf16 x and bf16"):
-            cpu_fused.expert_gemm(x, None, groups, w, out, scratch, vector="bf16dot_scalar")
+            cpu_fused.expert_gemm(x, None, two, w, out, scratch, vector="bf16dot_scalar")
     monkeypatch.setattr(cpu_fused, "vector_bodies", lambda: 7)
     with pytest.raises(ValueError, match=r"vector='avx512bf16': this build or CPU lacks"):
-        cpu_fused.expert_gemm(torch.ones(2, 32).bfloat16(), None, groups, bf16, out, scratch,
+        cpu_fused.expert_gemm(torch.ones(2, 32).bfloat16(), None, two, bf16, out, scratch,
                               vector="avx512bf16")  # fmt: skip

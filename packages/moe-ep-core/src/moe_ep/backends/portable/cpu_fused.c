@@ -619,6 +619,19 @@ static inline __attribute__((always_inline)) void eg_tile_avx2(
 #define MOE_EP_AVX512_GEMM 1
 #define EG_AVX512 __attribute__((target("avx512f,avx2,fma")))
 
+/* 16 e4m3fn codes (one per 32-bit lane) -> their fp32 values, exact: the magnitude's bits
+ * placed as an fp32 pattern times 2^120 (subnormal codes included), the sign, 0x7f / 0xff
+ * -> quiet NaN. */
+static inline __attribute__((always_inline)) EG_AVX512 __m512 e4m3x16_value(__m512i b) {
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
+    __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
+                             _mm512_set1_ps(1.329227995784916e36f)); /* 2^120 */
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
+    return _mm512_mask_mov_ps(f, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+}
+
 /* Whether this CPU (and OS) runs AVX-512F: libgcc's cpuid and xgetbv check. */
 static int eg_avx512_supported(void) { return __builtin_cpu_supports("avx512f"); }
 
@@ -1255,7 +1268,7 @@ static void eg_amx_store(const eg_args *a, const float *sums, int64_t out_row, i
 #include <cpuid.h>
 #include <sys/syscall.h>
 extern long syscall(long number, ...); /* glibc's; <unistd.h> declares it only past -std=c11 */
-#define EG_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+#define EG_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1304,14 +1317,7 @@ static EG_AMX void eg_amx_decode(const eg_args *a, const uint8_t *w_row, const u
     for (int64_t i = i0; i < i0 + EG_DOT; i += EG_LANES) {
         __m512 f;
         if (a->w_kind == EG_W_E4M3) {
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w_row + i)));
-            const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
-            f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
-                              _mm512_set1_ps(1.329227995784916e36f)); /* 2^120 */
-            const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-            f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
-            const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
-            f = _mm512_mask_mov_ps(f, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+            f = e4m3x16_value(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w_row + i))));
         } else { /* e2m1: element 2m in byte m's low nibble */
             const __m128i pairs = _mm_loadl_epi64((const __m128i *)(w_row + i / 2));
             const __m512i b = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(pairs, pairs));
@@ -1574,15 +1580,8 @@ static inline __attribute__((always_inline)) EG_AVX512 void eg_decode_chunk_avx5
     __m512 f;
     if (w_kind == EG_W_E4M3) {
         const __m128i lanes = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-        const __m512i b = _mm512_cvtepu8_epi32(
-            _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w_row + k)), lanes));
-        const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7f));
-        f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(mag, 20)),
-                          _mm512_set1_ps(1.329227995784916e36f)); /* 2^120 */
-        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
-        f = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
-        const __mmask16 nan = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f));
-        f = _mm512_mask_mov_ps(f, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+        f = e4m3x16_value(_mm512_cvtepu8_epi32(
+            _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(w_row + k)), lanes)));
     } else if (w_kind == EG_W_E2M1) {
         const __m512 table = _mm512_loadu_ps(e2m1_value);
         const __m128i pairs = _mm_loadl_epi64((const __m128i *)(w_row + k / 2));
