@@ -387,6 +387,7 @@ def _fc1_variation(compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
         run.mp.setattr(experts, "_mm", fc1)
         run.mp.setattr(experts, "expert_gemm_rows", lambda w, d: 0)  # the `_mm` path only
+        run.mp.setattr(experts, "amx_above_crossover", lambda w, d: False)
         return run.forward()
 
     variation.counts = {"changed": 0, "differs": 0}  # type: ignore[attr-defined]
