@@ -4,7 +4,7 @@ one and two threads."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -77,7 +77,7 @@ def at_one_and_two_threads(check: Callable[[int], None]) -> None:
 
 def bodies_match(
     x: torch.Tensor, w: torch.Tensor, counts: list[int], want: torch.Tensor,
-    bodies: list[cpu_fused.Body],
+    bodies: Sequence[bool | cpu_fused.Body],
 ) -> Callable[[int], None]:  # fmt: skip
     """A check for `at_one_and_two_threads`: each body gives `want`'s bits, fp32 and bf16."""
 

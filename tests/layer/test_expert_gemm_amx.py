@@ -98,7 +98,10 @@ def test_amx_bodies_match_the_emulation_at_one_and_two_threads(n: int, k: int) -
     w = torch.randn(len(RAGGED), n, k, generator=g).bfloat16()
     x = torch.randn(sum(RAGGED), k, generator=g).bfloat16()
     want = _want(x, w, RAGGED)
-    bodies = _bodies() + ([True] if cpu_fused.vector_bodies() & AMX else [])  # type: ignore[list-item]
+    bodies: list[bool | cpu_fused.Body] = [
+        *_bodies(),
+        *([True] if cpu_fused.vector_bodies() & AMX else []),
+    ]
     at_one_and_two_threads(bodies_match(x, w, RAGGED, want, bodies))  # True: every group on AMX
     # the comparison tells the AMX order from one chain per chunk and from the dot order
     assert differ(_want(x, w, RAGGED, chains=1), want) > 0

@@ -1226,13 +1226,6 @@ static float eg_amx_scalar(const eg_args *a, int64_t q, const uint8_t *w_row, co
     return acc;
 }
 
-/* Whether a group runs an AMX body: asked for, or under auto (bf16 where the CPU has AMX)
- * every group: measured 1.15x faster than the AVX2 body at 1 row per expert, weights from
- * DRAM (8 experts, K = 2048 / 1024, 2 threads), where the dot body keeps AVX2 for 1-2 rows. */
-static inline int eg_group_amx(const eg_args *a) {
-    return a->vector == EG_BODY_AMX || a->vector == EG_BODY_AMX_SCALAR;
-}
-
 /* Packs rows [16 block, +16) of group g (zeros past its last row) into the B tiles'
  * layout: per 32-chunk c, per pair p, per row t the pair (x[32c + 2p], x[32c + 2p + 1]). */
 static void eg_amx_pack(const eg_args *a, int64_t g, int64_t block) {
@@ -1979,9 +1972,12 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
                         int32_t vector) {
     const int32_t bodies = moe_ep_vector_bodies();
     const int bf16_only = x_kind == EG_X_BF16 && w_kind == EG_W_BF16;
-    /* auto on bf16 with AVX-512 BF16: the dot body, but experts of <= EG_AVX2_ROWS rows stay
-     * on the AVX2 body (eg_item), faster there */
+    /* auto on bf16 with AMX: the AMX body for every group (1-2-row ones too: measured 1.15x
+     * faster than the AVX2 body at 1 row per expert, weights from DRAM, 8 experts, K = 2048
+     * / 1024, 2 threads) */
     const int auto_amx = vector == EG_BODY_AUTO && bf16_only && (bodies & 16);
+    /* auto on bf16 with AVX-512 BF16 (no AMX): the dot body, but experts of <= EG_AVX2_ROWS
+     * rows stay on the AVX2 body (eg_item), faster there */
     const int auto_dot =
         vector == EG_BODY_AUTO && EG_AUTO_BF16DOT && bf16_only && (bodies & 8) && !auto_amx;
     /* auto without AVX-512F: the AVX2 body, and the k order for bf16 groups of
@@ -2031,13 +2027,13 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     for (int64_t g = 0; g < groups; g++) {
         const int64_t rows = q_start[g + 1] - q_start[g];
         const int64_t path = eg_path_rows(&a, g);
-        const int kseq = eg_group_kseq(&a, path), amx = eg_group_amx(&a);
+        const int kseq = eg_group_kseq(&a, path);
         const int64_t blocks = kseq && transposed ? (rows + EG_KR - 1) / EG_KR : 0;
-        item_start[g + 1] = item_start[g] + (amx ? (rows + EG_AMX_ROWS - 1) / EG_AMX_ROWS * amx_tiles
+        item_start[g + 1] = item_start[g] + (amx_body ? (rows + EG_AMX_ROWS - 1) / EG_AMX_ROWS * amx_tiles
                                              : (rows + EG_ROWS - 1) / EG_ROWS * (kseq ? ktiles : tiles));
         blk_start[g + 1] = blk_start[g] + blocks;
         xt_start[g + 1] = xt_start[g] + blocks * EG_KR * k;
-        xv_start[g + 1] = xv_start[g] + (amx && packed ? (rows + 15) / 16 : 0);
+        xv_start[g + 1] = xv_start[g] + (packed ? (rows + 15) / 16 : 0);
     }
     if (xt_start[groups] > 0) a.xt = malloc(sizeof(float) * (size_t)xt_start[groups]);
     if (xv_start[groups] > 0)
@@ -2060,7 +2056,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
             const char *src = (const char *)x + row * ld_x * (int64_t)x_elem;
             const int64_t lo = eg_group_of(q_start, groups, q); /* the group holding row q */
             if (transposed && eg_group_kseq(&a, eg_path_rows(&a, lo))) continue; /* xt only */
-            if (eg_group_amx(&a)) continue; /* x16 (packed in xv) only */
+            if (amx_body) continue; /* x16 (packed in xv) only */
             if (eg_group_dot(&a, eg_path_rows(&a, lo))) {
                 uint16_t *dst = (uint16_t *)(xs + q * ldxs);
                 memcpy(dst, src, sizeof(uint16_t) * (size_t)k);
@@ -2094,7 +2090,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
             if (inexact) continue;
             const int64_t lo = eg_group_of(item_start, groups, it); /* the group holding item it */
             const int64_t i = it - item_start[lo];
-            if (eg_group_amx(&a)) {
+            if (amx_body) { /* every group of the call */
 #ifdef MOE_EP_AMX_GEMM
                 if (packed) eg_item_amx(&a, lo, i / amx_tiles, i % amx_tiles);
                 else

@@ -464,9 +464,8 @@ def vector_bodies() -> int:
 _BODY_AUTO = 3
 """cpu_fused.c's EG_BODY_AUTO: for bf16 x and weights AMX where the CPU has it (every
 group), else AVX-512 BF16 where it has that, with AVX2 for experts of 1-2 path rows
-(faster); else AVX-512F,
-with AVX2 for bf16 blocks of 1-2 rows (faster); without AVX-512F the AVX2 body, with the k
-order (AVX2) for bf16 experts of `KSEQ_ROWS` rows or more."""
+(faster); else AVX-512F, with AVX2 for bf16 blocks of 1-2 rows (faster); without AVX-512F
+the AVX2 body, with the k order (AVX2) for bf16 experts of `KSEQ_ROWS` rows or more."""
 KSEQ_ROWS = 13
 """cpu_fused.c's EG_KSEQ_ROWS (kept equal by a test)."""
 

@@ -116,6 +116,21 @@ class Recipe(ABC):
     format is exact in bf16 (power-of-two or e4m3 scales on e4m3 / e2m1 codes): the CPU
     expert GEMM can then sum them in the AMX order (`cpu_fused.expert_gemm(vector="amx")`)."""
 
+    def _prepared(
+        self,
+        w13t: torch.Tensor,
+        w2t: torch.Tensor,
+        alpha13: torch.Tensor | None = None,
+        alpha2: torch.Tensor | None = None,
+        stored13: StoredWeight | None = None,
+        stored2: StoredWeight | None = None,
+    ) -> PreparedWeights:
+        """`PreparedWeights` of these parts carrying this format's `operands_exact_in_bf16`."""
+        return PreparedWeights(
+            w13t, w2t, alpha13, alpha2, stored13, stored2,
+            operands_exact_in_bf16=self.operands_exact_in_bf16,
+        )  # fmt: skip
+
     def check_dims(self, hidden: int, intermediate: int) -> None:
         m = self.k_multiple
         if hidden % m or intermediate % m:
@@ -352,10 +367,7 @@ class Fp8BlockRecipe(Recipe):
         w13, stored13 = self._fc1_weight(weights.w13, weights.w13_scale)
         w2, stored2 = self._weight("w2", weights.w2, weights.w2_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(
-            w13t, w2t, stored13=stored13, stored2=stored2,
-            operands_exact_in_bf16=self.operands_exact_in_bf16,
-        )  # fmt: skip
+        return self._prepared(w13t, w2t, stored13=stored13, stored2=stored2)
 
 
 class Mxfp8Recipe(Recipe):
@@ -400,10 +412,7 @@ class Mxfp8Recipe(Recipe):
         w13, stored13 = self._weight("w13", weights.w13, weights.w13_scale)
         w2, stored2 = self._weight("w2", weights.w2, weights.w2_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(
-            w13t, w2t, stored13=stored13, stored2=stored2,
-            operands_exact_in_bf16=self.operands_exact_in_bf16,
-        )  # fmt: skip
+        return self._prepared(w13t, w2t, stored13=stored13, stored2=stored2)
 
 
 class Nvfp4Recipe(Recipe):
@@ -465,10 +474,7 @@ class Nvfp4Recipe(Recipe):
         w13t, w2t = _layout(w13, w2, torch.float32)
         alpha13 = torch.as_tensor(quant.nvfp4_alpha(self.act_gs, gs13), dtype=torch.float32)
         alpha2 = torch.as_tensor(quant.nvfp4_alpha(self.hidden_gs, gs2), dtype=torch.float32)
-        return PreparedWeights(
-            w13t, w2t, alpha13, alpha2, stored13, stored2,
-            operands_exact_in_bf16=self.operands_exact_in_bf16,
-        )  # fmt: skip
+        return self._prepared(w13t, w2t, alpha13, alpha2, stored13, stored2)
 
 
 class Fp8Fp4Recipe(Fp8BlockRecipe):
@@ -555,10 +561,7 @@ class Fp8Mxfp4Recipe(_HybridFp8Recipe):
         w13, stored13 = _mxfp4_weight(weights.w13, weights.w13_scale, clamp_range=True)
         w2, stored2 = _mxfp4_weight(weights.w2, weights.w2_scale, clamp_range=True)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(
-            w13t, w2t, stored13=stored13, stored2=stored2,
-            operands_exact_in_bf16=self.operands_exact_in_bf16,
-        )  # fmt: skip
+        return self._prepared(w13t, w2t, stored13=stored13, stored2=stored2)
 
 
 class Fp8Nvfp4Recipe(_HybridFp8Recipe):
@@ -622,10 +625,7 @@ class Fp8Nvfp4Recipe(_HybridFp8Recipe):
         )
         w2, alpha2, stored2 = self._weight(weights.w2, weights.w2_scale, weights.w2_global_scale)
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(
-            w13t, w2t, alpha13, alpha2, stored13, stored2,
-            operands_exact_in_bf16=self.operands_exact_in_bf16,
-        )  # fmt: skip
+        return self._prepared(w13t, w2t, alpha13, alpha2, stored13, stored2)
 
 
 class Mxfp8Mxfp4Recipe(Mxfp8Recipe):
@@ -648,7 +648,4 @@ class Mxfp8Mxfp4Recipe(Mxfp8Recipe):
             weights.w2, weights.w2_scale, clamp_range=False, normal_scales=True
         )
         w13t, w2t = _layout(w13, w2, torch.float32)
-        return PreparedWeights(
-            w13t, w2t, stored13=stored13, stored2=stored2,
-            operands_exact_in_bf16=self.operands_exact_in_bf16,
-        )  # fmt: skip
+        return self._prepared(w13t, w2t, stored13=stored13, stored2=stored2)
