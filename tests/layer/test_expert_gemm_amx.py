@@ -215,6 +215,117 @@ def test_codes_exact_in_bf16_run_in_the_amx_order(code: str, scale: str | None, 
         assert differ(run(x, w, counts, False, alpha=alpha), expect) > 0
 
 
+def _edge_weights(
+    code: str, scale: str | None, n: int, k: int, special: int, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """One expert's codes and scale bytes covering every scale byte. Rows below n - special
+    are finite: no NaN code, e8m0 bytes 0-246 (products of every code stay finite), e4m3
+    ones all but NaN. Each of the last `special` rows holds at most one non-finite weight,
+    so the one-hot x row at its position shows it (inf, not NaN): with e8m0 scales, block 0
+    scaled by a byte of 247-254 over small codes and one large one (its product overflows
+    to inf), or one NaN code, or (the last row) byte 255 (NaN); with e4m3 scales, NaN ones.
+    Returns (stored codes, stored scales, code values, scale values per element)."""
+    finite, half = n - special, n - special // 2
+    if code == "e4m3":
+        codes = torch.randint(0, 256, (n, k), generator=g).to(torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x01  # the smallest subnormal instead
+        codes[finite:, :32] &= 0xBF  # |value| < 2: finite times any e8m0 byte below 255
+        for i, row in enumerate(range(finite, n)):
+            codes[row, (3 * i) % 32] = (0x79 + i % 6) if row < half else (0x7F | (i % 2) << 7)
+        stored, value = codes, codes.view(torch.float8_e4m3fn).float()
+    else:
+        nib = torch.randint(0, 16, (n, k), generator=g)
+        sign = 8 * torch.randint(0, 2, (special, 32), generator=g)
+        nib[finite:, :32] = torch.randint(0, 3, (special, 32), generator=g) + sign  # |v| <= 1
+        for i, row in enumerate(range(finite, n)):
+            nib[row, (3 * i) % 32] = 7 + 8 * (i % 2)  # +-6: the one product that can overflow
+        stored = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+        value = torch.tensor(E2M1_SIGNED)[nib]
+    if scale is None:
+        return stored, None, value, torch.ones(n, k)
+    block = 32 if scale == "e8m0" else 16
+    nb = k // block
+    if scale == "e8m0":
+        s = torch.arange(n * nb).reshape(n, nb) % 237 + 10
+        s[:finite] = torch.arange(finite * nb).reshape(finite, nb) % 247
+        s[finite:, 0] = torch.arange(special) % 8 + 247
+        s[n - 1, 0] = 255
+        factor = quant.e8m0_to_float32(s.to(torch.uint8))
+    else:
+        byte = torch.arange(n * nb).reshape(n, nb) % 254
+        s = byte + (byte >= 0x7F).long()  # every e4m3 byte but 0x7f / 0xff
+        s[finite:, 0] = torch.tensor([0x7F, 0xFF]).repeat(special)[:special]
+        factor = s.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return stored, s.to(torch.uint8), value, factor.repeat_interleave(block, -1)
+
+
+E2M1_SIGNED = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
+               -6.0]  # fmt: skip
+
+
+def _nan_aware_differ(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Outputs that differ in their bits, NaN against NaN counted equal (the NaN a sum ends
+    in is the instruction's own)."""
+    both = got.isnan() & want.isnan()
+    return differ(torch.where(both, 0.0, got), torch.where(both, 0.0, want))
+
+
+@pytest.mark.parametrize(
+    ("code", "scale", "k"),
+    [("e4m3", "e8m0", 160), ("e4m3", None, 96), ("e2m1", "e4m3", 144), ("e2m1", "e8m0", 160),
+     ("e2m1", None, 64)],
+)  # fmt: skip
+def test_every_scale_byte_decodes_as_the_formats_define(
+    code: str, scale: str | None, k: int
+) -> None:
+    """The AMX bodies' weight decode (16 bits a lane where a chunk allows it, element by
+    element where it does not: NaN codes, e8m0 scales whose products leave bf16's normals, a
+    K tail) read through one-hot x rows, so an output is one weight as the A tile holds it
+    (plus zeros): against code x scale by the formats' definitions in fp32, subnormal
+    products read as zero, every scale byte, NaN scales and codes included; ragged groups of
+    1, 16 and K rows (one pass, and the item's tiles decoded once for several passes)."""
+    g = torch.Generator().manual_seed(k * 7 + len(code))
+    n, special = 80, 12
+    stored, s, value, factor = _edge_weights(code, scale, n, k, special, g)
+    decoded = daz(value * factor)  # fp32 products, subnormals read as zero
+    counts = [16] * (k // 16) + [k, 1]
+    x = torch.cat([torch.eye(k)[16 * i : 16 * i + 16] for i in range(k // 16)]
+                  + [torch.eye(k), torch.eye(k)[-1:]]).bfloat16()  # fmt: skip
+    e = len(counts)
+    codes = stored.expand(e, *stored.shape).contiguous()
+    w = StoredWeight(codes, code)  # type: ignore[arg-type]
+    if s is not None:
+        w = StoredWeight(codes, code, s.expand(e, *s.shape).contiguous(), scale,  # type: ignore[arg-type]
+                         32 if scale == "e8m0" else 16)  # fmt: skip
+    want = _want(x, _bf16_exact(decoded).expand(e, n, k), counts)
+    assert want[:, : n - special].isfinite().all()  # the finite rows stay finite
+    if scale == "e8m0":  # an overflowing product shows as inf at its one-hot row
+        assert want[:, n - special :].isinf().any()
+    for vector in _bodies():
+        assert _nan_aware_differ(run(x, w, counts, vector), want) == 0, vector
+    if scale is None:
+        return
+    got = run(x, w, counts, _bodies()[-1])
+    # the comparison catches e8m0 byte 0 read as zero (it is 2^-127), the scales of the
+    # wrong half chunk, and e8m0 bytes past 246 added to the exponent as the fast decode would
+    if scale == "e8m0":
+        zero = _want(x, _bf16_exact(daz(value * torch.where(factor < TINY, 0.0, factor)))
+                     .expand(e, n, k), counts)  # fmt: skip
+        assert _nan_aware_differ(got, zero) > 0
+    if scale == "e4m3":
+        whole = k // 32 * 32
+        swapped = factor.clone()
+        swapped[:, :whole] = factor[:, :whole].reshape(n, -1, 2, 16).flip(2).reshape(n, whole)
+        wrong = _want(x, _bf16_exact(daz(value * swapped)).expand(e, n, k), counts)
+        assert _nan_aware_differ(got, wrong) > 0
+    if scale == "e8m0" and code == "e4m3" and s is not None:
+        add = (s.int().repeat_interleave(32, -1) - 127) * 128  # the exponent, bf16 bits
+        bits = (value.bfloat16().view(torch.int16).int() + add) & 0xFFFF
+        wrapped = bits.to(torch.int16).view(torch.bfloat16).float()
+        wrapped = torch.where((value == 0) | value.isnan(), value, wrapped)
+        assert _nan_aware_differ(got, _want(x, wrapped.bfloat16().expand(e, n, k), counts)) > 0
+
+
 def test_amx_bodies_refuse_x_past_bf16_and_weights_not_exact_in_it() -> None:
     g = torch.Generator().manual_seed(4)
     w, _ = random_stored("e4m3", "e8m0", 1, 8, 64, g)

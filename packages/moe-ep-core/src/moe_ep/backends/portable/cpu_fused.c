@@ -434,7 +434,7 @@ static float e4m3_value[256]; /* e4m3fn byte -> fp32, exact; 0x7f / 0xff -> quie
 static const float e2m1_value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-__attribute__((constructor)) static void fill_e4m3_value(void) {
+__attribute__((constructor(101))) static void fill_e4m3_value(void) {
     for (uint32_t b = 0; b < 256; b++) {
         uint32_t e = (b >> 3) & 15u, m = b & 7u;
         bits32 v;
@@ -1171,12 +1171,15 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * buffer), codes decoded per chunk into that buffer; the activations the B tiles: each group's rows packed once per call into blocks
  * of 16 rows, per chunk the 16 x 16 pairs in the tile's layout (`xv`), 1 KiB per chunk.
  * Work items: (group, EG_AMX_ROWS rows, EG_AMX_COLS output columns), run as 2 x 2 tiles
- * (eg_item_amx), the weights prefetched EG_AMX_PF chunks ahead into L2. Each thread
+ * (eg_item_amx), the weights prefetched EG_AMX_PF bytes ahead into L2. Each thread
  * configures its tiles once per call and releases them after. */
 #define EG_AMX_ROWS 256 /* rows per AMX work item (passes of 2 x 16 rows) */
 #define EG_AMX_COLS 32 /* output columns per AMX work item (blocks of 16 weight rows) */
 #ifndef EG_AMX_PF
-#define EG_AMX_PF 16   /* prefetch distance in 32-element chunks */
+#define EG_AMX_PF 1024 /* prefetch distance in bytes of a weight row */
+#endif
+#ifndef EG_AMX_SPAN
+#define EG_AMX_SPAN 2 /* chunks a row decodes in one go (one span of A tiles, <= 4) */
 #endif
 #define EG_AMX_BLOCK(k32) ((k32) * 16) /* bf16 elements of one packed 16-row block */
 
@@ -1187,6 +1190,19 @@ static inline uint16_t eg_amx_bits(float v, int32_t *inexact) {
     b.f = eg_flush(v);
     if (b.u & 0xffffu) *inexact = 1;
     return (uint16_t)(b.u >> 16);
+}
+
+/* bf16 bits of e2m1 code c times scale byte s, the product as eg_amx_w_bits forms it:
+ * eg_e2m1_scaled[0][s][c] for e8m0 scales (byte 127: unscaled), [1][s][c] for e4m3 ones. */
+static uint16_t eg_e2m1_scaled[2][256][16] __attribute__((aligned(32)));
+
+__attribute__((constructor(102))) static void fill_e2m1_scaled(void) {
+    int32_t unused = 0;
+    for (int s = 0; s < 256; s++)
+        for (int c = 0; c < 16; c++) {
+            eg_e2m1_scaled[0][s][c] = eg_amx_bits(e2m1_value[c] * e8m0_value((uint8_t)s), &unused);
+            eg_e2m1_scaled[1][s][c] = eg_amx_bits(e2m1_value[c] * e4m3_value[s], &unused);
+        }
 }
 
 /* Weight element i of a row (codes w_row, scales s_row) as bf16 bits: bf16 as stored, a
@@ -1327,32 +1343,180 @@ static EG_AMX void eg_amx_decode(const eg_args *a, const uint8_t *w_row, const u
     }
 }
 
+/* bf16 bits of e4m3 magnitudes 1-7 (subnormal codes, m * 2^-9) less 0x3c00, mod 2^16. */
+static const uint16_t eg_e4m3_sub_rel[32] = {0, 0xff00, 0xff80, 0xffc0, 0, 0x20, 0x40, 0x60};
+
+/* eg_amx_decode of a whole chunk of e4m3 codes in 16-bit lanes, 32 at once: a normal
+ * code's bf16 bits are its magnitude's shifted left by 4 plus 120 << 7 (the exponents'
+ * bias difference), a subnormal (or zero) code's from a table; an e8m0 scale 2^(s - 127)
+ * adds add = (s - 127) << 7 to the exponent of every nonzero value. Exact, so the same bits
+ * as eg_amx_decode, where every result stays a bf16 normal (scale bytes 10-246: code
+ * exponents span -9..8) and no code is NaN; returns 0 with nothing written otherwise. */
+static inline __attribute__((always_inline)) EG_AMX int eg_amx_e4m3_fast(const uint8_t *codes,
+                                                                       int32_t add,
+                                                                       uint16_t *dst) {
+    const __m512i sx = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)codes));
+    const __m512i mag = _mm512_and_si512(sx, _mm512_set1_epi16(0x7f));
+    if (_mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f))) return 0;
+    const __m512i k = _mm512_set1_epi16((short)(0x3c00 + add));
+    /* subnormal bits plus add; magnitude 0 -> 0 */
+    const __m512i sub = _mm512_maskz_add_epi16(0xfffffffeu, _mm512_loadu_si512(eg_e4m3_sub_rel), k);
+    __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), k);
+    r = _mm512_mask_permutexvar_epi16(r, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
+                                      sub);
+    r = _mm512_ternarylogic_epi32(r, sx, _mm512_set1_epi16((short)0x8000),
+                                  0xf8); /* r | (sx & 0x8000): the sign */
+    _mm512_storeu_si512(dst, r);
+    return 1;
+}
+
+/* eg_amx_decode of a whole chunk of e2m1 codes in 16-bit lanes, 32 at once: each looked up
+ * in the 16 products code x scale of its half's scale (t0: elements [0, 16), t1: [16, 32);
+ * rows of eg_e2m1_scaled). */
+static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_fast(const uint8_t *codes,
+                                                                        const uint16_t *t0,
+                                                                        const uint16_t *t1,
+                                                                        uint16_t *dst) {
+    const __m512i table = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)t0)),
+        _mm256_load_si256((const __m256i *)t1), 1);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    /* element 2m: byte m's low nibble (word 2m), 2m + 1 its high one; +16 in the upper half */
+    __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12),
+                                            _mm512_set1_epi32(0x000f000f), 0xa8); /* (b | b << 12) & c */
+    idx = _mm512_or_si512(idx, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x00100010, 0x00100010,
+                                                 0x00100010, 0x00100010, 0x00100010, 0x00100010,
+                                                 0x00100010, 0x00100010));
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, table));
+}
+
+static const uint8_t eg_unscaled = 127; /* the scale byte of unscaled codes: 2^0 as e8m0 */
+
+/* Weight rows [j, j + nr) of the expert at we (scales se), whole chunks [c0, c0 + nc) of
+ * codes (nc <= EG_AMX_SPAN), decoded into the A tiles at buf (chunk cc's tile at buf + cc *
+ * 16 * EG_DOT, 64 bytes a row, zeros past nr): a row's chunks one after the other, by the
+ * 16-bit-lane decodes where they apply, eg_amx_decode otherwise. */
+static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const uint8_t *se,
+                                      int64_t j, int64_t nr, int64_t c0, int64_t nc,
+                                      uint16_t *buf) {
+    const int64_t ldw = a->w_row_bytes, sb = a->s_block, lds = se ? a->s_row_bytes : 0;
+    const uint8_t *w = we + j * ldw, *s = se ? se + j * lds : &eg_unscaled;
+    int64_t at0[EG_AMX_SPAN], at1[EG_AMX_SPAN]; /* scale bytes of each chunk's halves */
+    for (int64_t cc = 0; cc < nc; cc++) {
+        at0[cc] = se ? (c0 + cc) * EG_DOT / sb : 0;
+        at1[cc] = se ? ((c0 + cc) * EG_DOT + 16) / sb : 0;
+    }
+    const int64_t tile = 16 * EG_DOT;
+    if (a->w_kind == EG_W_E4M3 &&
+        (a->s_kind == EG_S_NONE || (a->s_kind == EG_S_E8M0 && sb % EG_DOT == 0))) {
+        /* one e8m0 scale per chunk, or none; the chunks it does not cover after, so that
+         * no call breaks the loop (bit r * EG_AMX_SPAN + cc) */
+        uint64_t slow = 0;
+        for (int64_t cc = 0; cc < nc; cc++)
+            for (int64_t r = 0; r < nr; r++) {
+                const int32_t sr = s[r * lds + at0[cc]];
+                if (sr < 10 || sr > 246 ||
+                    !eg_amx_e4m3_fast(w + r * ldw + (c0 + cc) * EG_DOT, (sr - 127) * 128,
+                                      buf + cc * tile + r * EG_DOT))
+                    slow |= 1ull << (r * EG_AMX_SPAN + cc);
+            }
+        for (int64_t r = 0; slow && r < nr; r++)
+            for (int64_t cc = 0; cc < nc; cc++)
+                if (slow >> (r * EG_AMX_SPAN + cc) & 1u)
+                    eg_amx_decode(a, w + r * ldw, s + r * lds, c0 + cc,
+                                  buf + cc * tile + r * EG_DOT);
+    } else if (a->w_kind == EG_W_E2M1 && a->s_kind != EG_S_F32) {
+        const uint16_t(*t)[16] = eg_e2m1_scaled[a->s_kind == EG_S_E4M3];
+        for (int64_t r = 0; r < nr; r++) {
+            const uint8_t *wr = w + r * ldw + c0 * (EG_DOT / 2), *sr = s + r * lds;
+            for (int64_t cc = 0; cc < nc; cc++)
+                eg_amx_e2m1_fast(wr + cc * (EG_DOT / 2), t[sr[at0[cc]]], t[sr[at1[cc]]],
+                                 buf + cc * tile + r * EG_DOT);
+        }
+    } else {
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t cc = 0; cc < nc; cc++)
+                eg_amx_decode(a, w + r * ldw, s + r * lds, c0 + cc, buf + cc * tile + r * EG_DOT);
+    }
+    if (nr < 16)
+        for (int64_t cc = 0; cc < nc; cc++)
+            memset(buf + cc * tile + nr * EG_DOT, 0, sizeof(uint16_t) * (size_t)((16 - nr) * EG_DOT));
+}
+
+/* Prefetches chunk c's bytes of weight rows [j, j + nr) EG_AMX_PF bytes ahead, past a row's
+ * end into the same row of the next work item's block (EG_AMX_COLS rows on): each 64-byte
+ * line once, spread over the chunks it holds (at chunk c, the rows = c mod m, m chunks a
+ * line). */
+static inline EG_AMX void eg_amx_prefetch(const eg_args *a, const uint8_t *we, int64_t j,
+                                          int64_t nr, int64_t c) {
+    const int64_t ldw = a->w_row_bytes, chunk_bytes = EG_DOT * eg_bits(a->w_kind) / 8;
+    const int64_t row_bytes = a->k / EG_DOT * chunk_bytes;
+    const int64_t m = chunk_bytes < 64 ? 64 / chunk_bytes : 1, phase = c % m;
+    int64_t at = (c - phase) * chunk_bytes + EG_AMX_PF, jp = j;
+    if (row_bytes <= 0) return;
+    for (; at >= row_bytes; at -= row_bytes) jp += EG_AMX_COLS;
+    for (int64_t r = phase; r < nr && jp + r < a->n; r += m)
+        _mm_prefetch((const char *)we + (jp + r) * ldw + at, _MM_HINT_T1);
+}
+
 /* The A tile of weight rows [j, j + nr) of the expert at we (scales se), chunk c: bf16
- * weights where they are stored (their row stride apart), prefetching EG_AMX_PF chunks
- * ahead; a partial block or chunk, or codes, decoded into buf (64 bytes apart, zeros past
- * nr rows and past K). Sets *stride. */
+ * weights where they are stored (their row stride apart), codes (and a partial block or
+ * chunk) decoded into buf (64 bytes apart, zeros past nr rows and past K); prefetching
+ * (eg_amx_prefetch). Sets *stride. */
 static EG_AMX const void *eg_amx_a(const eg_args *a, const uint8_t *we, const uint8_t *se,
                                    int64_t j, int64_t nr, int64_t c, uint16_t *buf,
                                    int64_t *stride) {
     const int64_t ldw = a->w_row_bytes, whole = a->k / EG_DOT;
-    const int64_t chunk_bytes = EG_DOT * eg_bits(a->w_kind) / 8;
-    if (c + EG_AMX_PF < whole)
-        for (int64_t r = 0; r < nr; r++)
-            _mm_prefetch((const char *)we + (j + r) * ldw + (c + EG_AMX_PF) * chunk_bytes,
-                         _MM_HINT_T1);
+    eg_amx_prefetch(a, we, j, nr, c);
     if (a->w_kind == EG_W_BF16 && nr == 16 && c < whole) {
         *stride = ldw;
-        return we + j * ldw + c * chunk_bytes;
+        return we + j * ldw + c * EG_DOT * 2;
     }
-    for (int64_t r = 0; r < 16; r++) {
-        if (r < nr)
-            eg_amx_decode(a, we + (j + r) * ldw, se ? se + (j + r) * a->s_row_bytes : NULL, c,
-                          buf + r * EG_DOT);
-        else
-            memset(buf + r * EG_DOT, 0, sizeof(uint16_t) * EG_DOT);
+    if (a->w_kind != EG_W_BF16 && c < whole) {
+        eg_amx_decode_rows(a, we, se, j, nr, c, 1, buf);
+    } else {
+        for (int64_t r = 0; r < 16; r++) {
+            if (r < nr)
+                eg_amx_decode(a, we + (j + r) * ldw, se ? se + (j + r) * a->s_row_bytes : NULL,
+                              c, buf + r * EG_DOT);
+            else
+                memset(buf + r * EG_DOT, 0, sizeof(uint16_t) * EG_DOT);
+        }
     }
     *stride = 2 * EG_DOT;
     return buf;
+}
+
+/* The item's A tiles of chunks [c0, c0 + nc) (nc <= EG_AMX_SPAN; weight rows [j0, j0 + nr0)
+ * and, nr1 > 0, the next 16): chunk cc's addresses p[cc][block] and strides st[cc][block];
+ * codes decoded into buf0 / buf1 (chunk cc's tile 16 * EG_DOT elements on), whole chunks of
+ * a row together. */
+static EG_AMX void eg_amx_stage(const eg_args *a, const uint8_t *we, const uint8_t *se,
+                                int64_t j0, int64_t nr0, int64_t nr1, int64_t c0, int64_t nc,
+                                uint16_t *buf0, uint16_t *buf1, const void *(*p)[2],
+                                int64_t (*st)[2]) {
+    const int64_t whole = a->k / EG_DOT, tile = 16 * EG_DOT;
+    int64_t nd = 0; /* whole chunks of codes, decoded together */
+    if (a->w_kind != EG_W_BF16) {
+        nd = whole - c0 < nc ? whole - c0 : nc;
+        nd = nd > 0 ? nd : 0;
+        for (int64_t cc = 0; cc < nd; cc++) {
+            eg_amx_prefetch(a, we, j0, nr0, c0 + cc);
+            if (nr1 > 0) eg_amx_prefetch(a, we, j0 + 16, nr1, c0 + cc);
+            p[cc][0] = buf0 + cc * tile;
+            p[cc][1] = buf1 + cc * tile;
+            st[cc][0] = st[cc][1] = 2 * EG_DOT;
+        }
+        if (nd > 0) {
+            eg_amx_decode_rows(a, we, se, j0, nr0, c0, nd, buf0);
+            if (nr1 > 0) eg_amx_decode_rows(a, we, se, j0 + 16, nr1, c0, nd, buf1);
+        }
+    }
+    for (int64_t cc = nd; cc < nc; cc++) {
+        p[cc][0] = eg_amx_a(a, we, se, j0, nr0, c0 + cc, buf0 + cc * tile, &st[cc][0]);
+        if (nr1 > 0)
+            p[cc][1] = eg_amx_a(a, we, se, j0 + 16, nr1, c0 + cc, buf1 + cc * tile, &st[cc][1]);
+    }
 }
 
 /* eg_amx_store's work on 16 lanes (AMX CPUs have AVX-512): row m of the output gathers
@@ -1400,20 +1564,22 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
     const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
     const int64_t tb_step = EG_AMX_BLOCK(k32); /* elements from one 16-row block to the next */
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
-    uint16_t abuf[2][16 * EG_DOT] __attribute__((aligned(64)));
+    /* [stage][block][chunk]: the A tiles of EG_AMX_SPAN chunks, decoded one span ahead */
+    uint16_t abuf[2][2][EG_AMX_SPAN][16 * EG_DOT] __attribute__((aligned(64)));
+    const void *ap[2][EG_AMX_SPAN][2];
+    int64_t as[2][EG_AMX_SPAN][2];
     float sums[16 * 16] __attribute__((aligned(64)));
+    const int64_t tsz = 16 * EG_DOT; /* elements of one A tile */
     /* codes: the item's A tiles decoded once for all its passes (2 x chunks x 1 KiB, in L2)
      * when more than one pass needs them and the buffer can be had */
     uint16_t *decoded = NULL;
     if (a->w_kind != EG_W_BF16 && rows > 32)
-        decoded = aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * chunks * 16 * EG_DOT));
+        decoded = aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * chunks * tsz));
     if (decoded)
-        for (int64_t c = 0; c < chunks; c++) {
-            int64_t unused; /* codes always land in the buffer given, 64 bytes a row */
-            uint16_t *d0 = decoded + c * 16 * EG_DOT, *d1 = d0 + chunks * 16 * EG_DOT;
-            (void)eg_amx_a(a, we, se, j0, nr0, c, d0, &unused);
-            if (nr1 > 0) (void)eg_amx_a(a, we, se, j0 + 16, nr1, c, d1, &unused);
-        }
+        for (int64_t c0 = 0; c0 < chunks; c0 += EG_AMX_SPAN)
+            eg_amx_stage(a, we, se, j0, nr0, nr1, c0,
+                         chunks - c0 < EG_AMX_SPAN ? chunks - c0 : EG_AMX_SPAN,
+                         decoded + c0 * tsz, decoded + (chunks + c0) * tsz, ap[0], as[0]);
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int two = rows - r0 > 16; /* a second 16-row block */
         const uint16_t *xv = a->xv + (a->xv_start[g] + (i0 + r0) / 16) * EG_AMX_BLOCK(k32);
@@ -1421,24 +1587,39 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t c = 0; c < chunks; c++) {
-            int64_t s0 = 2 * EG_DOT, s1 = 2 * EG_DOT;
-            const void *a0 = decoded ? decoded + c * 16 * EG_DOT
-                                     : eg_amx_a(a, we, se, j0, nr0, c, abuf[0], &s0);
-            const uint16_t *xc = xv + c * 16 * EG_DOT;
-            _tile_loadd(4, a0, s0);
-            _tile_loadd(6, xc, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two) {
-                _tile_loadd(7, xc + tb_step, 64);
-                _tile_dpbf16ps(1, 4, 7);
+        /* the A tiles a span ahead (stage): a decoded chunk's stores have reached the cache
+         * by the time its tile load runs (tile loads wait for them otherwise) */
+        if (!decoded)
+            eg_amx_stage(a, we, se, j0, nr0, nr1, 0, chunks < EG_AMX_SPAN ? chunks : EG_AMX_SPAN,
+                         abuf[0][0][0], abuf[0][1][0], ap[0], as[0]);
+        for (int64_t c0 = 0, stg = 0; c0 < chunks; c0 += EG_AMX_SPAN, stg ^= 1) {
+            const int64_t nc = chunks - c0 < EG_AMX_SPAN ? chunks - c0 : EG_AMX_SPAN;
+            const int64_t next = c0 + EG_AMX_SPAN;
+            if (decoded) {
+                for (int64_t cc = 0; cc < nc; cc++) {
+                    ap[stg][cc][0] = decoded + (c0 + cc) * tsz;
+                    ap[stg][cc][1] = decoded + (chunks + c0 + cc) * tsz;
+                    as[stg][cc][0] = as[stg][cc][1] = 2 * EG_DOT;
+                }
+            } else if (next < chunks) {
+                eg_amx_stage(a, we, se, j0, nr0, nr1, next,
+                             chunks - next < EG_AMX_SPAN ? chunks - next : EG_AMX_SPAN,
+                             abuf[stg ^ 1][0][0], abuf[stg ^ 1][1][0], ap[stg ^ 1], as[stg ^ 1]);
             }
-            if (nr1 > 0) {
-                const void *a1 = decoded ? decoded + (chunks + c) * 16 * EG_DOT
-                                         : eg_amx_a(a, we, se, j0 + 16, nr1, c, abuf[1], &s1);
-                _tile_loadd(5, a1, s1);
-                _tile_dpbf16ps(2, 5, 6);
-                if (two) _tile_dpbf16ps(3, 5, 7);
+            for (int64_t cc = 0; cc < nc; cc++) {
+                const uint16_t *xc = xv + (c0 + cc) * tsz;
+                _tile_loadd(4, ap[stg][cc][0], as[stg][cc][0]);
+                _tile_loadd(6, xc, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) {
+                    _tile_loadd(7, xc + tb_step, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (nr1 > 0) {
+                    _tile_loadd(5, ap[stg][cc][1], as[stg][cc][1]);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two) _tile_dpbf16ps(3, 5, 7);
+                }
             }
         }
         const int64_t out_row = a->out_row0[g] + i0 + r0;
