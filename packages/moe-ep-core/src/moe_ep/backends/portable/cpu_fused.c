@@ -1242,20 +1242,6 @@ static float eg_amx_scalar(const eg_args *a, int64_t q, const uint8_t *w_row, co
     return acc;
 }
 
-/* Packs rows [16 block, +16) of group g (zeros past its last row) into the B tiles'
- * layout: per 32-chunk c, per pair p, per row t the pair (x[32c + 2p], x[32c + 2p + 1]). */
-static void eg_amx_pack(const eg_args *a, int64_t g, int64_t block) {
-    const int64_t q0 = a->q_start[g] + block * 16, k = a->k, k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
-    const int64_t rows = a->q_start[g + 1] - q0 < 16 ? a->q_start[g + 1] - q0 : 16;
-    uint32_t *dst = (uint32_t *)(a->xv + (a->xv_start[g] + block) * EG_AMX_BLOCK(k32));
-    for (int64_t t = 0; t < 16; t++)
-        for (int64_t i = 0; i < k32; i += 2) {
-            const uint32_t lo = t < rows && i < k ? eg_amx_x_bits(a, q0 + t, i) : 0;
-            const uint32_t hi = t < rows && i + 1 < k ? eg_amx_x_bits(a, q0 + t, i + 1) : 0;
-            dst[(i / EG_DOT * 16 + i % EG_DOT / 2) * 16 + t] = lo | hi << 16;
-        }
-}
-
 /* Writes the sums of 16 weight rows (from output column j, nr of them) x rows [m0, m0 +
  * mr) of the item: sums[r * 16 + m], column j + r, row m. */
 static void eg_amx_store(const eg_args *a, const float *sums, int64_t out_row, int64_t mr,
@@ -1517,6 +1503,49 @@ static EG_AMX void eg_amx_stage(const eg_args *a, const uint8_t *we, const uint8
         if (nr1 > 0)
             p[cc][1] = eg_amx_a(a, we, se, j0 + 16, nr1, c0 + cc, buf1 + cc * tile, &st[cc][1]);
     }
+}
+
+/* Packs rows [16 block, +16) of group g (zeros past its last row) into the B tiles' layout:
+ * per 32-chunk c, per pair p, per row t the pair (x[32c + 2p], x[32c + 2p + 1]) as bf16
+ * (eg_amx_x_bits). The block zeroed, then per row and whole chunk its 16 pairs (bf16 as
+ * stored; fp32 read as zero where subnormal, its low halves checked zero, the high ones
+ * taken) scattered 16 apart; a K tail element by element. */
+static EG_AMX void eg_amx_pack16(const eg_args *a, int64_t g, int64_t block) {
+    const int64_t q0 = a->q_start[g] + block * 16, k = a->k, k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
+    const int64_t rows = a->q_start[g + 1] - q0 < 16 ? a->q_start[g + 1] - q0 : 16;
+    const int64_t whole = k / EG_DOT;
+    uint32_t *dst = (uint32_t *)(a->xv + (a->xv_start[g] + block) * EG_AMX_BLOCK(k32));
+    const __m512i apart = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
+    const __m512i high = _mm512_setr_epi32( /* words 2p + 1 of two fp32 vectors, in order */
+        0x00030001, 0x00070005, 0x000b0009, 0x000f000d, 0x00130011, 0x00170015, 0x001b0019,
+        0x001f001d, 0x00230021, 0x00270025, 0x002b0029, 0x002f002d, 0x00330031, 0x00370035,
+        0x003b0039, 0x003f003d);
+    const __m512i exp = _mm512_set1_epi32(0x7f800000), sign = _mm512_set1_epi32((int)0x80000000u);
+    memset(dst, 0, sizeof(uint16_t) * (size_t)EG_AMX_BLOCK(k32));
+    __mmask16 lost = 0;
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t row = a->x_rows ? a->x_rows[q0 + t] : q0 + t;
+        for (int64_t c = 0; c < whole; c++) {
+            __m512i v;
+            if (a->x_kind == EG_X_BF16) {
+                v = _mm512_loadu_si512(a->x16 + row * a->ld_x + c * EG_DOT);
+            } else {
+                const float *src = (const float *)a->x16 + row * a->ld_x + c * EG_DOT;
+                __m512i lo = _mm512_loadu_si512(src), hi = _mm512_loadu_si512(src + 16);
+                lo = _mm512_mask_and_epi32(lo, _mm512_testn_epi32_mask(lo, exp), lo, sign);
+                hi = _mm512_mask_and_epi32(hi, _mm512_testn_epi32_mask(hi, exp), hi, sign);
+                lost |= _mm512_test_epi32_mask(lo, _mm512_set1_epi32(0xffff)) |
+                        _mm512_test_epi32_mask(hi, _mm512_set1_epi32(0xffff));
+                v = _mm512_permutex2var_epi16(lo, high, hi);
+            }
+            _mm512_i32scatter_epi32(dst + c * 16 * 16 + t, apart, v, 4);
+        }
+        for (int64_t i = whole * EG_DOT; i < k; i++) /* the K tail */
+            ((uint16_t *)(dst + (i / EG_DOT * 16 + i % EG_DOT / 2) * 16 + t))[i & 1] =
+                eg_amx_x_bits(a, q0 + t, i);
+    }
+    if (lost) *a->inexact = 1;
 }
 
 /* eg_amx_store's work on 16 lanes (AMX CPUs have AVX-512): row m of the output gathers
@@ -2229,6 +2258,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     const int64_t blocks = blk_start[groups], vblocks = xv_start[groups];
     const size_t x_elem = x_kind == EG_X_F32 ? 4 : 2;
     (void)threads;
+    (void)vblocks; /* packed (AMX builds only) */
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
@@ -2251,11 +2281,13 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
             const int64_t lo = eg_group_of(blk_start, groups, b); /* the group holding block b */
             eg_kseq_transpose(&a, lo, b - blk_start[lo]);
         }
+#ifdef MOE_EP_AMX_GEMM /* blocks only where the AMX body runs */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < vblocks; b++) {
             const int64_t lo = eg_group_of(xv_start, groups, b); /* the group holding block b */
-            eg_amx_pack(&a, lo, b - xv_start[lo]);
+            eg_amx_pack16(&a, lo, b - xv_start[lo]);
         }
+#endif
         /* the twin's fp32 x checked exact in bf16 before any output (the body's packing
          * above checks it) */
         if (amx_body && !packed && x_kind == EG_X_F32) {
