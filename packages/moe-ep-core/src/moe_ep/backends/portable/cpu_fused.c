@@ -776,6 +776,7 @@ typedef struct {
     uint16_t *xv;             /* the AMX bodies' packed x blocks, or NULL */
     int32_t x_kind;           /* EG_X_BF16 / EG_X_F32: x16's elements */
     int32_t *inexact;         /* set when an fp32 x value is not exact in bf16 (AMX bodies) */
+    uint16_t *dec;            /* per thread, an AMX item's decoded A tiles (codes) */
     const int64_t *xv_start;  /* group g's packed blocks: xv_start[g] on (EG_AMX_BLOCK each) */
 } eg_args;
 
@@ -1178,9 +1179,6 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
 #ifndef EG_AMX_PF
 #define EG_AMX_PF 1024 /* prefetch distance in bytes of a weight row */
 #endif
-#ifndef EG_AMX_SPAN
-#define EG_AMX_SPAN 2 /* chunks a row decodes in one go (one span of A tiles, <= 4) */
-#endif
 #define EG_AMX_BLOCK(k32) ((k32) * 16) /* bf16 elements of one packed 16-row block */
 
 /* bf16 bits of fp32 v, subnormals to a zero of their sign (daz), truncated: exact for the
@@ -1378,51 +1376,57 @@ static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_fast(const 
 
 static const uint8_t eg_unscaled = 127; /* the scale byte of unscaled codes: 2^0 as e8m0 */
 
+/* The scale bytes of chunk c's halves (elements [0, 16) and [16, 32)), block sb. */
+static inline int64_t eg_amx_s_at(int64_t c, int64_t half, int64_t sb) {
+    return sb == 16 ? 2 * c + half : sb == EG_DOT ? c : (c * EG_DOT + 16 * half) / sb;
+}
+
 /* Weight rows [j, j + nr) of the expert at we (scales se), whole chunks [c0, c0 + nc) of
- * codes (nc <= EG_AMX_SPAN), decoded into the A tiles at buf (chunk cc's tile at buf + cc *
- * 16 * EG_DOT, 64 bytes a row, zeros past nr): a row's chunks one after the other, by the
- * 16-bit-lane decodes where they apply, eg_amx_decode otherwise. */
+ * codes, decoded into the A tiles at buf (chunk cc's tile at buf + cc * 16 * EG_DOT, 64
+ * bytes a row, zeros past nr): row by row, each in memory order (a stream the hardware
+ * prefetchers follow), by the 16-bit-lane decodes where they apply, eg_amx_decode otherwise. */
 static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const uint8_t *se,
                                       int64_t j, int64_t nr, int64_t c0, int64_t nc,
                                       uint16_t *buf) {
     const int64_t ldw = a->w_row_bytes, sb = a->s_block, lds = se ? a->s_row_bytes : 0;
     const uint8_t *w = we + j * ldw, *s = se ? se + j * lds : &eg_unscaled;
-    int64_t at0[EG_AMX_SPAN], at1[EG_AMX_SPAN]; /* scale bytes of each chunk's halves */
-    for (int64_t cc = 0; cc < nc; cc++) {
-        at0[cc] = se ? (c0 + cc) * EG_DOT / sb : 0;
-        at1[cc] = se ? ((c0 + cc) * EG_DOT + 16) / sb : 0;
-    }
     const int64_t tile = 16 * EG_DOT;
     if (a->w_kind == EG_W_E4M3 &&
         (a->s_kind == EG_S_NONE || (a->s_kind == EG_S_E8M0 && sb % EG_DOT == 0))) {
         /* one e8m0 scale per chunk, or none; the chunks it does not cover after, so that
-         * no call breaks the loop (bit r * EG_AMX_SPAN + cc) */
-        uint64_t slow = 0;
-        for (int64_t cc = 0; cc < nc; cc++)
-            for (int64_t r = 0; r < nr; r++) {
-                const int32_t sr = s[r * lds + at0[cc]];
-                if (sr < 10 || sr > 246 ||
-                    !eg_amx_e4m3_fast(w + r * ldw + (c0 + cc) * EG_DOT, (sr - 127) * 128,
-                                      buf + cc * tile + r * EG_DOT))
-                    slow |= 1ull << (r * EG_AMX_SPAN + cc);
+         * no call breaks the loop */
+        int64_t slow = 0;
+        for (int64_t r = 0; r < nr; r++) {
+            const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
+            for (int64_t c = c0; c < c0 + nc; c++) {
+                const int32_t sc = sr[se ? eg_amx_s_at(c, 0, sb) : 0];
+                if (sc < 10 || sc > 246 ||
+                    !eg_amx_e4m3_fast(wr + c * EG_DOT, (sc - 127) * 128,
+                                      buf + (c - c0) * tile + r * EG_DOT))
+                    slow = 1;
             }
-        for (int64_t r = 0; slow && r < nr; r++)
-            for (int64_t cc = 0; cc < nc; cc++)
-                if (slow >> (r * EG_AMX_SPAN + cc) & 1u)
-                    eg_amx_decode(a, w + r * ldw, s + r * lds, c0 + cc,
-                                  buf + cc * tile + r * EG_DOT);
+        }
+        for (int64_t r = 0; slow && r < nr; r++) /* every chunk again, element by element */
+            for (int64_t c = c0; c < c0 + nc; c++) {
+                const int32_t sc = s[r * lds + (se ? eg_amx_s_at(c, 0, sb) : 0)];
+                uint16_t *dst = buf + (c - c0) * tile + r * EG_DOT;
+                if (sc < 10 || sc > 246 ||
+                    !eg_amx_e4m3_fast(w + r * ldw + c * EG_DOT, (sc - 127) * 128, dst))
+                    eg_amx_decode(a, w + r * ldw, s + r * lds, c, dst);
+            }
     } else if (a->w_kind == EG_W_E2M1 && a->s_kind != EG_S_F32) {
         const uint16_t(*t)[16] = eg_e2m1_scaled[a->s_kind == EG_S_E4M3];
         for (int64_t r = 0; r < nr; r++) {
-            const uint8_t *wr = w + r * ldw + c0 * (EG_DOT / 2), *sr = s + r * lds;
-            for (int64_t cc = 0; cc < nc; cc++)
-                eg_amx_e2m1_fast(wr + cc * (EG_DOT / 2), t[sr[at0[cc]]], t[sr[at1[cc]]],
-                                 buf + cc * tile + r * EG_DOT);
+            const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
+            for (int64_t c = c0; c < c0 + nc; c++)
+                eg_amx_e2m1_fast(wr + c * (EG_DOT / 2), t[sr[se ? eg_amx_s_at(c, 0, sb) : 0]],
+                                 t[sr[se ? eg_amx_s_at(c, 1, sb) : 0]],
+                                 buf + (c - c0) * tile + r * EG_DOT);
         }
     } else {
         for (int64_t r = 0; r < nr; r++)
-            for (int64_t cc = 0; cc < nc; cc++)
-                eg_amx_decode(a, w + r * ldw, s + r * lds, c0 + cc, buf + cc * tile + r * EG_DOT);
+            for (int64_t c = c0; c < c0 + nc; c++)
+                eg_amx_decode(a, w + r * ldw, s + r * lds, c, buf + (c - c0) * tile + r * EG_DOT);
     }
     if (nr < 16)
         for (int64_t cc = 0; cc < nc; cc++)
@@ -1471,38 +1475,6 @@ static EG_AMX const void *eg_amx_a(const eg_args *a, const uint8_t *we, const ui
     }
     *stride = 2 * EG_DOT;
     return buf;
-}
-
-/* The item's A tiles of chunks [c0, c0 + nc) (nc <= EG_AMX_SPAN; weight rows [j0, j0 + nr0)
- * and, nr1 > 0, the next 16): chunk cc's addresses p[cc][block] and strides st[cc][block];
- * codes decoded into buf0 / buf1 (chunk cc's tile 16 * EG_DOT elements on), whole chunks of
- * a row together. */
-static EG_AMX void eg_amx_stage(const eg_args *a, const uint8_t *we, const uint8_t *se,
-                                int64_t j0, int64_t nr0, int64_t nr1, int64_t c0, int64_t nc,
-                                uint16_t *buf0, uint16_t *buf1, const void *(*p)[2],
-                                int64_t (*st)[2]) {
-    const int64_t whole = a->k / EG_DOT, tile = 16 * EG_DOT;
-    int64_t nd = 0; /* whole chunks of codes, decoded together */
-    if (a->w_kind != EG_W_BF16) {
-        nd = whole - c0 < nc ? whole - c0 : nc;
-        nd = nd > 0 ? nd : 0;
-        for (int64_t cc = 0; cc < nd; cc++) {
-            eg_amx_prefetch(a, we, j0, nr0, c0 + cc);
-            if (nr1 > 0) eg_amx_prefetch(a, we, j0 + 16, nr1, c0 + cc);
-            p[cc][0] = buf0 + cc * tile;
-            p[cc][1] = buf1 + cc * tile;
-            st[cc][0] = st[cc][1] = 2 * EG_DOT;
-        }
-        if (nd > 0) {
-            eg_amx_decode_rows(a, we, se, j0, nr0, c0, nd, buf0);
-            if (nr1 > 0) eg_amx_decode_rows(a, we, se, j0 + 16, nr1, c0, nd, buf1);
-        }
-    }
-    for (int64_t cc = nd; cc < nc; cc++) {
-        p[cc][0] = eg_amx_a(a, we, se, j0, nr0, c0 + cc, buf0 + cc * tile, &st[cc][0]);
-        if (nr1 > 0)
-            p[cc][1] = eg_amx_a(a, we, se, j0 + 16, nr1, c0 + cc, buf1 + cc * tile, &st[cc][1]);
-    }
 }
 
 /* Packs rows [16 block, +16) of group g (zeros past its last row) into the B tiles' layout:
@@ -1583,7 +1555,8 @@ static EG_AMX void eg_amx_store16(const eg_args *a, const float *sums, int64_t o
  * columns [tile * EG_AMX_COLS, +EG_AMX_COLS): per pair of 16-row blocks, the item's (up
  * to) two blocks of 16 weight rows x the two row blocks accumulate in tiles 0-3 (C[w][t]
  * in tile 2w + t; A tiles 4-5, B tiles 6-7) over the whole of K. */
-static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64_t tile) {
+static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64_t tile,
+                               uint16_t *dec) {
     const int64_t i0 = block * EG_AMX_ROWS, n_rows = a->q_start[g + 1] - a->q_start[g];
     const int64_t rows = n_rows - i0 < EG_AMX_ROWS ? n_rows - i0 : EG_AMX_ROWS;
     const int64_t k32 = (a->k + EG_DOT - 1) / EG_DOT * EG_DOT, chunks = k32 / EG_DOT;
@@ -1592,23 +1565,26 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
     const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
     const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
     const int64_t tb_step = EG_AMX_BLOCK(k32); /* elements from one 16-row block to the next */
+    const int64_t tsz = 16 * EG_DOT;           /* elements of one A tile */
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
-    /* [stage][block][chunk]: the A tiles of EG_AMX_SPAN chunks, decoded one span ahead */
-    uint16_t abuf[2][2][EG_AMX_SPAN][16 * EG_DOT] __attribute__((aligned(64)));
-    const void *ap[2][EG_AMX_SPAN][2];
-    int64_t as[2][EG_AMX_SPAN][2];
+    uint16_t abuf[2][16 * EG_DOT] __attribute__((aligned(64)));
     float sums[16 * 16] __attribute__((aligned(64)));
-    const int64_t tsz = 16 * EG_DOT; /* elements of one A tile */
-    /* codes: the item's A tiles decoded once for all its passes (2 x chunks x 1 KiB, in L2)
-     * when more than one pass needs them and the buffer can be had */
-    uint16_t *decoded = NULL;
-    if (a->w_kind != EG_W_BF16 && rows > 32)
-        decoded = aligned_alloc(64, sizeof(uint16_t) * (size_t)(2 * chunks * tsz));
-    if (decoded)
-        for (int64_t c0 = 0; c0 < chunks; c0 += EG_AMX_SPAN)
-            eg_amx_stage(a, we, se, j0, nr0, nr1, c0,
-                         chunks - c0 < EG_AMX_SPAN ? chunks - c0 : EG_AMX_SPAN,
-                         decoded + c0 * tsz, decoded + (chunks + c0) * tsz, ap[0], as[0]);
+    /* codes: the item's A tiles decoded first, each weight row read once in memory order
+     * (a stream the hardware prefetchers follow), into the thread's buffer dec (2 x chunks
+     * x 1 KiB, in L2), for all the item's passes */
+    const int codes = a->w_kind != EG_W_BF16;
+    if (codes) {
+        const int64_t whole = a->k / EG_DOT;
+        int64_t unused; /* codes always land in the buffer given, 64 bytes a row */
+        eg_amx_decode_rows(a, we, se, j0, nr0, 0, whole, dec);
+        if (nr1 > 0) eg_amx_decode_rows(a, we, se, j0 + 16, nr1, 0, whole, dec + chunks * tsz);
+        if (whole < chunks) { /* a partial last chunk */
+            (void)eg_amx_a(a, we, se, j0, nr0, whole, dec + whole * tsz, &unused);
+            if (nr1 > 0)
+                (void)eg_amx_a(a, we, se, j0 + 16, nr1, whole, dec + (chunks + whole) * tsz,
+                               &unused);
+        }
+    }
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int two = rows - r0 > 16; /* a second 16-row block */
         const uint16_t *xv = a->xv + (a->xv_start[g] + (i0 + r0) / 16) * EG_AMX_BLOCK(k32);
@@ -1616,39 +1592,23 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        /* the A tiles a span ahead (stage): a decoded chunk's stores have reached the cache
-         * by the time its tile load runs (tile loads wait for them otherwise) */
-        if (!decoded)
-            eg_amx_stage(a, we, se, j0, nr0, nr1, 0, chunks < EG_AMX_SPAN ? chunks : EG_AMX_SPAN,
-                         abuf[0][0][0], abuf[0][1][0], ap[0], as[0]);
-        for (int64_t c0 = 0, stg = 0; c0 < chunks; c0 += EG_AMX_SPAN, stg ^= 1) {
-            const int64_t nc = chunks - c0 < EG_AMX_SPAN ? chunks - c0 : EG_AMX_SPAN;
-            const int64_t next = c0 + EG_AMX_SPAN;
-            if (decoded) {
-                for (int64_t cc = 0; cc < nc; cc++) {
-                    ap[stg][cc][0] = decoded + (c0 + cc) * tsz;
-                    ap[stg][cc][1] = decoded + (chunks + c0 + cc) * tsz;
-                    as[stg][cc][0] = as[stg][cc][1] = 2 * EG_DOT;
-                }
-            } else if (next < chunks) {
-                eg_amx_stage(a, we, se, j0, nr0, nr1, next,
-                             chunks - next < EG_AMX_SPAN ? chunks - next : EG_AMX_SPAN,
-                             abuf[stg ^ 1][0][0], abuf[stg ^ 1][1][0], ap[stg ^ 1], as[stg ^ 1]);
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t s0 = 2 * EG_DOT, s1 = 2 * EG_DOT;
+            const void *a0 = codes ? dec + c * tsz : eg_amx_a(a, we, se, j0, nr0, c, abuf[0], &s0);
+            const uint16_t *xc = xv + c * tsz;
+            _tile_loadd(4, a0, s0);
+            _tile_loadd(6, xc, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two) {
+                _tile_loadd(7, xc + tb_step, 64);
+                _tile_dpbf16ps(1, 4, 7);
             }
-            for (int64_t cc = 0; cc < nc; cc++) {
-                const uint16_t *xc = xv + (c0 + cc) * tsz;
-                _tile_loadd(4, ap[stg][cc][0], as[stg][cc][0]);
-                _tile_loadd(6, xc, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two) {
-                    _tile_loadd(7, xc + tb_step, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                if (nr1 > 0) {
-                    _tile_loadd(5, ap[stg][cc][1], as[stg][cc][1]);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two) _tile_dpbf16ps(3, 5, 7);
-                }
+            if (nr1 > 0) {
+                const void *a1 = codes ? dec + (chunks + c) * tsz
+                                       : eg_amx_a(a, we, se, j0 + 16, nr1, c, abuf[1], &s1);
+                _tile_loadd(5, a1, s1);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) _tile_dpbf16ps(3, 5, 7);
             }
         }
         const int64_t out_row = a->out_row0[g] + i0 + r0;
@@ -1668,7 +1628,6 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
             }
         }
     }
-    free(decoded);
 }
 #endif
 
@@ -2248,9 +2207,15 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     if (xt_start[groups] > 0) a.xt = malloc(sizeof(float) * (size_t)xt_start[groups]);
     if (xv_start[groups] > 0)
         a.xv = malloc(sizeof(uint16_t) * (size_t)(xv_start[groups] * EG_AMX_BLOCK(k32)));
-    if ((xt_start[groups] > 0 && a.xt == NULL) || (xv_start[groups] > 0 && a.xv == NULL)) {
+    /* per thread, an AMX item's decoded A tiles (codes only, eg_item_amx) */
+    const int64_t dec_size = packed && w_kind != EG_W_BF16 ? 2 * EG_AMX_BLOCK(k32) : 0;
+    if (dec_size > 0)
+        a.dec = aligned_alloc(64, sizeof(uint16_t) * (size_t)(dec_size * (threads > 1 ? threads : 1)));
+    if ((xt_start[groups] > 0 && a.xt == NULL) || (xv_start[groups] > 0 && a.xv == NULL) ||
+        (dec_size > 0 && a.dec == NULL)) {
         free(a.xt);
         free(a.xv);
+        free(a.dec);
         free(item_start);
         return -1;
     }
@@ -2297,6 +2262,11 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
         }
 #ifdef MOE_EP_AMX_GEMM
         if (packed) eg_amx_configure();
+#ifdef _OPENMP
+        uint16_t *dec = a.dec ? a.dec + (int64_t)omp_get_thread_num() * dec_size : NULL;
+#else
+        uint16_t *dec = a.dec;
+#endif
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
@@ -2305,7 +2275,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
             const int64_t i = it - item_start[lo];
             if (amx_body) { /* every group of the call */
 #ifdef MOE_EP_AMX_GEMM
-                if (packed) eg_item_amx(&a, lo, i / amx_tiles, i % amx_tiles);
+                if (packed) eg_item_amx(&a, lo, i / amx_tiles, i % amx_tiles, dec);
                 else
 #endif
                     eg_item_amx_scalar(&a, lo, i / amx_tiles, i % amx_tiles);
@@ -2320,6 +2290,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     }
     free(a.xt);
     free(a.xv);
+    free(a.dec);
     free(item_start);
     return inexact ? -4 : 0;
 }
