@@ -1179,6 +1179,9 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
 #ifndef EG_AMX_PF
 #define EG_AMX_PF 1024 /* prefetch distance in bytes of a weight row */
 #endif
+#ifndef EG_AMX_DPF
+#define EG_AMX_DPF 2048 /* bytes a decoded row's codes are prefetched ahead (into L1) */
+#endif
 #define EG_AMX_BLOCK(k32) ((k32) * 16) /* bf16 elements of one packed 16-row block */
 
 /* bf16 bits of fp32 v, subnormals to a zero of their sign (daz), truncated: exact for the
@@ -1399,6 +1402,8 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
         for (int64_t r = 0; r < nr; r++) {
             const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
             for (int64_t c = c0; c < c0 + nc; c++) {
+                if ((c & 1) == 0) /* a line holds two chunks */
+                    _mm_prefetch((const char *)wr + c * EG_DOT + EG_AMX_DPF, _MM_HINT_T0);
                 const int32_t sc = sr[se ? eg_amx_s_at(c, 0, sb) : 0];
                 if (sc < 10 || sc > 246 ||
                     !eg_amx_e4m3_fast(wr + c * EG_DOT, (sc - 127) * 128,
@@ -1418,10 +1423,13 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
         const uint16_t(*t)[16] = eg_e2m1_scaled[a->s_kind == EG_S_E4M3];
         for (int64_t r = 0; r < nr; r++) {
             const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
-            for (int64_t c = c0; c < c0 + nc; c++)
+            for (int64_t c = c0; c < c0 + nc; c++) {
+                if ((c & 3) == 0) /* a line holds four chunks */
+                    _mm_prefetch((const char *)wr + c * (EG_DOT / 2) + EG_AMX_DPF, _MM_HINT_T0);
                 eg_amx_e2m1_fast(wr + c * (EG_DOT / 2), t[sr[se ? eg_amx_s_at(c, 0, sb) : 0]],
                                  t[sr[se ? eg_amx_s_at(c, 1, sb) : 0]],
                                  buf + (c - c0) * tile + r * EG_DOT);
+            }
         }
     } else {
         for (int64_t r = 0; r < nr; r++)
