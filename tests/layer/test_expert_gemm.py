@@ -421,7 +421,7 @@ def _run_experts(
     mp = pytest.MonkeyPatch()
     with mp.context() as m:
         m.setattr(experts, "expert_gemm_rows", lambda weights, device: limit)
-        m.setattr(experts, "amx_above_crossover", lambda weights, device: False)  # mm above
+        m.setattr(experts, "amx_for_quantized", lambda weights, device: False)  # mm above
         experts.run_experts(
             rows, src_row, counts, pw, requantize, None, y, Workspace(),
             pair_scale=scale if scaled else None,

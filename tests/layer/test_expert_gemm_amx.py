@@ -347,12 +347,13 @@ def test_amx_bodies_refuse_x_past_bf16_and_weights_not_exact_in_it() -> None:
 
 
 @pytest.mark.parametrize("recipe_cls", [Mxfp8Recipe, Nvfp4Recipe, Fp8Fp4Recipe, Fp8BlockRecipe])
-def test_run_experts_sends_quantized_experts_above_the_crossover_to_amx(
+def test_run_experts_sends_quantized_experts_to_amx_whatever_their_rows(
     recipe_cls: type[Recipe], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the CPU has AMX, a quantized format whose operands are exact in bf16 runs its
-    experts above the crossover on the AMX body (not the fp32 `mm` blocks), those at or under
-    it on the default body; a format that is not exact (fp8's fp32 scales) never on AMX."""
+    """Where the CPU has AMX, a quantized format whose operands are exact in bf16 runs every
+    expert on the AMX body, under and over the crossover alike (not the fp32 order, not the
+    fp32 `mm` blocks); elsewhere, and for a format that is not exact (fp8's fp32 scales),
+    those under it on the default body and those over it on the `mm` blocks."""
     g = torch.Generator().manual_seed(11)
     e, h, inter = 3, 128, 128
     pack = MoEWeightPack(torch.randn(e, 2 * inter, h, generator=g) / 11,
@@ -382,8 +383,9 @@ def test_run_experts_sends_quantized_experts_above_the_crossover_to_amx(
     y = torch.empty(sum(counts), h, dtype=torch.bfloat16)
     experts.run_experts(rows, src_row, counts, pw, recipe.requantize, None, y, Workspace())
     amx = recipe.operands_exact_in_bf16 and cpu_fused.amx_by_default()
-    assert vectors.count("amx") == (2 if amx else 0)  # FC1 and FC2 of the 40-row expert
-    assert vectors.count(True) == 2  # FC1 and FC2 of the 3-row one
+    assert experts.amx_for_quantized(pw, torch.device("cpu")) == amx
+    # FC1 and FC2 of both experts in one call each on AMX; else of the 3-row one
+    assert vectors == (["amx", "amx"] if amx else [True, True])
     assert mm_rows == ([] if amx else [40, 40])
 
 

@@ -284,7 +284,7 @@ def _fc2_input_not_requantized(run: Run) -> torch.Tensor:
     run.mp.setattr(run.recipe_cls, "requantize", lambda recipe, h: h)
     # the AMX order refuses FC2 inputs that are not exact in bf16 (ValueError, tested in
     # test_expert_gemm_amx.py): this faulty kernel runs on the fp32 order instead
-    run.mp.setattr(experts, "amx_above_crossover", lambda weights, device: False)
+    run.mp.setattr(experts, "amx_for_quantized", lambda weights, device: False)
     return run.forward()
 
 
@@ -387,7 +387,7 @@ def _fc1_variation(compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
         run.mp.setattr(experts, "_mm", fc1)
         run.mp.setattr(experts, "expert_gemm_rows", lambda w, d: 0)  # the `_mm` path only
-        run.mp.setattr(experts, "amx_above_crossover", lambda w, d: False)
+        run.mp.setattr(experts, "amx_for_quantized", lambda w, d: False)
         return run.forward()
 
     variation.counts = {"changed": 0, "differs": 0}  # type: ignore[attr-defined]

@@ -185,7 +185,7 @@ def test_grouped_mm_branch_matches_the_per_expert_loop(
     # the loop's `mm` blocks, not the CPU expert GEMM (its own sum order) that the crossover
     # sends these few-row experts to where the fused library runs
     monkeypatch.setattr(experts, "expert_gemm_rows", lambda w, d: 0)
-    monkeypatch.setattr(experts, "amx_above_crossover", lambda w, d: False)
+    monkeypatch.setattr(experts, "amx_for_quantized", lambda w, d: False)
     # the blocks' bf16 GEMM, which the grouped branch runs too (without oneDNN bf16 the
     # blocks widen to fp32 instead: another order, tests/layer/test_mm_widened.py)
     monkeypatch.setattr(experts, "_onednn_bf16", lambda: True)
@@ -277,7 +277,7 @@ def test_a_failing_worker_block_raises_in_the_caller(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(experts.cpu_fused, "parallel_workers", lambda d: 3)
     monkeypatch.setattr(experts, "_run_blocks", flaky)
     monkeypatch.setattr(experts, "expert_gemm_rows", lambda w, d: 0)  # the blocks path only
-    monkeypatch.setattr(experts, "amx_above_crossover", lambda w, d: False)
+    monkeypatch.setattr(experts, "amx_for_quantized", lambda w, d: False)
     y = torch.empty(6, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="block of expert 2 failed"):
         experts.run_experts(

@@ -79,8 +79,8 @@ class PortableConfig(KernelConfig):
     (`experts.expert_gemm_rows`). The two paths sum in different orders, so a change moves
     bits within the format's tolerance against the oracle: an explicit choice, never tuned.
     With the default, on CPUs with AMX, a quantized format whose operands are exact in bf16
-    runs its experts above the crossover on the expert GEMM too, in the AMX order
-    (`experts.amx_above_crossover`); an explicit value sends them to the `mm` blocks.
+    runs every expert on the expert GEMM in the AMX order, whatever its rows
+    (`experts.amx_for_quantized`); an explicit value sends them to the two paths above.
     Needs the CPU and the fused library for values > 0 (refused elsewhere) and the default
     forward (refused with `capture_safe`)."""
     cpu_prepacked_weights: bool = False

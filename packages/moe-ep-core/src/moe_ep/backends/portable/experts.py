@@ -44,7 +44,7 @@ __all__ = [
     "ROW_BLOCK",
     "SWIGLU_ROWS",
     "TorchExperts",
-    "amx_above_crossover",
+    "amx_for_quantized",
     "expert_gemm_rows",
     "expert_gemm_unavailable",
     "grouped_mm_applies",
@@ -355,13 +355,14 @@ def _run_expert_gemm(
     cpu_fused.expert_gemm(h, None, fc2, s2, y, xs, alpha=a2, vector=vector)
 
 
-def amx_above_crossover(weights: PreparedWeights, device: torch.device) -> bool:
-    """Whether the experts above the crossover run the expert GEMM in the AMX order instead
-    of the `mm` blocks: a quantized format whose operands are exact in bf16, on a CPU with
-    AMX (where the fp32 `mm` blocks on the dequantized weights are the slow path: measured
-    mxfp8, 16 experts N = K = 2048, 2 threads: the AMX order 54 / 217 ms at 64 / 256 rows per
-    expert against the fp32 order's 118 / 471 and the `mm` blocks' about 82 / 229; its
-    e4m3 / e2m1 decode makes it slower than the fp32 order at 1-8 rows, docs/layer.md)."""
+def amx_for_quantized(weights: PreparedWeights, device: torch.device) -> bool:
+    """Whether every expert runs the expert GEMM in the AMX order (with the default
+    crossover): a quantized format whose operands are exact in bf16, on a CPU with AMX.
+    There its 16-bit-lane code decode makes the AMX order the fastest path from 2 rows per
+    expert on (mxfp8 `cpu_fused.expert_gemm` alone, 2 threads: 64 experts N = K = 2048 at 8
+    rows each 28 ms against the fp32 order's 71; 16 experts at 64 / 256 rows 12 / 38 ms,
+    where the fp32 `mm` blocks took about 82 / 229; docs/layer.md), level at 1, and an
+    expert's bits then do not depend on its row count."""
     quantized = weights.stored13 is not None and weights.stored13.code != "bf16"
     return (
         quantized
@@ -450,6 +451,16 @@ def run_experts(
                 rows, src_row, counts, weights, requantize, swiglu_clamp, y, ws, pair_scale
             )
         return
+    starts = list(itertools.accumulate(counts, initial=0))
+    path = counts if path_counts is None else path_counts
+    if gemm_rows is None and amx_for_quantized(weights, rows.device):
+        active = [e for e, c in enumerate(counts) if c > 0]
+        for runs in _segments(active, starts, counts, ROW_BLOCK):
+            _run_expert_gemm(
+                rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale, path,
+                vector="amx",
+            )  # fmt: skip
+        return
     if gemm_rows is None:
         limit = expert_gemm_rows(weights, rows.device)
     else:
@@ -457,21 +468,12 @@ def run_experts(
         if why is not None:
             raise MoeEpUsageError(f"expert_gemm_rows={gemm_rows}: no CPU expert GEMM here ({why})")
         limit = gemm_rows
-    starts = list(itertools.accumulate(counts, initial=0))
-    path = counts if path_counts is None else path_counts
     few = [e for e, c in enumerate(counts) if c > 0 and path[e] <= limit]
     for runs in _segments(few, starts, counts, ROW_BLOCK):
         _run_expert_gemm(
             rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale, path
         )
     many = [(e, starts[e], c) for e, c in enumerate(counts) if c > 0 and path[e] > limit]
-    if gemm_rows is None and amx_above_crossover(weights, rows.device):
-        for runs in _segments([e for e, *_ in many], starts, counts, ROW_BLOCK):
-            _run_expert_gemm(
-                rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale, path,
-                vector="amx",
-            )  # fmt: skip
-        return
     block = min(ROW_BLOCK, max((c for *_, c in many), default=0))
     if block == 0:
         return
