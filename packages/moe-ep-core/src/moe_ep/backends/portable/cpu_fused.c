@@ -1169,10 +1169,15 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * other, or products flushed before the adds each missed 0.35-2.2M of them).
  * bf16 weights are the A tiles where they are stored (16 weight rows x one 32-chunk, the
  * row stride apart; a last partial chunk or partial block of 16 rows through a zero-padded
- * buffer), codes decoded per chunk into that buffer; the activations the B tiles: each group's rows packed once per call into blocks
- * of 16 rows, per chunk the 16 x 16 pairs in the tile's layout (`xv`), 1 KiB per chunk.
- * Work items: (group, EG_AMX_ROWS rows, EG_AMX_COLS output columns), run as 2 x 2 tiles
- * (eg_item_amx), the weights prefetched EG_AMX_PF bytes ahead into L2. Each thread
+ * buffer), prefetched EG_AMX_PF bytes ahead into L2. Codes are decoded first, per work item
+ * into the thread's buffer (`dec`, all its chunks), each weight row in memory order and
+ * prefetched EG_AMX_DPF bytes ahead: 32 at a time in 16-bit lanes (e4m3 by adding the
+ * scale's exponent to the code's bf16 bits, e2m1 by looking the codes up in a table of the
+ * 16 products per scale byte), element by element where that cannot give the definition's
+ * bits (NaN codes, e8m0 products past bf16's normals, a K tail). The activations are the B
+ * tiles: each group's rows packed once per call into blocks of 16 rows, per chunk the 16 x
+ * 16 pairs in the tile's layout (`xv`), 1 KiB per chunk. Work items: (group, EG_AMX_ROWS
+ * rows, EG_AMX_COLS output columns), run as 2 x 2 tiles (eg_item_amx). Each thread
  * configures its tiles once per call and releases them after. */
 #define EG_AMX_ROWS 256 /* rows per AMX work item (passes of 2 x 16 rows) */
 #define EG_AMX_COLS 32 /* output columns per AMX work item (blocks of 16 weight rows) */
