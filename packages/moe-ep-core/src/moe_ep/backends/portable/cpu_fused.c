@@ -1169,7 +1169,7 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * other, or products flushed before the adds each missed 0.35-2.2M of them).
  * bf16 weights are the A tiles where they are stored (16 weight rows x one 32-chunk, the
  * row stride apart; a last partial chunk or partial block of 16 rows through a zero-padded
- * buffer), prefetched EG_AMX_PF bytes ahead into L2. Codes are decoded first, per work item
+ * buffer), prefetched EG_AMX_PF chunks ahead into L2. Codes are decoded first, per work item
  * into the thread's buffer (`dec`, all its chunks), each weight row in memory order and
  * prefetched EG_AMX_DPF bytes ahead: 32 at a time in 16-bit lanes (e4m3 by adding the
  * scale's exponent to the code's bf16 bits, e2m1 by looking the codes up in a table of the
@@ -1182,7 +1182,7 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
 #define EG_AMX_ROWS 256 /* rows per AMX work item (passes of 2 x 16 rows) */
 #define EG_AMX_COLS 32 /* output columns per AMX work item (blocks of 16 weight rows) */
 #ifndef EG_AMX_PF
-#define EG_AMX_PF 1024 /* prefetch distance in bytes of a weight row */
+#define EG_AMX_PF 16 /* bf16 weights' prefetch distance in 32-element chunks */
 #endif
 #ifndef EG_AMX_DPF
 #define EG_AMX_DPF 2048 /* bytes a decoded row's codes are prefetched ahead (into L1) */
@@ -1446,31 +1446,19 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
             memset(buf + cc * tile + nr * EG_DOT, 0, sizeof(uint16_t) * (size_t)((16 - nr) * EG_DOT));
 }
 
-/* Prefetches chunk c's bytes of weight rows [j, j + nr) EG_AMX_PF bytes ahead, past a row's
- * end into the same row of the next work item's block (EG_AMX_COLS rows on): each 64-byte
- * line once, spread over the chunks it holds (at chunk c, the rows = c mod m, m chunks a
- * line). */
-static inline EG_AMX void eg_amx_prefetch(const eg_args *a, const uint8_t *we, int64_t j,
-                                          int64_t nr, int64_t c) {
-    const int64_t ldw = a->w_row_bytes, chunk_bytes = EG_DOT * eg_bits(a->w_kind) / 8;
-    const int64_t row_bytes = a->k / EG_DOT * chunk_bytes;
-    const int64_t m = chunk_bytes < 64 ? 64 / chunk_bytes : 1, phase = c % m;
-    int64_t at = (c - phase) * chunk_bytes + EG_AMX_PF, jp = j;
-    if (row_bytes <= 0) return;
-    for (; at >= row_bytes; at -= row_bytes) jp += EG_AMX_COLS;
-    for (int64_t r = phase; r < nr && jp + r < a->n; r += m)
-        _mm_prefetch((const char *)we + (jp + r) * ldw + at, _MM_HINT_T1);
-}
-
 /* The A tile of weight rows [j, j + nr) of the expert at we (scales se), chunk c: bf16
- * weights where they are stored (their row stride apart), codes (and a partial block or
- * chunk) decoded into buf (64 bytes apart, zeros past nr rows and past K); prefetching
- * (eg_amx_prefetch). Sets *stride. */
+ * weights where they are stored (their row stride apart), prefetching EG_AMX_PF chunks
+ * ahead within the rows (not past their end: the next work item may be another thread's);
+ * codes (and a partial block or chunk) decoded into buf (64 bytes apart, zeros past nr
+ * rows and past K). Sets *stride. */
 static EG_AMX const void *eg_amx_a(const eg_args *a, const uint8_t *we, const uint8_t *se,
                                    int64_t j, int64_t nr, int64_t c, uint16_t *buf,
                                    int64_t *stride) {
     const int64_t ldw = a->w_row_bytes, whole = a->k / EG_DOT;
-    eg_amx_prefetch(a, we, j, nr, c);
+    if (a->w_kind == EG_W_BF16 && c + EG_AMX_PF < whole)
+        for (int64_t r = 0; r < nr; r++)
+            _mm_prefetch((const char *)we + (j + r) * ldw + (c + EG_AMX_PF) * EG_DOT * 2,
+                         _MM_HINT_T1);
     if (a->w_kind == EG_W_BF16 && nr == 16 && c < whole) {
         *stride = ldw;
         return we + j * ldw + c * EG_DOT * 2;
