@@ -5,7 +5,8 @@
         [--out benchmarks/out/expert_gemm_speed.png | --no-plot]
 
 One `cpu_fused.expert_gemm` call over --experts experts of [--n, --k] weights (the layer's
-FC1 shape at H = K, I = N / 2), --rows bf16 rows each, on the weights as each recipe stores
+FC1 shape at H = K, I = N / 2), --rows bf16 rows each, on the body the layer takes (the AMX
+order for the formats exact in bf16 where the CPU has AMX), on the weights as each recipe stores
 them after quantizing the same Gaussian weights (bf16, fp8 128x128 fp32 scales, mxfp8,
 nvfp4, fp8_fp4's mxfp4: real codes, so about as many subnormal ones as a trained layer's).
 Measured in one round robin (medians): the read bandwidth (streaming `sum`), each format's
@@ -90,14 +91,23 @@ def stored_weights(experts: int, n: int, k: int) -> dict[str, cpu_fused.StoredWe
     return out
 
 
+def layer_body(fmt: str) -> cpu_fused.Body | bool:
+    """The body the layer runs this format's experts on (`experts.amx_for_quantized`): the
+    AMX order for the quantized formats exact in bf16 where the CPU has AMX, else the
+    default."""
+    exact = fmt != "bf16" and RECIPES[fmt]().operands_exact_in_bf16
+    return "amx" if exact and cpu_fused.amx_by_default() else True
+
+
 def _gemm(
     x: torch.Tensor,
     groups: cpu_fused.ExpertGroups,
     w: cpu_fused.StoredWeight,
     out: torch.Tensor,
     scratch: torch.Tensor,
+    vector: cpu_fused.Body | bool,
 ) -> None:
-    if not cpu_fused.expert_gemm(x, None, groups, w, out, scratch):
+    if not cpu_fused.expert_gemm(x, None, groups, w, out, scratch, vector=vector):
         raise RuntimeError("the fused CPU expert GEMM is unavailable here")
 
 
@@ -116,7 +126,7 @@ def measure(args: argparse.Namespace, steps: Steps, bw: float) -> list[Result]:
         for fmt, w in weights.items():
             steps.step(f"{fmt}, {rows_text(rows)}")
 
-            call = partial(_gemm, x, groups, w, out, scratch)
+            call = partial(_gemm, x, groups, w, out, scratch, layer_body(fmt))
             fns: dict[str, Callable[[], object]] = {
                 NOW: call,
                 DENSE: partial(torch.mm, xf, wf, out=dense_out),
