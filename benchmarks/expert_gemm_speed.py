@@ -31,7 +31,7 @@ from benchlib import OUT_DIR, baseline_kernel
 from benchlib.moe_peers import bandwidth
 from benchlib.options import add_plot_options, benchmark_parser, positive_int
 
-from moe_ep.backends.portable import cpu_fused, recipes
+from moe_ep.backends.portable import cpu_fused, experts, recipes
 from moe_ep.bench import plots
 from moe_ep.bench.machine import this_machine
 from moe_ep.bench.progress import Steps
@@ -77,26 +77,27 @@ def rows_text(rows: int) -> str:
     return f"{rows} row{'' if rows == 1 else 's'} per expert"
 
 
-def stored_weights(experts: int, n: int, k: int) -> dict[str, cpu_fused.StoredWeight]:
-    """Each format's FC1 weight as its recipe stores it, from the same Gaussian weights."""
+class Stored(NamedTuple):
+    weight: cpu_fused.StoredWeight
+    body: cpu_fused.Body | bool
+    """the body the layer runs these experts on (`experts.amx_for_quantized`)"""
+
+
+def stored_weights(n_experts: int, n: int, k: int) -> dict[str, Stored]:
+    """Each format's FC1 weight as its recipe stores it, from the same Gaussian weights, with
+    the body the layer takes for it."""
     g = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(experts, n, k, generator=g) / k**0.5).bfloat16()
-    w2 = (torch.randn(experts, k, n // 2, generator=g) / (n // 2) ** 0.5).bfloat16()
+    w13 = (torch.randn(n_experts, n, k, generator=g) / k**0.5).bfloat16()
+    w2 = (torch.randn(n_experts, k, n // 2, generator=g) / (n // 2) ** 0.5).bfloat16()
+    cpu = torch.device("cpu")
     out = {}
     for fmt, recipe in RECIPES.items():
-        stored = recipe().prepare(MoEWeightPack(w13, w2)).stored13
-        if stored is None:
+        prepared = recipe().prepare(MoEWeightPack(w13, w2))
+        if prepared.stored13 is None:
             raise RuntimeError(f"{fmt}: the recipe keeps no stored-width weight on CPU")
-        out[fmt] = stored
+        body: cpu_fused.Body | bool = "amx" if experts.amx_for_quantized(prepared, cpu) else True
+        out[fmt] = Stored(prepared.stored13, body)
     return out
-
-
-def layer_body(fmt: str) -> cpu_fused.Body | bool:
-    """The body the layer runs this format's experts on (`experts.amx_for_quantized`): the
-    AMX order for the quantized formats exact in bf16 where the CPU has AMX, else the
-    default."""
-    exact = fmt != "bf16" and RECIPES[fmt]().operands_exact_in_bf16
-    return "amx" if exact and cpu_fused.amx_by_default() else True
 
 
 def _gemm(
@@ -123,10 +124,10 @@ def measure(args: argparse.Namespace, steps: Steps, bw: float) -> list[Result]:
         scratch = torch.empty(cpu_fused.expert_gemm_scratch(args.experts * rows, args.k))
         xf, wf = x.float(), torch.randn(args.k, args.n)
         dense_out = torch.empty_like(out)
-        for fmt, w in weights.items():
+        for fmt, (w, body) in weights.items():
             steps.step(f"{fmt}, {rows_text(rows)}")
 
-            call = partial(_gemm, x, groups, w, out, scratch, layer_body(fmt))
+            call = partial(_gemm, x, groups, w, out, scratch, body)
             fns: dict[str, Callable[[], object]] = {
                 NOW: call,
                 DENSE: partial(torch.mm, xf, wf, out=dense_out),

@@ -1389,13 +1389,12 @@ static inline int64_t eg_amx_s_at(int64_t c, int64_t half, int64_t sb) {
     return sb == 16 ? 2 * c + half : sb == EG_DOT ? c : (c * EG_DOT + 16 * half) / sb;
 }
 
-/* Weight rows [j, j + nr) of the expert at we (scales se), whole chunks [c0, c0 + nc) of
- * codes, decoded into the A tiles at buf (chunk cc's tile at buf + cc * 16 * EG_DOT, 64
- * bytes a row, zeros past nr): row by row, each in memory order (a stream the hardware
+/* Weight rows [j, j + nr) of the expert at we (scales se), whole chunks [0, nc) of codes,
+ * decoded into the A tiles at buf (chunk c's tile at buf + c * 16 * EG_DOT, 64 bytes a
+ * row, zeros past nr): row by row, each in memory order (a stream the hardware
  * prefetchers follow), by the 16-bit-lane decodes where they apply, eg_amx_decode otherwise. */
 static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const uint8_t *se,
-                                      int64_t j, int64_t nr, int64_t c0, int64_t nc,
-                                      uint16_t *buf) {
+                                      int64_t j, int64_t nr, int64_t nc, uint16_t *buf) {
     const int64_t ldw = a->w_row_bytes, sb = a->s_block, lds = se ? a->s_row_bytes : 0;
     const uint8_t *w = we + j * ldw, *s = se ? se + j * lds : &eg_unscaled;
     const int64_t tile = 16 * EG_DOT;
@@ -1406,20 +1405,20 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
         int64_t slow = 0;
         for (int64_t r = 0; r < nr; r++) {
             const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
-            for (int64_t c = c0; c < c0 + nc; c++) {
+            for (int64_t c = 0; c < nc; c++) {
                 if ((c & 1) == 0) /* a line holds two chunks */
                     _mm_prefetch((const char *)wr + c * EG_DOT + EG_AMX_DPF, _MM_HINT_T0);
                 const int32_t sc = sr[se ? eg_amx_s_at(c, 0, sb) : 0];
                 if (sc < 10 || sc > 246 ||
                     !eg_amx_e4m3_fast(wr + c * EG_DOT, (sc - 127) * 128,
-                                      buf + (c - c0) * tile + r * EG_DOT))
+                                      buf + c * tile + r * EG_DOT))
                     slow = 1;
             }
         }
         for (int64_t r = 0; slow && r < nr; r++) /* every chunk again, element by element */
-            for (int64_t c = c0; c < c0 + nc; c++) {
+            for (int64_t c = 0; c < nc; c++) {
                 const int32_t sc = s[r * lds + (se ? eg_amx_s_at(c, 0, sb) : 0)];
-                uint16_t *dst = buf + (c - c0) * tile + r * EG_DOT;
+                uint16_t *dst = buf + c * tile + r * EG_DOT;
                 if (sc < 10 || sc > 246 ||
                     !eg_amx_e4m3_fast(w + r * ldw + c * EG_DOT, (sc - 127) * 128, dst))
                     eg_amx_decode(a, w + r * ldw, s + r * lds, c, dst);
@@ -1428,18 +1427,18 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
         const uint16_t(*t)[16] = eg_e2m1_scaled[a->s_kind == EG_S_E4M3];
         for (int64_t r = 0; r < nr; r++) {
             const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
-            for (int64_t c = c0; c < c0 + nc; c++) {
+            for (int64_t c = 0; c < nc; c++) {
                 if ((c & 3) == 0) /* a line holds four chunks */
                     _mm_prefetch((const char *)wr + c * (EG_DOT / 2) + EG_AMX_DPF, _MM_HINT_T0);
                 eg_amx_e2m1_fast(wr + c * (EG_DOT / 2), t[sr[se ? eg_amx_s_at(c, 0, sb) : 0]],
                                  t[sr[se ? eg_amx_s_at(c, 1, sb) : 0]],
-                                 buf + (c - c0) * tile + r * EG_DOT);
+                                 buf + c * tile + r * EG_DOT);
             }
         }
     } else {
         for (int64_t r = 0; r < nr; r++)
-            for (int64_t c = c0; c < c0 + nc; c++)
-                eg_amx_decode(a, w + r * ldw, s + r * lds, c, buf + (c - c0) * tile + r * EG_DOT);
+            for (int64_t c = 0; c < nc; c++)
+                eg_amx_decode(a, w + r * ldw, s + r * lds, c, buf + c * tile + r * EG_DOT);
     }
     if (nr < 16)
         for (int64_t cc = 0; cc < nc; cc++)
@@ -1449,8 +1448,9 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
 /* The A tile of weight rows [j, j + nr) of the expert at we (scales se), chunk c: bf16
  * weights where they are stored (their row stride apart), prefetching EG_AMX_PF chunks
  * ahead within the rows (not past their end: the next work item may be another thread's);
- * codes (and a partial block or chunk) decoded into buf (64 bytes apart, zeros past nr
- * rows and past K). Sets *stride. */
+ * a partial block or chunk (and a code's K tail: eg_item_amx decodes its whole chunks with
+ * eg_amx_decode_rows) decoded into buf (64 bytes apart, zeros past nr rows and past K).
+ * Sets *stride. */
 static EG_AMX const void *eg_amx_a(const eg_args *a, const uint8_t *we, const uint8_t *se,
                                    int64_t j, int64_t nr, int64_t c, uint16_t *buf,
                                    int64_t *stride) {
@@ -1463,16 +1463,12 @@ static EG_AMX const void *eg_amx_a(const eg_args *a, const uint8_t *we, const ui
         *stride = ldw;
         return we + j * ldw + c * EG_DOT * 2;
     }
-    if (a->w_kind != EG_W_BF16 && c < whole) {
-        eg_amx_decode_rows(a, we, se, j, nr, c, 1, buf);
-    } else {
-        for (int64_t r = 0; r < 16; r++) {
-            if (r < nr)
-                eg_amx_decode(a, we + (j + r) * ldw, se ? se + (j + r) * a->s_row_bytes : NULL,
-                              c, buf + r * EG_DOT);
-            else
-                memset(buf + r * EG_DOT, 0, sizeof(uint16_t) * EG_DOT);
-        }
+    for (int64_t r = 0; r < 16; r++) {
+        if (r < nr)
+            eg_amx_decode(a, we + (j + r) * ldw, se ? se + (j + r) * a->s_row_bytes : NULL, c,
+                          buf + r * EG_DOT);
+        else
+            memset(buf + r * EG_DOT, 0, sizeof(uint16_t) * EG_DOT);
     }
     *stride = 2 * EG_DOT;
     return buf;
@@ -1577,8 +1573,8 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
     if (codes) {
         const int64_t whole = a->k / EG_DOT;
         int64_t unused; /* codes always land in the buffer given, 64 bytes a row */
-        eg_amx_decode_rows(a, we, se, j0, nr0, 0, whole, dec);
-        if (nr1 > 0) eg_amx_decode_rows(a, we, se, j0 + 16, nr1, 0, whole, dec + chunks * tsz);
+        eg_amx_decode_rows(a, we, se, j0, nr0, whole, dec);
+        if (nr1 > 0) eg_amx_decode_rows(a, we, se, j0 + 16, nr1, whole, dec + chunks * tsz);
         if (whole < chunks) { /* a partial last chunk */
             (void)eg_amx_a(a, we, se, j0, nr0, whole, dec + whole * tsz, &unused);
             if (nr1 > 0)

@@ -453,15 +453,10 @@ def run_experts(
         return
     starts = list(itertools.accumulate(counts, initial=0))
     path = counts if path_counts is None else path_counts
+    vector: bool | cpu_fused.Body = True
     if gemm_rows is None and amx_for_quantized(weights, rows.device):
-        active = [e for e, c in enumerate(counts) if c > 0]
-        for runs in _segments(active, starts, counts, ROW_BLOCK):
-            _run_expert_gemm(
-                rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale, path,
-                vector="amx",
-            )  # fmt: skip
-        return
-    if gemm_rows is None:
+        limit, vector = max(path, default=0), "amx"  # every expert, on AMX
+    elif gemm_rows is None:
         limit = expert_gemm_rows(weights, rows.device)
     else:
         why = expert_gemm_unavailable(weights, rows.device) if gemm_rows else None
@@ -471,8 +466,9 @@ def run_experts(
     few = [e for e, c in enumerate(counts) if c > 0 and path[e] <= limit]
     for runs in _segments(few, starts, counts, ROW_BLOCK):
         _run_expert_gemm(
-            rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale, path
-        )
+            rows, src_row, runs, weights, requantize, swiglu_clamp, y, ws, pair_scale, path,
+            vector,
+        )  # fmt: skip
     many = [(e, starts[e], c) for e, c in enumerate(counts) if c > 0 and path[e] > limit]
     block = min(ROW_BLOCK, max((c for *_, c in many), default=0))
     if block == 0:
