@@ -1170,8 +1170,9 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * bf16 weights are the A tiles where they are stored (16 weight rows x one 32-chunk, the
  * row stride apart; a last partial chunk or partial block of 16 rows through a zero-padded
  * buffer), prefetched EG_AMX_PF chunks ahead into L2. Codes are decoded first, per work item
- * into the thread's buffer (`dec`, all its chunks), each weight row in memory order and
- * prefetched EG_AMX_DPF bytes ahead: 32 at a time in 16-bit lanes (e4m3 by adding the
+ * into the thread's buffer (`dec`, all its whole chunks, row-major: each decoded row
+ * written in order, as the A tiles' rows a padded row stride apart), each weight row read
+ * in memory order and prefetched EG_AMX_DPF bytes ahead: 32 at a time in 16-bit lanes (e4m3 by adding the
  * scale's exponent to the code's bf16 bits, e2m1 by looking the codes up in a table of the
  * 16 products per scale byte), element by element where that cannot give the definition's
  * bits (NaN codes, e8m0 products past bf16's normals, a K tail). The activations are the B
@@ -1188,6 +1189,8 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
 #define EG_AMX_DPF 2048 /* bytes a decoded row's codes are prefetched ahead (into L1) */
 #endif
 #define EG_AMX_BLOCK(k32) ((k32) * 16) /* bf16 elements of one packed 16-row block */
+#define EG_AMX_LDD(k32) ((k32) + 32) /* elements from one decoded weight row to the next: a line
+                                        * of padding, so that a tile's rows do not share L1 sets */
 
 /* bf16 bits of fp32 v, subnormals to a zero of their sign (daz), truncated: exact for the
  * AMX bodies' operands; *inexact set when the dropped bits are not all zero. */
@@ -1338,19 +1341,29 @@ static EG_AMX void eg_amx_decode(const eg_args *a, const uint8_t *w_row, const u
 /* bf16 bits of e4m3 magnitudes 1-7 (subnormal codes, m * 2^-9) less 0x3c00, mod 2^16. */
 static const uint16_t eg_e4m3_sub_rel[32] = {0, 0xff00, 0xff80, 0xffc0, 0, 0x20, 0x40, 0x60};
 
+/* e8m0 scale byte s -> 0x3c00 + (s - 127) << 7 (mod 2^16) in both halves: what
+ * eg_amx_e4m3_fast adds to a normal code's shifted magnitude (a broadcast load, no shuffle). */
+static uint32_t eg_e4m3_bias2[256];
+
+__attribute__((constructor(103))) static void fill_e4m3_bias2(void) {
+    for (int s = 0; s < 256; s++)
+        eg_e4m3_bias2[s] = (uint32_t)(uint16_t)(0x3c00 + (s - 127) * 128) * 0x10001u;
+}
+
 /* eg_amx_decode of a whole chunk of e4m3 codes in 16-bit lanes, 32 at once: a normal
  * code's bf16 bits are its magnitude's shifted left by 4 plus 120 << 7 (the exponents'
  * bias difference), a subnormal (or zero) code's from a table; an e8m0 scale 2^(s - 127)
- * adds add = (s - 127) << 7 to the exponent of every nonzero value. Exact, so the same bits
- * as eg_amx_decode, where every result stays a bf16 normal (scale bytes 10-246: code
- * exponents span -9..8) and no code is NaN; returns 0 with nothing written otherwise. */
+ * adds (s - 127) << 7 to the exponent of every nonzero value (bias2: eg_e4m3_bias2[s]).
+ * Exact, so the same bits as eg_amx_decode, where every result stays a bf16 normal (scale
+ * bytes 10-246: code exponents span -9..8) and no code is NaN; returns 0 with nothing
+ * written otherwise. */
 static inline __attribute__((always_inline)) EG_AMX int eg_amx_e4m3_fast(const uint8_t *codes,
-                                                                       int32_t add,
+                                                                       const uint32_t *bias2,
                                                                        uint16_t *dst) {
     const __m512i sx = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)codes));
     const __m512i mag = _mm512_and_si512(sx, _mm512_set1_epi16(0x7f));
     if (_mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f))) return 0;
-    const __m512i k = _mm512_set1_epi16((short)(0x3c00 + add));
+    const __m512i k = _mm512_set1_epi32((int)*bias2);
     /* subnormal bits plus add; magnitude 0 -> 0 */
     const __m512i sub = _mm512_maskz_add_epi16(0xfffffffeu, _mm512_loadu_si512(eg_e4m3_sub_rel), k);
     __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), k);
@@ -1384,65 +1397,80 @@ static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_fast(const 
 
 static const uint8_t eg_unscaled = 127; /* the scale byte of unscaled codes: 2^0 as e8m0 */
 
-/* The scale bytes of chunk c's halves (elements [0, 16) and [16, 32)), block sb. */
-static inline int64_t eg_amx_s_at(int64_t c, int64_t half, int64_t sb) {
-    return sb == 16 ? 2 * c + half : sb == EG_DOT ? c : (c * EG_DOT + 16 * half) / sb;
+/* The scale byte of chunk c's half (elements [0, 16) or [16, 32)), block sb (0: one
+ * scale byte for the row). */
+static inline __attribute__((always_inline)) int64_t eg_amx_s_at(int64_t c, int64_t half,
+                                                                 int64_t sb) {
+    return sb == 0 ? 0 : sb == 16 ? 2 * c + half : sb == EG_DOT ? c : (c * EG_DOT + 16 * half) / sb;
+}
+
+/* Rows [0, nr) of e2m1 codes at w (ldw bytes apart; scales s, lds apart, block sb as
+ * eg_amx_s_at), whole chunks [0, nc), decoded by eg_amx_e2m1_fast with the products of
+ * table t into buf (row r's chunk c at buf + r * ldd + c * EG_DOT). */
+static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_rows(
+    const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds, int64_t sb, int64_t nr,
+    int64_t nc, const uint16_t (*t)[16], uint16_t *buf, int64_t ldd) {
+    for (int64_t r = 0; r < nr; r++) {
+        const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
+        for (int64_t c = 0; c < nc; c++) {
+            if ((c & 3) == 0) /* a line holds four chunks */
+                _mm_prefetch((const char *)wr + c * (EG_DOT / 2) + EG_AMX_DPF, _MM_HINT_T0);
+            eg_amx_e2m1_fast(wr + c * (EG_DOT / 2), t[sr[eg_amx_s_at(c, 0, sb)]],
+                             t[sr[eg_amx_s_at(c, 1, sb)]], buf + r * ldd + c * EG_DOT);
+        }
+    }
 }
 
 /* Weight rows [j, j + nr) of the expert at we (scales se), whole chunks [0, nc) of codes,
- * decoded into the A tiles at buf (chunk c's tile at buf + c * 16 * EG_DOT, 64 bytes a
- * row, zeros past nr): row by row, each in memory order (a stream the hardware
- * prefetchers follow), by the 16-bit-lane decodes where they apply, eg_amx_decode otherwise. */
+ * decoded into 16 rows at buf (row r, ldd = EG_AMX_LDD elements apart, its chunks in order:
+ * chunk c's A tile at buf + c * EG_DOT, stride ldd; zero rows past nr): row by row, each in
+ * memory order (a stream the hardware prefetchers follow) and written in order, by the
+ * 16-bit-lane decodes where they apply, eg_amx_decode otherwise. */
 static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const uint8_t *se,
                                       int64_t j, int64_t nr, int64_t nc, uint16_t *buf) {
     const int64_t ldw = a->w_row_bytes, sb = a->s_block, lds = se ? a->s_row_bytes : 0;
     const uint8_t *w = we + j * ldw, *s = se ? se + j * lds : &eg_unscaled;
-    const int64_t tile = 16 * EG_DOT;
+    const int64_t ldd = EG_AMX_LDD((a->k + EG_DOT - 1) / EG_DOT * EG_DOT);
     if (a->w_kind == EG_W_E4M3 &&
         (a->s_kind == EG_S_NONE || (a->s_kind == EG_S_E8M0 && sb % EG_DOT == 0))) {
         /* one e8m0 scale per chunk, or none; the chunks it does not cover after, so that
          * no call breaks the loop */
         int64_t slow = 0;
+        const int64_t step = se ? sb / EG_DOT : 0; /* scale bytes from one chunk to the next */
         for (int64_t r = 0; r < nr; r++) {
             const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
             for (int64_t c = 0; c < nc; c++) {
                 if ((c & 1) == 0) /* a line holds two chunks */
                     _mm_prefetch((const char *)wr + c * EG_DOT + EG_AMX_DPF, _MM_HINT_T0);
-                const int32_t sc = sr[se ? eg_amx_s_at(c, 0, sb) : 0];
+                const int32_t sc = sr[c * step];
                 if (sc < 10 || sc > 246 ||
-                    !eg_amx_e4m3_fast(wr + c * EG_DOT, (sc - 127) * 128,
-                                      buf + c * tile + r * EG_DOT))
+                    !eg_amx_e4m3_fast(wr + c * EG_DOT, eg_e4m3_bias2 + sc,
+                                      buf + r * ldd + c * EG_DOT))
                     slow = 1;
             }
         }
         for (int64_t r = 0; slow && r < nr; r++) /* every chunk again, element by element */
             for (int64_t c = 0; c < nc; c++) {
-                const int32_t sc = s[r * lds + (se ? eg_amx_s_at(c, 0, sb) : 0)];
-                uint16_t *dst = buf + c * tile + r * EG_DOT;
+                const int32_t sc = s[r * lds + c * step];
+                uint16_t *dst = buf + r * ldd + c * EG_DOT;
                 if (sc < 10 || sc > 246 ||
-                    !eg_amx_e4m3_fast(w + r * ldw + c * EG_DOT, (sc - 127) * 128, dst))
+                    !eg_amx_e4m3_fast(w + r * ldw + c * EG_DOT, eg_e4m3_bias2 + sc, dst))
                     eg_amx_decode(a, w + r * ldw, s + r * lds, c, dst);
             }
     } else if (a->w_kind == EG_W_E2M1 && a->s_kind != EG_S_F32) {
         const uint16_t(*t)[16] = eg_e2m1_scaled[a->s_kind == EG_S_E4M3];
-        for (int64_t r = 0; r < nr; r++) {
-            const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
-            for (int64_t c = 0; c < nc; c++) {
-                if ((c & 3) == 0) /* a line holds four chunks */
-                    _mm_prefetch((const char *)wr + c * (EG_DOT / 2) + EG_AMX_DPF, _MM_HINT_T0);
-                eg_amx_e2m1_fast(wr + c * (EG_DOT / 2), t[sr[se ? eg_amx_s_at(c, 0, sb) : 0]],
-                                 t[sr[se ? eg_amx_s_at(c, 1, sb) : 0]],
-                                 buf + c * tile + r * EG_DOT);
-            }
-        }
+        /* the formats' block sizes as constants (no division per chunk) */
+        if (se && sb == 16) eg_amx_e2m1_rows(w, ldw, s, lds, 16, nr, nc, t, buf, ldd);
+        else if (se && sb == EG_DOT) eg_amx_e2m1_rows(w, ldw, s, lds, EG_DOT, nr, nc, t, buf, ldd);
+        else if (se) eg_amx_e2m1_rows(w, ldw, s, lds, sb, nr, nc, t, buf, ldd);
+        else eg_amx_e2m1_rows(w, ldw, s, 0, 0, nr, nc, t, buf, ldd);
     } else {
         for (int64_t r = 0; r < nr; r++)
             for (int64_t c = 0; c < nc; c++)
-                eg_amx_decode(a, w + r * ldw, s + r * lds, c, buf + c * tile + r * EG_DOT);
+                eg_amx_decode(a, w + r * ldw, s + r * lds, c, buf + r * ldd + c * EG_DOT);
     }
-    if (nr < 16)
-        for (int64_t cc = 0; cc < nc; cc++)
-            memset(buf + cc * tile + nr * EG_DOT, 0, sizeof(uint16_t) * (size_t)((16 - nr) * EG_DOT));
+    for (int64_t r = nr; r < 16; r++)
+        memset(buf + r * ldd, 0, sizeof(uint16_t) * (size_t)(nc * EG_DOT));
 }
 
 /* The A tile of weight rows [j, j + nr) of the expert at we (scales se), chunk c: bf16
@@ -1563,24 +1591,18 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
     const uint8_t *se = a->s ? a->s + a->g_expert[g] * a->s_expert_bytes : NULL;
     const int64_t tb_step = EG_AMX_BLOCK(k32); /* elements from one 16-row block to the next */
     const int64_t tsz = 16 * EG_DOT;           /* elements of one A tile */
+    const int64_t ldd = EG_AMX_LDD(k32), whole = a->k / EG_DOT;
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
     uint16_t abuf[2][16 * EG_DOT] __attribute__((aligned(64)));
     float sums[16 * 16] __attribute__((aligned(64)));
     /* codes: the item's A tiles decoded first, each weight row read once in memory order
-     * (a stream the hardware prefetchers follow), into the thread's buffer dec (2 x chunks
-     * x 1 KiB, in L2), for all the item's passes */
+     * (a stream the hardware prefetchers follow), into the thread's buffer dec (32 rows of
+     * the whole chunks, EG_AMX_LDD apart, in L2), for all the item's passes; a K tail's
+     * partial chunk through abuf as bf16's */
     const int codes = a->w_kind != EG_W_BF16;
     if (codes) {
-        const int64_t whole = a->k / EG_DOT;
-        int64_t unused; /* codes always land in the buffer given, 64 bytes a row */
         eg_amx_decode_rows(a, we, se, j0, nr0, whole, dec);
-        if (nr1 > 0) eg_amx_decode_rows(a, we, se, j0 + 16, nr1, whole, dec + chunks * tsz);
-        if (whole < chunks) { /* a partial last chunk */
-            (void)eg_amx_a(a, we, se, j0, nr0, whole, dec + whole * tsz, &unused);
-            if (nr1 > 0)
-                (void)eg_amx_a(a, we, se, j0 + 16, nr1, whole, dec + (chunks + whole) * tsz,
-                               &unused);
-        }
+        if (nr1 > 0) eg_amx_decode_rows(a, we, se, j0 + 16, nr1, whole, dec + 16 * ldd);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int two = rows - r0 > 16; /* a second 16-row block */
@@ -1591,7 +1613,9 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
         _tile_zero(3);
         for (int64_t c = 0; c < chunks; c++) {
             int64_t s0 = 2 * EG_DOT, s1 = 2 * EG_DOT;
-            const void *a0 = codes ? dec + c * tsz : eg_amx_a(a, we, se, j0, nr0, c, abuf[0], &s0);
+            if (codes && c < whole) s0 = s1 = 2 * ldd;
+            const void *a0 = codes && c < whole ? dec + c * EG_DOT
+                                                : eg_amx_a(a, we, se, j0, nr0, c, abuf[0], &s0);
             const uint16_t *xc = xv + c * tsz;
             _tile_loadd(4, a0, s0);
             _tile_loadd(6, xc, 64);
@@ -1601,8 +1625,9 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
                 _tile_dpbf16ps(1, 4, 7);
             }
             if (nr1 > 0) {
-                const void *a1 = codes ? dec + (chunks + c) * tsz
-                                       : eg_amx_a(a, we, se, j0 + 16, nr1, c, abuf[1], &s1);
+                const void *a1 = codes && c < whole
+                                     ? dec + 16 * ldd + c * EG_DOT
+                                     : eg_amx_a(a, we, se, j0 + 16, nr1, c, abuf[1], &s1);
                 _tile_loadd(5, a1, s1);
                 _tile_dpbf16ps(2, 5, 6);
                 if (two) _tile_dpbf16ps(3, 5, 7);
@@ -2205,7 +2230,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     if (xv_start[groups] > 0)
         a.xv = malloc(sizeof(uint16_t) * (size_t)(xv_start[groups] * EG_AMX_BLOCK(k32)));
     /* per thread, an AMX item's decoded A tiles (codes only, eg_item_amx) */
-    const int64_t dec_size = packed && w_kind != EG_W_BF16 ? 2 * EG_AMX_BLOCK(k32) : 0;
+    const int64_t dec_size = packed && w_kind != EG_W_BF16 ? 32 * EG_AMX_LDD(k32) : 0;
     if (dec_size > 0)
         a.dec = aligned_alloc(64, sizeof(uint16_t) * (size_t)(dec_size * (threads > 1 ? threads : 1)));
     if ((xt_start[groups] > 0 && a.xt == NULL) || (xv_start[groups] > 0 && a.xv == NULL) ||
