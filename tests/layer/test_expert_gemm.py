@@ -417,7 +417,7 @@ def _run_experts(
     rows, src_row, scale = _inputs(pw, counts, seed)
     pairs, hidden = sum(counts), int(pw.w2t.shape[2])
     y = torch.full((pairs, hidden), float("nan"), dtype=torch.bfloat16)
-    requantize = None if recipe.requantize_is_rounding else recipe.requantize
+    requantize = None if recipe.requantize_is_rounding else recipe.requantize_into
     mp = pytest.MonkeyPatch()
     with mp.context() as m:
         m.setattr(experts, "expert_gemm_rows", lambda weights, device: limit)

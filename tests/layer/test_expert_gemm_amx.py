@@ -381,7 +381,7 @@ def test_run_experts_sends_quantized_experts_to_amx_whatever_their_rows(
     rows = recipe.unpack(recipe.pack(torch.randn(50, h, generator=g)), h)
     src_row = torch.randint(0, 50, (sum(counts),), generator=g)
     y = torch.empty(sum(counts), h, dtype=torch.bfloat16)
-    experts.run_experts(rows, src_row, counts, pw, recipe.requantize, None, y, Workspace())
+    experts.run_experts(rows, src_row, counts, pw, recipe.requantize_into, None, y, Workspace())
     amx = recipe.operands_exact_in_bf16 and cpu_fused.amx_by_default()
     assert experts.amx_for_quantized(pw, torch.device("cpu")) == amx
     # FC1 and FC2 of both experts in one call each on AMX; else of the 3-row one

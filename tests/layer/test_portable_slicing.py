@@ -33,6 +33,11 @@ NO_CPU_GROUPED_MM = (
 )
 
 
+def _copy_into(h: torch.Tensor, out: torch.Tensor) -> None:
+    """A requantize that only rounds: h copied into the FC2 input."""
+    out.copy_(h)
+
+
 def _combine_direct(y: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`y [n, k, H]` bf16 per (token, slot): bf16(fp32 sum in slot order of w * y)."""
     n, k, h = y.shape
@@ -86,7 +91,7 @@ def test_expert_blocks_and_swiglu_slices_match_a_per_expert_loop(
         expected[start : start + c] = hid @ w2[x].t()
         start += c
     monkeypatch.setattr(experts, "SWIGLU_ROWS", 4)  # several SwiGLU slices per block
-    for requantize in (None, lambda t: t):  # rounding fused into the product, or a copy
+    for requantize in (None, _copy_into):  # rounding fused into the product, or a copy
         y = torch.empty_like(expected)
         experts.run_experts(rows, src_row, counts, prepared, requantize, None, y, comm.Workspace())
         assert torch.equal(y, expected)
@@ -94,7 +99,7 @@ def test_expert_blocks_and_swiglu_slices_match_a_per_expert_loop(
     # for another M, so compare each block against its own reference)
     monkeypatch.setattr(experts, "ROW_BLOCK", 4)
     y4 = torch.empty_like(expected)
-    experts.run_experts(rows, src_row, counts, prepared, lambda t: t, None, y4, comm.Workspace())
+    experts.run_experts(rows, src_row, counts, prepared, _copy_into, None, y4, comm.Workspace())
     start = 0
     for x, c in enumerate(counts):
         for s in range(start, start + c, 4):
@@ -161,7 +166,8 @@ def test_swiglu_slices_match_the_direct_formula(
     prod = F.silu(gate) * up
     expected = (prod if rq is None else rq(prod)).to(dtype)
     h = torch.empty(b, inter, dtype=dtype)
-    experts._swiglu(gu.clone(), h, alpha, clamp, rq, comm.Workspace())
+    into = None if rq is None else lambda t, out: out.copy_(rq(t))
+    experts._swiglu(gu.clone(), h, alpha, clamp, into, comm.Workspace())
     assert torch.equal(h, expected)
 
 

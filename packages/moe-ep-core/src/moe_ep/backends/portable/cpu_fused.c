@@ -456,6 +456,154 @@ static inline float e8m0_value(uint8_t b) {
     return v.f;
 }
 
+/* ---- FC2-input requantization: quantize, then dequantize, in one pass (fake quant) ----
+ * moe_ep.quant's rules, the same fp32 operations in the same order (the recipes'
+ * `requantize`), per row of x and block of `block` elements along it; the values written
+ * to out as fp32 or rounded to bf16 (f32_to_bf16). Non-finite blocks come out all NaN,
+ * as there. */
+#define FQ_NVFP4 0     /* e2m1, e4m3 scale per 16, norm_const (quantize_nvfp4) */
+#define FQ_MXFP8 1     /* e4m3, E8M0 scale per 32, ceil rule (quantize_mxfp8) */
+#define FQ_FP8_F32 2   /* e4m3, fp32 scale amax / 448 per block (quantize_fp8_blockwise) */
+#define FQ_FP8_UE8M0 3 /* e4m3, power-of-two scale, ceil rule (scale_format="ue8m0") */
+#define FQ_FP8_HYBRID 4 /* e4m3, fp32 scale max(amax * fp32(1/448), 1e-30) (mxfp4_hybrid) */
+
+/* fp32 -> float8_e4m3fn byte, round to nearest even, as torch's cast (c10's
+ * fp8e4m3fn_from_fp32_value: past 464 and NaN -> 0x7f, the sign kept). */
+static inline uint8_t fq_e4m3(float f) {
+    bits32 v;
+    v.f = f;
+    const uint32_t sign = v.u & 0x80000000u;
+    uint32_t u = v.u ^ sign;
+    uint8_t r;
+    if (u >= 1087u << 20) {
+        r = 0x7f;
+    } else if (u < 121u << 23) { /* below 2^-6: e4m3's subnormals, rounded by an fp32 add */
+        bits32 d, x;
+        d.u = 141u << 23;
+        x.u = u;
+        x.f = x.f + d.f;
+        r = (uint8_t)(x.u - d.u);
+    } else {
+        u += ((uint32_t)(7 - 127) << 23) + 0x7ffffu + ((u >> 20) & 1u);
+        r = (uint8_t)(u >> 20);
+    }
+    return r | (uint8_t)(sign >> 24);
+}
+
+/* amax |x| over n elements, NaN if any is NaN (torch's amax / amin propagate it), +0 for
+ * zeros of either sign. */
+static inline float fq_amax(const float *x, int64_t n) {
+    float m = 0.0f;
+    int nan = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = __builtin_fabsf(x[i]);
+        nan |= a != a;
+        m = a > m ? a : m;
+    }
+    return nan ? __builtin_nanf("") : m;
+}
+
+static inline int fq_finite(float v) { return __builtin_isfinite(v); }
+
+/* ceil(log2(amax / 448)) exactly (moe_ep.quant exact_ceil_log2_ratio), amax > 0 finite. */
+static inline int32_t fq_ceil_exp(float amax) {
+    int e;
+    const float m = __builtin_frexpf(amax, &e);
+    return e - 9 + (m > 0.875f);
+}
+
+/* 2^e for e in [-127, 127] as moe_ep.quant pow2_from_exponent (2^-127 subnormal). */
+static inline float fq_pow2(int32_t e) {
+    bits32 v;
+    v.u = e + 127 <= 0 ? 0x00400000u : (uint32_t)(e + 127) << 23;
+    return v.f;
+}
+
+static inline void fq_put(void *out, int32_t out_bf16, int64_t j, float v) {
+    if (out_bf16) ((uint16_t *)out)[j] = f32_to_bf16(v);
+    else ((float *)out)[j] = v;
+}
+
+/* One nvfp4 block (quantize_nvfp4, then dequantize_nvfp4 without the global scale). */
+static inline void fq_nvfp4_block(const float *x, int64_t n, float nc, int has_nc, void *out,
+                                  int32_t out_bf16, int64_t j0) {
+    const float amax = fq_amax(x, n);
+    float bs = amax * (float)(1.0 / 6.0);
+    if (has_nc) bs = bs * nc;
+    bs = bs > 448.0f ? 448.0f : bs;
+    if (!fq_finite(amax)) bs = __builtin_nanf("");
+    const float sf = e4m3_value[fq_e4m3(bs)];
+    float acc = 1.0f / sf;
+    if (has_nc) acc = acc * nc;
+    acc = acc > 3.40282347e38f ? 3.40282347e38f : acc;
+    if (sf == 0.0f) acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float y = x[i] * acc * 0x1p-6f; /* two roundings, as there */
+        bits32 mag, c;
+        mag.f = __builtin_fabsf(y);
+        uint32_t band = mag.u & 0x7f800000u; /* e2m1's bands [1, 2), [2, 4), [4, 8), x 2^-6 */
+        band = band < 121u << 23 ? 121u << 23 : band > 123u << 23 ? 123u << 23 : band;
+        c.u = band + (22u << 23);
+        float q = (mag.f + c.f - c.f) * 64.0f; /* rounded to the band's step, RNE */
+        q = q <= 6.0f ? q : 6.0f;              /* past 6 (and NaN): code 7 */
+        fq_put(out, out_bf16, j0 + i, (__builtin_signbit(y) ? -q : q) * sf);
+    }
+}
+
+/* One block of the e4m3 formats: scale as `kind` says, elements x * mult or x / scale,
+ * clamped to +-448, cast, times the dequantization scale. */
+static inline void fq_e4m3_block(const float *x, int64_t n, int32_t kind, void *out,
+                                 int32_t out_bf16, int64_t j0) {
+    const float amax = fq_amax(x, n), nan = __builtin_nanf("");
+    const int finite = fq_finite(amax);
+    float mult = 1.0f, div = 1.0f, deq;
+    int by_div = 0;
+    if (kind == FQ_MXFP8) {
+        int32_t e = amax == 0.0f || !finite ? 0 : fq_ceil_exp(amax);
+        e = e < -127 ? -127 : e > 127 ? 127 : e;
+        const int32_t byte = amax == 0.0f ? 0 : e + 127;
+        mult = finite ? fq_pow2(-e) : nan;
+        deq = finite ? e8m0_value((uint8_t)byte) : nan;
+    } else if (kind == FQ_FP8_F32) {
+        float s = amax / 448.0f;
+        s = s < 0x1p-126f ? 0x1p-126f : s;
+        s = amax > 0.0f ? s : 1.0f;
+        div = deq = finite ? s : nan;
+        by_div = 1;
+    } else if (kind == FQ_FP8_UE8M0) {
+        int32_t e = amax > 0.0f ? fq_ceil_exp(amax) : -127;
+        e = e < -127 ? -127 : e > 127 ? 127 : e;
+        div = deq = finite ? fq_pow2(e) : nan;
+        by_div = 1;
+    } else { /* FQ_FP8_HYBRID */
+        float s = amax * (float)(1.0 / 448.0);
+        s = s < 1e-30f ? 1e-30f : s;
+        deq = finite ? s : nan;
+        mult = 1.0f / deq;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float v = by_div ? x[i] / div : x[i] * mult;
+        v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
+        fq_put(out, out_bf16, j0 + i, e4m3_value[fq_e4m3(v)] * deq);
+    }
+}
+
+/* out[r] = requantize(x[r]) for rows [0, rows) of cols elements (cols % block == 0). */
+void moe_ep_fake_quant(const float *x, int64_t ld_x, void *out, int64_t ld_out, int32_t out_bf16,
+                       int64_t rows, int64_t cols, int32_t kind, int64_t block, float norm_const,
+                       int32_t threads) {
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ld_x;
+        void *o = out_bf16 ? (void *)((uint16_t *)out + r * ld_out) : (void *)((float *)out + r * ld_out);
+        for (int64_t j = 0; j < cols; j += block) {
+            if (kind == FQ_NVFP4) fq_nvfp4_block(xr + j, block, norm_const, norm_const != 1.0f, o, out_bf16, j);
+            else fq_e4m3_block(xr + j, block, kind, o, out_bf16, j);
+        }
+    }
+}
+
 static inline float eg_scale(const uint8_t *s_row, int32_t s_kind, int64_t block_index) {
     switch (s_kind) {
     case EG_S_F32: return ((const float *)s_row)[block_index];

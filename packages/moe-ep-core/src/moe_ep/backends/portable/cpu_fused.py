@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -115,6 +115,11 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
         None,
     ),
     "moe_ep_combine_bf16": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i32], None),
+    "moe_ep_fake_quant": (
+        # x, ld_x, out, ld_out, out_bf16, rows, cols, kind, block, norm_const, threads
+        [_ptr, _i64, _ptr, _i64, _i32, _i64, _i64, _i32, _i64, _f32, _i32],
+        None,
+    ),
     "moe_ep_expert_gemm_v2": ([*_EG_ROWS_ARGS, *_EG_WEIGHT_ARGS, *_EG_OUT_ARGS], _i32),
     "moe_ep_vector_bodies": ([], _i32),
     "moe_ep_omp_max_threads": ([], _i32),
@@ -354,6 +359,54 @@ _CODE_KIND = {"bf16": 0, "e4m3": 1, "e2m1": 2}
 _SCALE_KIND = {None: 0, "fp32": 1, "e8m0": 2, "e4m3": 3}
 _CODE_DTYPE = {"bf16": torch.bfloat16, "e4m3": torch.uint8, "e2m1": torch.uint8}
 _SCALE_DTYPE = {"fp32": torch.float32, "e8m0": torch.uint8, "e4m3": torch.uint8}
+
+
+FAKE_QUANT_KINDS = {"nvfp4": 0, "mxfp8": 1, "fp8": 2, "fp8_ue8m0": 3, "fp8_hybrid": 4}
+"""The requantizations `fake_quant` does, by name (the C library's FQ_* codes)."""
+
+
+class FakeQuant(NamedTuple):
+    """A recipe's FC2-input requantization as `fake_quant` does it: `kind` (a key of
+    `FAKE_QUANT_KINDS`), `block` elements per scale, nvfp4's `norm_const` (1.0: none)."""
+
+    kind: str
+    block: int
+    norm_const: float = 1.0
+
+
+def fake_quant(x: torch.Tensor, out: torch.Tensor, spec: FakeQuant) -> bool:
+    """`out = requantize(x)`: each block of `spec.block` elements of `x [rows, n]` (fp32, CPU)
+    quantized and dequantized in one pass, rounded to out's dtype (bf16 or fp32).
+
+    The same fp32 operations in the same order as moe_ep.quant's quantize / dequantize pair
+    the recipe names (`Recipe.requantize`): the same bits, NaN where that gives NaN (its
+    payload may differ). Returns False (nothing written) when the fused path does not apply
+    (no library, other dtypes or devices, a row stride other than 1, n not a multiple of the
+    block, a norm_const not positive and finite); the caller then runs the eager code.
+    """
+    kind = FAKE_QUANT_KINDS[spec.kind]
+    rows, n = (int(d) for d in x.shape) if x.dim() == 2 else (0, 0)
+    ok = (
+        x.dim() == 2
+        and out.shape == x.shape
+        and x.dtype == torch.float32
+        and out.dtype in (torch.float32, torch.bfloat16)
+        and x.device.type == "cpu"
+        and out.device.type == "cpu"
+        and x.stride(1) == 1
+        and out.stride(1) == 1
+        and spec.block > 0
+        and n % spec.block == 0
+        and 0.0 < spec.norm_const < float("inf")
+    )
+    lib = library() if ok else None
+    if lib is None:
+        return False
+    lib.moe_ep_fake_quant(
+        x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16,
+        rows, n, kind, spec.block, spec.norm_const, _threads(rows),
+    )  # fmt: skip
+    return True
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,10 @@ from moe_ep.backends.portable.prepare_finalize import Dispatched
 from moe_ep.backends.portable.recipes import PreparedWeights, Recipe, check_recipe
 from moe_ep.errors import MoeEpUsageError
 
+Requantize = Callable[[torch.Tensor, torch.Tensor], None]
+"""`requantize(h, out)`: the FC2 input's quantization of fp32 `h`, written into out
+(`Recipe.requantize_into`)."""
+
 __all__ = [
     "ROW_BLOCK",
     "SWIGLU_ROWS",
@@ -209,11 +213,11 @@ def _swiglu(
     h: torch.Tensor,
     alpha: float | None,
     clamp: float | None,
-    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
+    requantize: Requantize | None,
     ws: Workspace,
     row_scale: torch.Tensor | None = None,
 ) -> None:
-    """`gu [b, 2I]` -> `h [b, I]`: `requantize(silu(g) * u)` in fp32, rounded into h.
+    """`gu [b, 2I]` -> `h [b, I]`: `requantize(silu(g) * u)` in fp32, written into h.
 
     row_scale: `[b]` fp32, multiplies each row of `silu(g) * u` before `requantize` (the
     top-k weight applied before FC2).
@@ -251,7 +255,11 @@ def _swiglu(
                 g.mul_(row_scale[s:e, None])
             # copy_ rounds to h's dtype (RNE) where needed; an fp32 mul with a bf16 `out`
             # measured 2x slower than this in-place mul plus a rounding copy (same bits).
-            h[s:e].copy_(g if requantize is None else requantize(g))
+            # requantize writes h itself (one fused pass on CPU where the format has one).
+            if requantize is None:
+                h[s:e].copy_(g)
+            else:
+                requantize(g, h[s:e])
 
 
 def expert_gemm_unavailable(weights: PreparedWeights, device: torch.device) -> str | None:
@@ -317,7 +325,7 @@ def _run_expert_gemm(
     src_row: torch.Tensor,
     runs: list[tuple[int, int, int]],
     weights: PreparedWeights,
-    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
+    requantize: Requantize | None,
     swiglu_clamp: float | None,
     y: torch.Tensor,
     ws: Workspace,
@@ -398,7 +406,7 @@ def _run_grouped(
     src_row: torch.Tensor,
     counts: list[int],
     weights: PreparedWeights,
-    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
+    requantize: Requantize | None,
     swiglu_clamp: float | None,
     y: torch.Tensor,
     ws: Workspace,
@@ -418,7 +426,7 @@ def run_experts(
     src_row: torch.Tensor,
     counts: list[int],
     weights: PreparedWeights,
-    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
+    requantize: Requantize | None,
     swiglu_clamp: float | None,
     y: torch.Tensor,
     ws: Workspace,
@@ -525,7 +533,7 @@ def _run_blocks(
     rows: torch.Tensor,
     src_row: torch.Tensor,
     weights: PreparedWeights,
-    requantize: Callable[[torch.Tensor], torch.Tensor] | None,
+    requantize: Requantize | None,
     swiglu_clamp: float | None,
     y: torch.Tensor,
     ws: Workspace,
@@ -607,7 +615,7 @@ class TorchExperts:
             d.pair_row[order],
             counts,
             weights,
-            None if recipe.requantize_is_rounding else recipe.requantize,
+            None if recipe.requantize_is_rounding else recipe.requantize_into,
             self.swiglu_clamp,
             y_sorted,
             ws,

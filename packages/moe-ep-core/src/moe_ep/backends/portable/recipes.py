@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep import quant
-from moe_ep.backends.portable.cpu_fused import Scale, StoredWeight
+from moe_ep.backends.portable import cpu_fused
+from moe_ep.backends.portable.cpu_fused import FakeQuant, Scale, StoredWeight
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEWeightPack
 
@@ -173,6 +174,16 @@ class Recipe(ABC):
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
         """FC2 input: `[m, I]` fp32 SwiGLU output -> quantize-dequantized values (any float
         dtype; the caller copies them into the compute-dtype FC2 input)."""
+
+    fake_quant: FakeQuant | None = None
+    """`requantize` as the fused CPU pass does it (`cpu_fused.fake_quant`, same bits), or
+    None where the format has none."""
+
+    def requantize_into(self, h: torch.Tensor, out: torch.Tensor) -> None:
+        """`out[:] = requantize(h)`, rounded to out's dtype: in one fused pass on CPU where
+        the format has one (`fake_quant`), else the eager ops and a copy."""
+        if self.fake_quant is None or not cpu_fused.fake_quant(h, out, self.fake_quant):
+            out.copy_(self.requantize(h))
 
     @abstractmethod
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
@@ -328,6 +339,8 @@ class Fp8BlockRecipe(Recipe):
     ) -> None:
         self.fc1_gate_up_interleave = fc1_gate_up_interleave
         self.fc2_act_block = self.act_block if fc2_act_block is None else fc2_act_block
+        kind = "fp8_ue8m0" if self.act_scale_format == "ue8m0" else "fp8"
+        self.fake_quant = FakeQuant(kind, self.fc2_act_block)
 
     def check_scales(self, weights: MoEWeightPack) -> None:
         if weights.prequantized and self.fc1_gate_up_interleave is not None:
@@ -401,6 +414,8 @@ class Mxfp8Recipe(Recipe):
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
         return quant.dequantize_mxfp8(*quant.quantize_mxfp8(h, check_finite=False))
 
+    fake_quant = FakeQuant("mxfp8", 32)
+
     def _weight(
         self, name: str, w: torch.Tensor, s: torch.Tensor | None
     ) -> tuple[torch.Tensor, StoredWeight | None]:
@@ -436,6 +451,7 @@ class Nvfp4Recipe(Recipe):
     def __init__(self, act_global_scale: float = 1.0, hidden_global_scale: float = 1.0) -> None:
         self.act_gs = float(act_global_scale)
         self.hidden_gs = float(hidden_global_scale)
+        self.fake_quant = FakeQuant("nvfp4", 16, self.hidden_gs)
 
     def row_bytes(self, hidden: int) -> int:
         return hidden // 2 + hidden // 16
@@ -536,6 +552,8 @@ class _HybridFp8Recipe(Recipe):
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
         data, scales = quant.quantize_fp8_fc2_hybrid(h, check_finite=False)
         return quant.dequantize_fp8_blockwise(data, scales, block=(1, quant.HYBRID_FC2_BLOCK))
+
+    fake_quant = FakeQuant("fp8_hybrid", quant.HYBRID_FC2_BLOCK)
 
 
 class Fp8Mxfp4Recipe(_HybridFp8Recipe):

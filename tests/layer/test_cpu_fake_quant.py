@@ -1,0 +1,228 @@
+"""The fused CPU requantization of the FC2 input (`cpu_fused.fake_quant`) against the
+recipes' eager `requantize` (moe_ep.quant's quantize / dequantize pair, itself tested
+against the formats' definitions): the same bits everywhere, NaN exactly where it gives NaN.
+
+The inputs aim at every rule: block amaxes across fp32's range (tiny, subnormal, near
+FLT_MAX), all-zero blocks of either sign, NaN and +-inf blocks, elements at and around
+each rounding boundary (found on the eager code), scales that round to zero or clamp at
+448, and nvfp4's global scale.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from moe_ep.backends.portable import cpu_fused, recipes
+
+needs_library = pytest.mark.skipif(
+    cpu_fused.library() is None, reason="the fused CPU library does not build here"
+)
+
+RECIPES: dict[str, recipes.Recipe] = {
+    "mxfp8": recipes.Mxfp8Recipe(),
+    "mxfp8_mxfp4": recipes.Mxfp8Mxfp4Recipe(),
+    "nvfp4": recipes.Nvfp4Recipe(),
+    "nvfp4 global scale 37.3": recipes.Nvfp4Recipe(hidden_global_scale=37.3),
+    "nvfp4 global scale 1e-3": recipes.Nvfp4Recipe(hidden_global_scale=1e-3),
+    "nvfp4 global scale 1e30": recipes.Nvfp4Recipe(hidden_global_scale=1e30),
+    "nvfp4 global scale 1e-37": recipes.Nvfp4Recipe(hidden_global_scale=1e-37),
+    "fp8": recipes.Fp8BlockRecipe(),
+    "fp8 block 64": recipes.Fp8BlockRecipe(fc2_act_block=64),
+    "fp8_fp4": recipes.Fp8Fp4Recipe(),
+    "fp8_mxfp4": recipes.Fp8Mxfp4Recipe(),
+    "fp8_nvfp4": recipes.Fp8Nvfp4Recipe(),
+}
+
+
+def _hard_rows(cols: int, seed: int) -> torch.Tensor:
+    """Rows of fp32 with blocks (of every size that divides 128) that each stress a rule."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for log_scale in (-45.0, -40.0, -20.0, -3.0, 0.0, 2.0, 9.0, 30.0, 37.0):
+        rows.append(torch.randn(cols, generator=g) * 2.0**log_scale)
+    # low-entropy values: many land on the ties of e4m3 and e2m1 after scaling
+    for den in (4.0, 16.0, 64.0, 512.0):
+        rows.append(torch.randint(-3000, 3000, (cols,), generator=g).float() / den)
+    row = torch.randn(cols, generator=g)
+    row[:16] = 0.0
+    row[16:32] = -0.0
+    row[32:48] = torch.tensor([0.0, -0.0] * 8)
+    row[64] = float("nan")
+    row[96] = float("inf")
+    row[100] = float("-inf")
+    rows.append(row)
+    rows.append(torch.full((cols,), 3.4e38) * torch.randn(cols, generator=g).sign())
+    rows.append(torch.randn(cols, generator=g) * 1e-39)  # fp32 subnormals
+    rows.append(torch.where(torch.rand(cols, generator=g) < 0.9, 0.0, 1e-42))
+    x = torch.stack(rows)
+    return x[torch.randperm(x.shape[0], generator=g)]
+
+
+# block amaxes: every 9th binade of fp32 (scales of every size, incl. those nvfp4's global
+# scales 1e30 and 1e-37 leave unclamped), the ceil rule's boundaries 448 x 2^k
+BOUNDARY_AMAXES = [1.37 * 2.0**k for k in range(-125, 127, 9)] + [448.0 * 2.0**k for k in (-20, 0, 9)]
+BOUNDARY_AMAXES += [1e38, 3e38]  # nvfp4 with global scale 1e-37: acc * 2^-6 an fp32 subnormal
+ULPS = 3
+
+
+def _changes(
+    f: Callable[[torch.Tensor], torch.Tensor], lo: float, hi: float, step: int
+) -> torch.Tensor:
+    """The fp32 bit patterns in (lo, hi] (positive) at which f, a function of fp32 values
+    giving one output row per value, starts a new step: on a grid `step` patterns apart
+    (2^23 a binade), then by bisection (bit patterns order positive floats)."""
+
+    def ys(bits: torch.Tensor) -> torch.Tensor:
+        return f(bits.view(torch.float32))
+
+    a = torch.tensor([lo, hi], dtype=torch.float32).view(torch.int32)
+    grid = torch.arange(int(a[0]), int(a[1]), step, dtype=torch.int32)
+    out = ys(grid)
+    change = (out[1:] != out[:-1]).any(dim=1)
+    lo_b, hi_b = grid[:-1][change], grid[1:][change]
+    while bool((hi_b - lo_b > 1).any()):
+        mid = lo_b + (hi_b - lo_b) // 2
+        same = (ys(mid) == ys(lo_b)).all(dim=1)
+        lo_b, hi_b = torch.where(same, mid, lo_b), torch.where(same, hi_b, mid)
+    return hi_b
+
+
+def _led_blocks(recipe: recipes.Recipe, lead: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """Blocks of the recipe's size: lead[i], then rest[i] (a value or a row), zeros after."""
+    assert recipe.fake_quant is not None
+    blocks = torch.zeros(lead.numel(), recipe.fake_quant.block)
+    blocks[:, 0] = lead
+    blocks[:, 1 : 1 + (rest.shape[1] if rest.dim() == 2 else 1)] = rest.view(lead.numel(), -1)
+    return blocks
+
+
+def _around(bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 values within ULPS ulps of bit patterns `bits`."""
+    near = bits + torch.arange(-ULPS, ULPS + 1, dtype=torch.int32)[:, None]
+    return near.flatten().view(torch.float32)
+
+
+@functools.cache
+def _boundary_rows(name: str, cols: int) -> torch.Tensor:
+    """Blocks (the recipe's size) that put values within ULPS ulps of each rounding
+    boundary of the eager requantize of RECIPES[name]: (1) element boundaries, x in
+    [amax * 2^-20, amax) in a block [amax, x]; (2) scale boundaries, amax in a block
+    [amax, 0.37 amax] (the scale's rounding moves the element's output). Signs alternate.
+    A grid of 128 (x) or 64 (amax) points a binade finds every step of e4m3 (8 a binade)
+    and e2m1."""
+    recipe = RECIPES[name]
+    assert recipe.fake_quant is not None
+    block = recipe.fake_quant.block
+    blocks = []
+    for amax in BOUNDARY_AMAXES:
+        def element(x: torch.Tensor, amax: float = amax) -> torch.Tensor:
+            return recipe.requantize(_led_blocks(recipe, torch.full_like(x, amax), x))[:, 1:2]
+
+        vals = _around(_changes(element, amax * 2.0**-20, amax, 1 << 16))
+        vals = vals[(vals > 0) & (vals < amax)]
+        if vals.numel():
+            blocks.append(_led_blocks(recipe, torch.full_like(vals, amax), vals))
+
+    def scale(a: torch.Tensor) -> torch.Tensor:
+        return recipe.requantize(_led_blocks(recipe, a, a * 0.37))[:, :2]
+
+    leads = _around(_changes(scale, 2.0**-120, 2.0**120, 1 << 17))
+    leads = leads[leads > 0]
+    blocks.append(_led_blocks(recipe, leads, leads * 0.37))
+    flat = torch.cat(blocks).flatten()
+    flat = torch.cat([flat, torch.zeros(-flat.numel() % cols)])
+    rows = flat.view(-1, cols)
+    rows[:, 1::3] *= -1.0
+    return rows
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit-identical where not NaN (signed zeros included), NaN at the same places."""
+    nan = torch.isnan(want)
+    if not torch.equal(torch.isnan(got), nan):
+        return False
+    bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    return torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+
+
+@needs_library
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_fused_requantize_gives_the_eager_bits(name: str, out_dtype: torch.dtype) -> None:
+    recipe = RECIPES[name]
+    spec = recipe.fake_quant
+    assert spec is not None
+    rows = torch.cat([_hard_rows(256, 0), _boundary_rows(name, 256)])
+    wide = torch.zeros(rows.shape[0], 256 + 64)
+    x = wide[:, :256]  # a view with a row stride, as the SwiGLU output's g half
+    x.copy_(rows)
+    want = recipe.requantize(x.clone()).to(out_dtype)
+    got = torch.full_like(want, 7.0)
+    assert cpu_fused.fake_quant(x, got, spec)
+    assert _same(got, want), name
+    assert _same(x, rows)  # the input is left as it was
+
+
+@needs_library
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8", "fp8_fp4", "fp8_mxfp4"])
+def test_fused_requantize_on_random_activations(name: str) -> None:
+    """SwiGLU-like activations (heavy tails) at several magnitudes, many rows."""
+    recipe = RECIPES[name]
+    assert recipe.fake_quant is not None
+    g = torch.Generator().manual_seed(1)
+    for scale in (1e-6, 1.0, 1e4):
+        x = torch.randn(300, 512, generator=g) ** 3 * scale
+        want = recipe.requantize(x.clone()).bfloat16()
+        got = torch.empty_like(want)
+        assert cpu_fused.fake_quant(x, got, recipe.fake_quant)
+        assert _same(got, want), (name, scale)
+
+
+@needs_library
+def test_requantize_into_uses_the_fused_pass_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    recipe = recipes.Nvfp4Recipe(hidden_global_scale=3.0)
+    x = torch.randn(8, 64)
+    want = recipe.requantize(x.clone()).bfloat16()
+    calls: list[cpu_fused.FakeQuant] = []
+    real = cpu_fused.fake_quant
+
+    def counted(x: torch.Tensor, out: torch.Tensor, spec: cpu_fused.FakeQuant) -> bool:
+        calls.append(spec)
+        return real(x, out, spec)
+
+    monkeypatch.setattr(cpu_fused, "fake_quant", counted)
+    out = torch.empty_like(want)
+    recipe.requantize_into(x, out)
+    assert calls == [cpu_fused.FakeQuant("nvfp4", 16, 3.0)] and torch.equal(out, want)
+    monkeypatch.setattr(cpu_fused, "library", lambda: None)  # no library: the eager ops
+    out.fill_(0.0)
+    recipe.requantize_into(x, out)
+    assert torch.equal(out, want)
+
+
+def test_fake_quant_refuses_what_it_cannot_do() -> None:
+    spec = cpu_fused.FakeQuant("mxfp8", 32)
+    x = torch.randn(4, 64)
+    assert not cpu_fused.fake_quant(x.bfloat16(), torch.empty(4, 64), spec)  # x not fp32
+    assert not cpu_fused.fake_quant(x, torch.empty(4, 64, dtype=torch.float16), spec)
+    assert not cpu_fused.fake_quant(x[:, :48], torch.empty(4, 48), spec)  # 48 % 32
+    assert not cpu_fused.fake_quant(x.t(), torch.empty(64, 4), spec)  # a column stride
+    assert not cpu_fused.fake_quant(x, torch.empty(4, 32), spec)  # shapes differ
+    nvfp4 = cpu_fused.FakeQuant("nvfp4", 16, 0.0)
+    assert not cpu_fused.fake_quant(x, torch.empty(4, 64), nvfp4)  # the eager code raises
+
+
+def test_every_recipe_with_a_requantization_has_a_fused_one() -> None:
+    """Only bf16 (whose requantization is the rounding itself) goes without."""
+    for name, cls in vars(recipes).items():
+        if isinstance(cls, type) and issubclass(cls, recipes.Recipe) and not name.startswith("_"):
+            if cls is recipes.Recipe:
+                continue
+            recipe = cls()
+            assert (recipe.fake_quant is None) == recipe.requantize_is_rounding, name
