@@ -16,9 +16,12 @@ from moe_ep.backends.portable import cpu_fused
 def build(source: Path) -> ctypes.CDLL:
     """The library built from `source` (cached beside the current one, by its own digest).
 
+    A source older than a function in `cpu_fused.NEWER_THAN_BASELINES` builds without it;
+    the code runs the eager path on that library, as that commit did.
+
     Raises:
         RuntimeError: no C compiler, or `source` does not build into a library with every
-            function the current code binds.
+            other function the current code binds.
     """
     cc = cpu_fused._compiler()
     if cc is None:
@@ -27,7 +30,7 @@ def build(source: Path) -> ctypes.CDLL:
     saved = cpu_fused.SOURCE
     cpu_fused.SOURCE = source
     try:
-        return cpu_fused._cached_or_built(cc, root)
+        return cpu_fused._cached_or_built(cc, root, cpu_fused.NEWER_THAN_BASELINES)
     finally:
         cpu_fused.SOURCE = saved
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from benchlib import baseline_kernel
 
-from moe_ep.backends.portable import cpu_fused
+from moe_ep.backends.portable import cpu_fused, recipes
 
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
 
@@ -65,3 +65,32 @@ def test_a_source_that_does_not_build_is_refused(tmp_path: Path) -> None:
     path.write_text("this is not C\n")
     with pytest.raises(RuntimeError):
         baseline_kernel.build(path)
+
+
+def test_a_source_older_than_the_fused_requantize_runs_it_eagerly(tmp_path: Path) -> None:
+    """An older `cpu_fused.c` without `moe_ep_fake_quant` still builds as a baseline; on it
+    the FC2-input requantization goes the eager way (the same bits), as that commit did."""
+    src = cpu_fused.SOURCE.read_text()
+    assert "moe_ep_fake_quant(" in src
+    path = tmp_path / "cpu_fused.c"
+    path.write_text(src.replace("moe_ep_fake_quant(", "moe_ep_fake_quant_renamed("))
+    lib = baseline_kernel.build(path)
+    assert not hasattr(lib, "moe_ep_fake_quant")
+    recipe = recipes.Nvfp4Recipe(hidden_global_scale=2.0)
+    x = torch.randn(4, 64)
+    want = recipe.requantize(x.clone()).bfloat16()
+    used: list[bool] = []
+    real = cpu_fused.fake_quant
+
+    def spy(x: torch.Tensor, out: torch.Tensor, spec: cpu_fused.FakeQuant) -> bool:
+        used.append(real(x, out, spec))
+        return used[-1]
+
+    out = torch.empty_like(want)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_fused, "fake_quant", spy)
+        baseline_kernel.with_library(lib, lambda: recipe.requantize_into(x, out))()
+        assert used == [False] and torch.equal(out, want)  # eager on the baseline
+        out.zero_()
+        recipe.requantize_into(x, out)
+        assert used == [False, True] and torch.equal(out, want)  # fused on the current one

@@ -128,20 +128,27 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
 """Every function the code calls, with its ctypes signature; a library lacking one is
 rebuilt (a cached one) or refused (a fresh build)."""
 
+NEWER_THAN_BASELINES = frozenset({"moe_ep_fake_quant"})
+"""Functions an older `cpu_fused.c` (a benchmark's `--baseline-kernel`) may lack: on such a
+library their callers run the eager code, as that commit did (`benchlib.baseline_kernel`)."""
+
 _LIBRARY = "cpu_fused.so"
 """The library's file name inside its cache entry `cpu_fused-<digest>/`."""
 
 
-def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
-    """(the library at `path` with every `_SIGNATURES` function bound, "") or (None, why)."""
+def _open(path: Path, optional: frozenset[str] = frozenset()) -> tuple[ctypes.CDLL | None, str]:
+    """(the library at `path` with every `_SIGNATURES` function it has bound, "") or (None,
+    why): it must have all but the `optional` ones."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         return None, f"{path} does not load: {exc}"
-    missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+    present = {name for name in _SIGNATURES if hasattr(lib, name)}
+    missing = [name for name in _SIGNATURES if name not in present and name not in optional]
     if missing:
         return None, f"{path} lacks {', '.join(missing)}"
-    for name, (argtypes, restype) in _SIGNATURES.items():
+    for name in present:
+        argtypes, restype = _SIGNATURES[name]
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype
     return lib, ""
@@ -158,9 +165,12 @@ def _compile(cc: str, flags: list[str], out_dir: Path) -> None:
         raise RuntimeError(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-400:]}")
 
 
-def _cached_or_built(cc: str, root: Path) -> ctypes.CDLL:
+def _cached_or_built(
+    cc: str, root: Path, optional: frozenset[str] = frozenset()
+) -> ctypes.CDLL:
     """The library from its verified cache entry under `root`, else a fresh build (then
-    published there); `moe_ep.cache_trust` holds the rules.
+    published there); `moe_ep.cache_trust` holds the rules. `optional`: functions it may
+    lack (`NEWER_THAN_BASELINES`, for an older source).
 
     Tries the native arch with OpenMP first, then drops the arch flags, then OpenMP (a
     compiler without it gets the serial library)."""
@@ -174,7 +184,7 @@ def _cached_or_built(cc: str, root: Path) -> ctypes.CDLL:
         name = f"cpu_fused-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
         entry = cache_trust.find_entry(root, name)
         if entry is not None:
-            lib, _ = _open(entry / _LIBRARY)
+            lib, _ = _open(entry / _LIBRARY, optional)
             if lib is not None:
                 return lib
         try:
@@ -184,7 +194,7 @@ def _cached_or_built(cc: str, root: Path) -> ctypes.CDLL:
             continue
         # Loaded from the staging path: a new path and file, so never the copy a stale
         # entry of the same name left loaded in this process.
-        lib, why = _open(staged / _LIBRARY)
+        lib, why = _open(staged / _LIBRARY, optional)
         if lib is None:
             cache_trust.discard(staged)
             raise RuntimeError(f"the fresh build is unusable: {why}")
@@ -400,7 +410,7 @@ def fake_quant(x: torch.Tensor, out: torch.Tensor, spec: FakeQuant) -> bool:
         and 0.0 < spec.norm_const < float("inf")
     )
     lib = library() if ok else None
-    if lib is None:
+    if lib is None or not hasattr(lib, "moe_ep_fake_quant"):  # an older baseline library
         return False
     lib.moe_ep_fake_quant(
         x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), out.dtype == torch.bfloat16,
