@@ -165,9 +165,7 @@ def _compile(cc: str, flags: list[str], out_dir: Path) -> None:
         raise RuntimeError(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-400:]}")
 
 
-def _cached_or_built(
-    cc: str, root: Path, optional: frozenset[str] = frozenset()
-) -> ctypes.CDLL:
+def _cached_or_built(cc: str, root: Path, optional: frozenset[str] = frozenset()) -> ctypes.CDLL:
     """The library from its verified cache entry under `root`, else a fresh build (then
     published there); `moe_ep.cache_trust` holds the rules. `optional`: functions it may
     lack (`NEWER_THAN_BASELINES`, for an older source).
