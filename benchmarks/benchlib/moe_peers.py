@@ -417,7 +417,7 @@ def print_crossover(out: Console, points: list[CrossoverPoint], machine: str) ->
 
 def _short_peer(name: str) -> str:
     """A peer's name short enough for seven tick labels side by side ("hf grouped_mm" ->
-    "grouped")."""
+    "grouped", the tick label's last line)."""
     return name.removeprefix("hf ").removesuffix("_mm")
 
 
@@ -447,7 +447,7 @@ def plot_peers(
     if have:
         shown += plots.ratio_bars(
             axes[1],
-            [f"{n}\n({_short_peer(str(x['best_peer']))})" for n, x in have],
+            [f"{n}\n{_short_peer(str(x['best_peer']))}" for n, x in have],
             [x["peer_over_layer"] for _, x in have],  # type: ignore[misc]
             [targets_of(n)["peer_over_layer"] for n, _ in have],
             wrap=7,

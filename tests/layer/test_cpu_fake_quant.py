@@ -16,7 +16,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from moe_ep.backends.portable import cpu_fused, recipes
+from moe_ep.backends.portable import cpu_fused, experts, recipes
+from moe_ep.backends.portable.comm import Workspace
+from moe_ep.types import MoEWeightPack
 
 needs_library = pytest.mark.skipif(
     cpu_fused.library() is None, reason="the fused CPU library does not build here"
@@ -227,3 +229,42 @@ def test_every_recipe_with_a_requantization_has_a_fused_one() -> None:
                 continue
             recipe = cls()
             assert (recipe.fake_quant is None) == recipe.requantize_is_rounding, name
+
+
+@needs_library
+@pytest.mark.parametrize(
+    "name", ["mxfp8", "mxfp8_mxfp4", "nvfp4 global scale 37.3", "fp8", "fp8_fp4", "fp8_mxfp4"]
+)
+def test_experts_give_the_same_bits_with_the_fused_requantize(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """run_experts (FC1, SwiGLU, the requantization, FC2) on ragged experts: the fused pass
+    (it must run) and the eager requantize give the same output bits."""
+    recipe = RECIPES[name]
+    g = torch.Generator().manual_seed(3)
+    hidden, inter, counts = 256, 128, [5, 0, 17]
+    e = len(counts)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(e, hidden, inter, generator=g) / inter**0.5
+    pw = recipe.prepare(MoEWeightPack(w13, w2))
+    rows = recipe.unpack(recipe.pack(torch.randn(30, hidden, generator=g) * 4), hidden)
+    src_row = torch.randint(0, 30, (sum(counts),), generator=g)
+    fused: list[bool] = []
+    real = cpu_fused.fake_quant
+
+    def spy(x: torch.Tensor, out: torch.Tensor, spec: cpu_fused.FakeQuant) -> bool:
+        fused.append(real(x, out, spec))
+        return fused[-1]
+
+    monkeypatch.setattr(cpu_fused, "fake_quant", spy)
+
+    def eager(h: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(recipe.requantize(h))
+
+    ys = []
+    for requantize in (recipe.requantize_into, eager):
+        y = torch.empty(sum(counts), hidden, dtype=torch.bfloat16)
+        experts.run_experts(rows, src_row, counts, pw, requantize, None, y, Workspace())
+        ys.append(y)
+    assert fused and all(fused)
+    assert torch.equal(ys[0], ys[1])

@@ -38,15 +38,17 @@ def title(fig: Figure, what: str, shape: str, machine: str) -> None:
 
 
 def _names(ax: Axes, names: Sequence[str], centers: Sequence[float], wrap: int) -> None:
-    """Tick labels, each line wrapped to `wrap` characters."""
+    """Tick labels, each line wrapped to `wrap` characters (at spaces and hyphens), smaller
+    where a line is still longer than `wrap` (so that neighbours do not overlap)."""
     shown = [
         "\n".join(
-            textwrap.fill(line, wrap, break_long_words=False, break_on_hyphens=False)
+            textwrap.fill(line, wrap, break_long_words=False, break_on_hyphens=True)
             for line in n.split("\n")
         )
         for n in names
     ]
-    ax.set_xticks(list(centers), shown, fontsize=8)
+    longest = max((len(line) for n in shown for line in n.split("\n")), default=0)
+    ax.set_xticks(list(centers), shown, fontsize=8 if longest <= wrap else 7)
 
 
 def target_line(
