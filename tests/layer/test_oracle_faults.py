@@ -281,7 +281,9 @@ def _fc2_input_not_requantized(run: Run) -> torch.Tensor:
         run.patch_prepared(lambda pw: PreparedWeights(pw.w13t.float(), pw.w2t.float()))
         run.mp.setattr(run.recipe_cls, "unpack", unpack)
         return run.forward()
-    run.mp.setattr(run.recipe_cls, "requantize", lambda recipe, h: h)
+    # the FC2 input as the SwiGLU gave it, rounded to the operand's dtype (no quantization;
+    # requantize_into is what the experts call, fused or eager)
+    run.mp.setattr(run.recipe_cls, "requantize_into", lambda recipe, h, out: out.copy_(h))
     # the AMX order refuses FC2 inputs that are not exact in bf16 (ValueError, tested in
     # test_expert_gemm_amx.py): this faulty kernel runs on the fp32 order instead
     run.mp.setattr(experts, "amx_for_quantized", lambda weights, device: False)
