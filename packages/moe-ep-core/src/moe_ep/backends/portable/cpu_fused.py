@@ -1,11 +1,12 @@
-"""Fused CPU epilogues of the portable kernels: SwiGLU and the top-k combine in one pass each.
+"""Fused CPU epilogues of the portable kernels: SwiGLU, the top-k combine and the quantized
+formats' FC2-input requantization in one pass each (and the expert GEMM of few rows).
 
-The eager versions (`experts._swiglu`, `comm.combine`) make one trip through memory per
-torch op (widen, silu, multiply, round; gather, widen, weight, add per slot, round). On
-CPU these two stages cost as much as a third of the expert GEMMs, so a small C library
-(`cpu_fused.c`, moe-ep's own) does each in one pass with the same fp32 operations in the
-same order. It is compiled on first use with the machine's C compiler (about a second),
-cached under `MOE_EP_CPU_FUSED_CACHE` (default `~/.cache/moe-ep/cpu_fused`) by a digest of
+The eager versions (`experts._swiglu`, `comm.combine`, `Recipe.requantize`) make one trip
+through memory per torch op (widen, silu, multiply, round; gather, widen, weight, add per
+slot, round; amax, scale, cast, decode, multiply). On CPU these stages cost as much as a
+third of the expert GEMMs, so a small C library (`cpu_fused.c`, moe-ep's own) does each
+in one pass with the same fp32 operations in the same order. It is compiled on first use
+with the machine's C compiler (about a second), cached under `MOE_EP_CPU_FUSED_CACHE` (default `~/.cache/moe-ep/cpu_fused`) by a digest of
 source, compiler, flags and CPU features, and loaded with ctypes. The cache is private and
 every entry verified before it is loaded (`moe_ep.cache_trust`); a cached library lacking a
 function the code binds is rebuilt. Rows are split over
