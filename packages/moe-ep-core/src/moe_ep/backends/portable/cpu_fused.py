@@ -4,20 +4,22 @@ formats' FC2-input requantization in one pass each (and the expert GEMM of few r
 The eager versions (`experts._swiglu`, `comm.combine`, `Recipe.requantize`) make one trip
 through memory per torch op (widen, silu, multiply, round; gather, widen, weight, add per
 slot, round; amax, scale, cast, decode, multiply). On CPU these stages cost as much as a
-third of the expert GEMMs, so a small C library (`cpu_fused.c`, moe-ep's own) does each
-in one pass with the same fp32 operations in the same order. It is compiled on first use
-with the machine's C compiler (about a second), cached under `MOE_EP_CPU_FUSED_CACHE` (default `~/.cache/moe-ep/cpu_fused`) by a digest of
-source, compiler, flags and CPU features, and loaded with ctypes. The cache is private and
-every entry verified before it is loaded (`moe_ep.cache_trust`); a cached library lacking a
-function the code binds is rebuilt. Rows are split over
-`torch.get_num_threads()` OpenMP threads: built with `-fopenmp`, the library binds to the
-`libgomp.so.1` torch already loaded, so it shares torch's thread pool (a Python-thread split
-measured about 1.1x on 2 cores for a 1024-row block: the hand-off costs as much as the work).
+third of the expert GEMMs, so a small C library (`cpu_fused.c`, moe-ep's own) does each in
+one pass with the same fp32 operations in the same order. It is compiled on first use with
+the machine's C compiler (about a second), cached under `MOE_EP_CPU_FUSED_CACHE` (default
+`~/.cache/moe-ep/cpu_fused`) by a digest of source, compiler, flags and CPU features, and
+loaded with ctypes. The cache is private and every entry verified before it is loaded
+(`moe_ep.cache_trust`); a cached library lacking a function the code binds is rebuilt. Rows
+are split over `torch.get_num_threads()` OpenMP threads: built with `-fopenmp`, the library
+binds to the `libgomp.so.1` torch already loaded, so it shares torch's thread pool (a
+Python-thread split measured about 1.1x on 2 cores for a 1024-row block: the hand-off costs
+as much as the work).
 
 Results: the combine is bit-identical to the eager code; SwiGLU uses its own fp32 exp()
 (about 1 ulp) where ATen uses SLEEF, so a rare bf16 output differs from eager by one last
 bit. Both are deterministic and per row, so the bit-identity of the bf16 format across
-world sizes holds as long as every rank uses the same path.
+world sizes holds as long as every rank uses the same path. The requantization
+(`fake_quant`) gives the eager bits (NaN payloads aside).
 
 `MOE_EP_CPU_FUSED`: `auto` (default; eager with one warning when no compiler works), `1`
 (required: construction fails with `MoeEpUnavailableError` if it cannot build), `0` (eager).
