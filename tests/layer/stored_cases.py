@@ -12,12 +12,19 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX spec, FP4 E2M1 magnitu
 
 
 def random_stored(
-    code: str, scale: str | None, e: int, n: int, k: int, g: torch.Generator
+    code: str,
+    scale: str | None,
+    e: int,
+    n: int,
+    k: int,
+    g: torch.Generator,
+    block: int | None = None,
 ) -> tuple[StoredWeight, torch.Tensor]:
     """Random codes (every e4m3 byte but NaN, or every e2m1 nibble) and scales of `scale`
     (fp32 ones from 2^-130 to 2^10: subnormal, ordinary and from 2^8 up, where the AVX2 and
     AVX-512 bodies leave their short e4m3 decode), with their fp32 values by torch's e4m3fn
-    conversion and the e2m1 / E8M0 definitions."""
+    conversion and the e2m1 / E8M0 definitions. `block`: elements per scale (default 16, or
+    32 for E8M0: the formats')."""
     if code == "e4m3":
         codes = torch.randint(0, 256, (e, n, k), generator=g).to(torch.uint8)
         codes[(codes & 0x7F) == 0x7F] = 0x3C
@@ -28,7 +35,7 @@ def random_stored(
         value = torch.tensor(E2M1 + [-v for v in E2M1])[nib]
     if scale is None:
         return StoredWeight(stored.contiguous(), code), value
-    block = 16 if scale != "e8m0" else 32
+    block = block or (16 if scale != "e8m0" else 32)
     nb = k // block
     if scale == "fp32":
         s = torch.pow(2.0, torch.randint(-130, 11, (e, n, nb), generator=g).float())

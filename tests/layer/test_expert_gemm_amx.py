@@ -187,18 +187,24 @@ def _bf16_exact(v: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("code", "scale", "k"),
-    [("e4m3", "e8m0", 96), ("e4m3", None, 40), ("e2m1", "e4m3", 96), ("e2m1", "e8m0", 64),
-     ("e2m1", None, 36)],
+    ("code", "scale", "k", "block"),
+    [("e4m3", "e8m0", 96, None), ("e4m3", None, 40, None), ("e2m1", "e4m3", 96, None),
+     ("e2m1", "e8m0", 64, None), ("e2m1", None, 36, None),
+     # scale blocks other than the formats' (one scale over several chunks, or a chunk
+     # split between two scales): the decode's scale index must follow K
+     ("e4m3", "e8m0", 256, 64), ("e4m3", "e8m0", 256, 128), ("e2m1", "e4m3", 96, 48),
+     ("e2m1", "e8m0", 128, 64)],
 )  # fmt: skip
-def test_codes_exact_in_bf16_run_in_the_amx_order(code: str, scale: str | None, k: int) -> None:
+def test_codes_exact_in_bf16_run_in_the_amx_order(
+    code: str, scale: str | None, k: int, block: int | None
+) -> None:
     """mxfp8's, nvfp4's and mxfp4's weights (every code, scales over a wide range) and fp32
     x exact in bf16 (mxfp8-dequantized activations): bit for bit the AMX order on the
     dequantized values (code * scale in fp32, subnormals read as zero), with alphas, K tails
     where the kind allows, fp32 and bf16 outputs."""
     g = torch.Generator().manual_seed(k + len(code))
     counts, n = [3, 0, 17, 1, 40, 16], 37
-    w, deq = random_stored(code, scale, len(counts), n, k, g)
+    w, deq = random_stored(code, scale, len(counts), n, k, g, block)
     x32 = torch.randn(sum(counts), k, generator=g) * 4
     k32 = -(-k // 32) * 32
     x32 = torch.nn.functional.pad(x32, (0, k32 - k))  # the activations as mxfp8 dequantizes them

@@ -503,8 +503,6 @@ static inline float fq_amax(const float *x, int64_t n) {
     return nan ? __builtin_nanf("") : m;
 }
 
-static inline int fq_finite(float v) { return __builtin_isfinite(v); }
-
 /* ceil(log2(amax / 448)) exactly (moe_ep.quant exact_ceil_log2_ratio), amax > 0 finite. */
 static inline int32_t fq_ceil_exp(float amax) {
     int e;
@@ -512,13 +510,7 @@ static inline int32_t fq_ceil_exp(float amax) {
     return e - 9 + (m > 0.875f);
 }
 
-/* 2^e for e in [-127, 127] as moe_ep.quant pow2_from_exponent (2^-127 subnormal). */
-static inline float fq_pow2(int32_t e) {
-    bits32 v;
-    v.u = e + 127 <= 0 ? 0x00400000u : (uint32_t)(e + 127) << 23;
-    return v.f;
-}
-
+/* out[j] = v, as fp32 or rounded to bf16. */
 static inline void fq_put(void *out, int32_t out_bf16, int64_t j, float v) {
     if (out_bf16) ((uint16_t *)out)[j] = f32_to_bf16(v);
     else ((float *)out)[j] = v;
@@ -531,7 +523,7 @@ static inline void fq_nvfp4_block(const float *x, int64_t n, float nc, int has_n
     float bs = amax * (float)(1.0 / 6.0);
     if (has_nc) bs = bs * nc;
     bs = bs > 448.0f ? 448.0f : bs;
-    if (!fq_finite(amax)) bs = __builtin_nanf("");
+    if (!__builtin_isfinite(amax)) bs = __builtin_nanf("");
     const float sf = e4m3_value[fq_e4m3(bs)];
     float acc = 1.0f / sf;
     if (has_nc) acc = acc * nc;
@@ -555,14 +547,14 @@ static inline void fq_nvfp4_block(const float *x, int64_t n, float nc, int has_n
 static inline void fq_e4m3_block(const float *x, int64_t n, int32_t kind, void *out,
                                  int32_t out_bf16, int64_t j0) {
     const float amax = fq_amax(x, n), nan = __builtin_nanf("");
-    const int finite = fq_finite(amax);
+    const int finite = __builtin_isfinite(amax);
     float mult = 1.0f, div = 1.0f, deq;
     int by_div = 0;
     if (kind == FQ_MXFP8) {
         int32_t e = amax == 0.0f || !finite ? 0 : fq_ceil_exp(amax);
         e = e < -127 ? -127 : e > 127 ? 127 : e;
         const int32_t byte = amax == 0.0f ? 0 : e + 127;
-        mult = finite ? fq_pow2(-e) : nan;
+        mult = finite ? e8m0_value((uint8_t)(127 - e)) : nan; /* 2^-e, as pow2_from_exponent */
         deq = finite ? e8m0_value((uint8_t)byte) : nan;
     } else if (kind == FQ_FP8_F32) {
         float s = amax / 448.0f;
@@ -573,7 +565,7 @@ static inline void fq_e4m3_block(const float *x, int64_t n, int32_t kind, void *
     } else if (kind == FQ_FP8_UE8M0) {
         int32_t e = amax > 0.0f ? fq_ceil_exp(amax) : -127;
         e = e < -127 ? -127 : e > 127 ? 127 : e;
-        div = deq = finite ? fq_pow2(e) : nan;
+        div = deq = finite ? e8m0_value((uint8_t)(e + 127)) : nan;
         by_div = 1;
     } else { /* FQ_FP8_HYBRID */
         float s = amax * (float)(1.0 / 448.0);
@@ -595,11 +587,12 @@ void moe_ep_fake_quant(const float *x, int64_t ld_x, void *out, int64_t ld_out, 
     (void)threads;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * ld_x;
-        void *o = out_bf16 ? (void *)((uint16_t *)out + r * ld_out) : (void *)((float *)out + r * ld_out);
         for (int64_t j = 0; j < cols; j += block) {
-            if (kind == FQ_NVFP4) fq_nvfp4_block(xr + j, block, norm_const, norm_const != 1.0f, o, out_bf16, j);
-            else fq_e4m3_block(xr + j, block, kind, o, out_bf16, j);
+            const float *xb = x + r * ld_x + j;
+            if (kind == FQ_NVFP4)
+                fq_nvfp4_block(xb, block, norm_const, norm_const != 1.0f, out, out_bf16, r * ld_out + j);
+            else
+                fq_e4m3_block(xb, block, kind, out, out_bf16, r * ld_out + j);
         }
     }
 }
@@ -1569,6 +1562,28 @@ static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_rows(
     }
 }
 
+/* Rows [0, nr) of e4m3 codes at w (ldw bytes apart; e8m0 scales s, lds apart, block sb a
+ * multiple of EG_DOT or 0, as eg_amx_s_at), whole chunks [0, nc), decoded by
+ * eg_amx_e4m3_fast into buf as eg_amx_e2m1_rows; returns whether a chunk was left
+ * undecoded (a NaN code, a scale byte outside 10-246). */
+static inline __attribute__((always_inline)) EG_AMX int eg_amx_e4m3_rows(
+    const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds, int64_t sb, int64_t nr,
+    int64_t nc, uint16_t *buf, int64_t ldd) {
+    int slow = 0;
+    for (int64_t r = 0; r < nr; r++) {
+        const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
+        for (int64_t c = 0; c < nc; c++) {
+            if ((c & 1) == 0) /* a line holds two chunks */
+                _mm_prefetch((const char *)wr + c * EG_DOT + EG_AMX_DPF, _MM_HINT_T0);
+            const int32_t sc = sr[eg_amx_s_at(c, 0, sb)];
+            if (sc < 10 || sc > 246 ||
+                !eg_amx_e4m3_fast(wr + c * EG_DOT, eg_e4m3_bias2 + sc, buf + r * ldd + c * EG_DOT))
+                slow = 1;
+        }
+    }
+    return slow;
+}
+
 /* Weight rows [j, j + nr) of the expert at we (scales se), whole chunks [0, nc) of codes,
  * decoded into 16 rows at buf (row r, ldd = EG_AMX_LDD elements apart, its chunks in order:
  * chunk c's A tile at buf + c * EG_DOT, stride ldd; zero rows past nr): row by row, each in
@@ -1578,28 +1593,18 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
                                       int64_t j, int64_t nr, int64_t nc, uint16_t *buf) {
     const int64_t ldw = a->w_row_bytes, sb = a->s_block, lds = se ? a->s_row_bytes : 0;
     const uint8_t *w = we + j * ldw, *s = se ? se + j * lds : &eg_unscaled;
+    const int64_t sbk = se ? sb : 0; /* eg_amx_s_at's block: 0 reads the one unscaled byte */
     const int64_t ldd = EG_AMX_LDD((a->k + EG_DOT - 1) / EG_DOT * EG_DOT);
     if (a->w_kind == EG_W_E4M3 &&
         (a->s_kind == EG_S_NONE || (a->s_kind == EG_S_E8M0 && sb % EG_DOT == 0))) {
         /* one e8m0 scale per chunk, or none; the chunks it does not cover after, so that
          * no call breaks the loop */
-        int64_t slow = 0;
-        const int64_t step = se ? sb / EG_DOT : 0; /* scale bytes from one chunk to the next */
-        for (int64_t r = 0; r < nr; r++) {
-            const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
-            for (int64_t c = 0; c < nc; c++) {
-                if ((c & 1) == 0) /* a line holds two chunks */
-                    _mm_prefetch((const char *)wr + c * EG_DOT + EG_AMX_DPF, _MM_HINT_T0);
-                const int32_t sc = sr[c * step];
-                if (sc < 10 || sc > 246 ||
-                    !eg_amx_e4m3_fast(wr + c * EG_DOT, eg_e4m3_bias2 + sc,
-                                      buf + r * ldd + c * EG_DOT))
-                    slow = 1;
-            }
-        }
+        /* mxfp8's block size as a constant (no branch per chunk) */
+        const int slow = sbk == EG_DOT ? eg_amx_e4m3_rows(w, ldw, s, lds, EG_DOT, nr, nc, buf, ldd)
+                                       : eg_amx_e4m3_rows(w, ldw, s, lds, sbk, nr, nc, buf, ldd);
         for (int64_t r = 0; slow && r < nr; r++) /* every chunk again, element by element */
             for (int64_t c = 0; c < nc; c++) {
-                const int32_t sc = s[r * lds + c * step];
+                const int32_t sc = s[r * lds + eg_amx_s_at(c, 0, sbk)];
                 uint16_t *dst = buf + r * ldd + c * EG_DOT;
                 if (sc < 10 || sc > 246 ||
                     !eg_amx_e4m3_fast(w + r * ldw + c * EG_DOT, eg_e4m3_bias2 + sc, dst))
@@ -1608,10 +1613,9 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
     } else if (a->w_kind == EG_W_E2M1 && a->s_kind != EG_S_F32) {
         const uint16_t(*t)[16] = eg_e2m1_scaled[a->s_kind == EG_S_E4M3];
         /* the formats' block sizes as constants (no division per chunk) */
-        if (se && sb == 16) eg_amx_e2m1_rows(w, ldw, s, lds, 16, nr, nc, t, buf, ldd);
-        else if (se && sb == EG_DOT) eg_amx_e2m1_rows(w, ldw, s, lds, EG_DOT, nr, nc, t, buf, ldd);
-        else if (se) eg_amx_e2m1_rows(w, ldw, s, lds, sb, nr, nc, t, buf, ldd);
-        else eg_amx_e2m1_rows(w, ldw, s, 0, 0, nr, nc, t, buf, ldd);
+        if (sbk == 16) eg_amx_e2m1_rows(w, ldw, s, lds, 16, nr, nc, t, buf, ldd);
+        else if (sbk == EG_DOT) eg_amx_e2m1_rows(w, ldw, s, lds, EG_DOT, nr, nc, t, buf, ldd);
+        else eg_amx_e2m1_rows(w, ldw, s, lds, sbk, nr, nc, t, buf, ldd);
     } else {
         for (int64_t r = 0; r < nr; r++)
             for (int64_t c = 0; c < nc; c++)
