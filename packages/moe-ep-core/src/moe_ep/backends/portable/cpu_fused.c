@@ -1318,7 +1318,8 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * 16 products per scale byte), element by element where that cannot give the definition's
  * bits (NaN codes, e8m0 products past bf16's normals, a K tail). The activations are the B
  * tiles: each group's rows packed once per call into blocks of 16 rows, per chunk the 16 x
- * 16 pairs in the tile's layout (`xv`), 1 KiB per chunk. Work items: (group, EG_AMX_ROWS
+ * 16 pairs in the tile's layout (`xv`), 1 KiB per chunk, transposed in registers
+ * (eg_transpose16), as the C tiles' sums are on their way out. Work items: (group, EG_AMX_ROWS
  * rows, EG_AMX_COLS output columns), run as 2 x 2 tiles (eg_item_amx). Each thread
  * configures its tiles once per call and releases them after. */
 #define EG_AMX_ROWS 256 /* rows per AMX work item (passes of 2 x 16 rows) */
@@ -1654,62 +1655,97 @@ static EG_AMX const void *eg_amx_a(const eg_args *a, const uint8_t *we, const ui
     return buf;
 }
 
+/* The 16 x 16 32-bit matrix r (row i in r[i]) transposed in place: r[j] lane i = old r[i]
+ * lane j (unpacks within 128-bit lanes, then lanes exchanged: 64 shuffles, no memory). */
+static inline __attribute__((always_inline)) EG_AMX void eg_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* lane l of r[i + j]: column 4l + j of rows i..i + 3 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i s0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44);
+        const __m512i s1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
+        const __m512i s2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+        const __m512i s3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
+        t[j] = _mm512_shuffle_i32x4(s0, s2, 0x88); /* column j */
+        t[4 + j] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
+        t[8 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
 /* Packs rows [16 block, +16) of group g (zeros past its last row) into the B tiles' layout:
  * per 32-chunk c, per pair p, per row t the pair (x[32c + 2p], x[32c + 2p + 1]) as bf16
- * (eg_amx_x_bits). The block zeroed, then per row and whole chunk its 16 pairs (bf16 as
- * stored; fp32 read as zero where subnormal, its low halves checked zero, the high ones
- * taken) scattered 16 apart; a K tail element by element. */
+ * (eg_amx_x_bits). Per whole chunk the 16 rows' 16 pairs (bf16 as stored; fp32 read as zero
+ * where subnormal, its low halves checked zero, the high ones taken) transposed in
+ * registers and stored as the tile's 16 lines; a K tail element by element into a zeroed
+ * chunk. */
 static EG_AMX void eg_amx_pack16(const eg_args *a, int64_t g, int64_t block) {
     const int64_t q0 = a->q_start[g] + block * 16, k = a->k, k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
     const int64_t rows = a->q_start[g + 1] - q0 < 16 ? a->q_start[g + 1] - q0 : 16;
     const int64_t whole = k / EG_DOT;
     uint32_t *dst = (uint32_t *)(a->xv + (a->xv_start[g] + block) * EG_AMX_BLOCK(k32));
-    const __m512i apart = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
     const __m512i high = _mm512_setr_epi32( /* words 2p + 1 of two fp32 vectors, in order */
         0x00030001, 0x00070005, 0x000b0009, 0x000f000d, 0x00130011, 0x00170015, 0x001b0019,
         0x001f001d, 0x00230021, 0x00270025, 0x002b0029, 0x002f002d, 0x00330031, 0x00370035,
         0x003b0039, 0x003f003d);
     const __m512i exp = _mm512_set1_epi32(0x7f800000), sign = _mm512_set1_epi32((int)0x80000000u);
-    memset(dst, 0, sizeof(uint16_t) * (size_t)EG_AMX_BLOCK(k32));
+    const char *src[16];
+    for (int64_t t = 0; t < 16; t++) {
+        const int64_t row = t < rows ? (a->x_rows ? a->x_rows[q0 + t] : q0 + t) : 0;
+        src[t] = (const char *)a->x16 + row * a->ld_x * (a->x_kind == EG_X_BF16 ? 2 : 4);
+    }
     __mmask16 lost = 0;
-    for (int64_t t = 0; t < rows; t++) {
-        const int64_t row = a->x_rows ? a->x_rows[q0 + t] : q0 + t;
-        for (int64_t c = 0; c < whole; c++) {
-            __m512i v;
-            if (a->x_kind == EG_X_BF16) {
-                v = _mm512_loadu_si512(a->x16 + row * a->ld_x + c * EG_DOT);
+    for (int64_t c = 0; c < whole; c++) {
+        __m512i v[16];
+        for (int64_t t = 0; t < 16; t++) {
+            if (t >= rows) {
+                v[t] = _mm512_setzero_si512();
+            } else if (a->x_kind == EG_X_BF16) {
+                v[t] = _mm512_loadu_si512(src[t] + c * EG_DOT * 2);
             } else {
-                const float *src = (const float *)a->x16 + row * a->ld_x + c * EG_DOT;
-                __m512i lo = _mm512_loadu_si512(src), hi = _mm512_loadu_si512(src + 16);
+                const float *f = (const float *)src[t] + c * EG_DOT;
+                __m512i lo = _mm512_loadu_si512(f), hi = _mm512_loadu_si512(f + 16);
                 lo = _mm512_mask_and_epi32(lo, _mm512_testn_epi32_mask(lo, exp), lo, sign);
                 hi = _mm512_mask_and_epi32(hi, _mm512_testn_epi32_mask(hi, exp), hi, sign);
                 lost |= _mm512_test_epi32_mask(lo, _mm512_set1_epi32(0xffff)) |
                         _mm512_test_epi32_mask(hi, _mm512_set1_epi32(0xffff));
-                v = _mm512_permutex2var_epi16(lo, high, hi);
+                v[t] = _mm512_permutex2var_epi16(lo, high, hi);
             }
-            _mm512_i32scatter_epi32(dst + c * 16 * 16 + t, apart, v, 4);
         }
-        for (int64_t i = whole * EG_DOT; i < k; i++) /* the K tail */
-            ((uint16_t *)(dst + (i / EG_DOT * 16 + i % EG_DOT / 2) * 16 + t))[i & 1] =
-                eg_amx_x_bits(a, q0 + t, i);
+        eg_transpose16(v);
+        for (int64_t p = 0; p < 16; p++) _mm512_storeu_si512(dst + c * 16 * 16 + p * 16, v[p]);
+    }
+    if (whole * EG_DOT < k) { /* the K tail */
+        memset(dst + whole * 16 * 16, 0, sizeof(uint32_t) * 16 * 16);
+        for (int64_t t = 0; t < rows; t++)
+            for (int64_t i = whole * EG_DOT; i < k; i++)
+                ((uint16_t *)(dst + (i / EG_DOT * 16 + i % EG_DOT / 2) * 16 + t))[i & 1] =
+                    eg_amx_x_bits(a, q0 + t, i);
     }
     if (lost) *a->inexact = 1;
 }
 
-/* eg_amx_store's work on 16 lanes (AMX CPUs have AVX-512): row m of the output gathers
- * sums[r * 16 + m] for r < nr, times alpha, rounded to bf16 as f32_to_bf16 (RNE, NaN
- * quietened) or stored as fp32, a masked store of nr lanes. */
+/* eg_amx_store's work on 16 lanes (AMX CPUs have AVX-512): the tile sums transposed in
+ * registers, so that output row m is lane r = sums[r * 16 + m] for r < nr, times alpha,
+ * rounded to bf16 as f32_to_bf16 (RNE, NaN quietened) or stored as fp32, a masked store of
+ * nr lanes. */
 static EG_AMX void eg_amx_store16(const eg_args *a, const float *sums, int64_t out_row,
                                   int64_t mr, int64_t j, int64_t nr, float alpha) {
     const __mmask16 keep = (__mmask16)((1u << nr) - 1u);
-    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                            5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));
+    __m512i rows[16];
+    for (int r = 0; r < 16; r++) rows[r] = _mm512_load_si512(sums + r * 16);
+    eg_transpose16(rows);
     for (int64_t m = 0; m < mr; m++) {
-        __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep,
-                                            _mm512_add_epi32(col, _mm512_set1_epi32((int)m)),
-                                            sums, 4);
+        __m512 v = _mm512_castsi512_ps(rows[m]);
         if (a->alpha) v = _mm512_mul_ps(v, _mm512_set1_ps(alpha));
         const int64_t o = (out_row + m) * a->ld_out + j;
         if (a->out_kind == EG_OUT_F32) {

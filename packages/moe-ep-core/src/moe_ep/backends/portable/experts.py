@@ -87,13 +87,16 @@ AVX-512 BF16 (2 threads, `layer_speed.py --sections crossover`, three runs): the
 1.3-2.6x faster than the `mm` blocks at 1-8 rows per expert, 0.76-1.61x at 16, 0.60-0.87x at
 32 and slower from there; decode T=64 (8 rows per expert on average) ran 39 ms with 16, 47
 ms with 8 (docs/layer.md)."""
-EXPERT_GEMM_ROWS_BF16_AMX = 64
+EXPERT_GEMM_ROWS_BF16_AMX = 96
 """The same where the expert GEMM's default for bf16 is the AMX body (`cpu_fused.
 amx_by_default`): measured on an Intel Xeon with AMX (2 threads, layers A/B in one process,
 2026-12-06, E=64 k=8 H=2048 I=768, against the crossover 16 the oneDNN rule gave): T=128
 (about 8-25 rows per expert) 1.26x, T=256 (20-46) 1.34x, T=512 (52-81) 1.08x, T=1024 1.17x
-faster; 32 gained less (1.27 / 1.13 / 1.01 / 0.99x), 128 no more (1.28 / 1.35 / 1.00 /
-0.93x)."""
+faster with 64; 32 gained less (1.27 / 1.13 / 1.01 / 0.99x), 128 no more (1.28 / 1.35 /
+1.00 / 0.93x). Since the AMX body packs its x blocks and unpacks its sums by in-register
+transposes (fourth session, same day), 96 against 64: T=512 1.07 / 1.07 / 1.05x faster
+(medians of 9-11, three runs), T=1024 1.10x, T=256 level, prefill (about 1024 rows per
+expert) still faster on the `mm` blocks (all rows on the AMX body 1.08x slower)."""
 EXPERT_GEMM_ROWS_FP32_AMX_CPU = 16
 """Quantized formats on CPUs with AMX (the expert GEMM's fp32 order on the AVX-512F body,
 the `mm` blocks oneDNN's fp32 GEMMs): measured on that Intel Xeon (mxfp8, layers A/B in one
