@@ -8,7 +8,10 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-LOG_WIDTH = 180  # columns when stdout is not a terminal (rich would wrap at 80)
+LOG_WIDTH = 1000
+"""Columns when stdout is not a terminal: wider than any table here, so that a log keeps
+every cell whole (rich would wrap at 80, and at 180 it cut the peers table's numbers); a
+table still prints at its own width, its caption wrapped to it."""
 
 
 def console(log_width: int = LOG_WIDTH) -> Console:
