@@ -16,8 +16,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors
 from moe_ep.backends.portable import cpu_fused, experts, recipes
 from moe_ep.backends.portable.comm import Workspace
+from moe_ep.spawn import free_port
 from moe_ep.types import MoEWeightPack
 
 needs_library = pytest.mark.skipif(
@@ -268,3 +270,94 @@ def test_experts_give_the_same_bits_with_the_fused_requantize(
         ys.append(y)
     assert fused and all(fused)
     assert torch.equal(ys[0], ys[1])
+
+
+DISPATCH: dict[str, recipes.Recipe] = {
+    "mxfp8": recipes.Mxfp8Recipe(),
+    "nvfp4": recipes.Nvfp4Recipe(),
+    "nvfp4 act global scale 37.3": recipes.Nvfp4Recipe(act_global_scale=37.3),
+    "nvfp4 act global scale 1e-3": recipes.Nvfp4Recipe(act_global_scale=1e-3),
+    "fp8": recipes.Fp8BlockRecipe(),
+    "fp8_fp4": recipes.Fp8Fp4Recipe(),
+}
+"""The recipes whose FC1-input quantization has a fused pass (`Recipe.dispatch_fake_quant`)."""
+
+
+@needs_library
+@pytest.mark.parametrize("name", list(DISPATCH))
+def test_pack_unpack_in_one_pass_gives_the_eager_bits(name: str) -> None:
+    """`Recipe.pack_unpack` (the rows a group of one rank keeps) equals `unpack(pack(x))`
+    bit for bit on rows that stress every rule; a pass with the block or the nvfp4 global
+    scale doubled does not (the wiring is what this checks)."""
+    recipe = DISPATCH[name]
+    spec = recipe.dispatch_fake_quant
+    assert spec is not None
+    g = torch.Generator().manual_seed(7)
+    # and rows whose neighbouring blocks are 2^12 apart: each block's own scale keeps the
+    # small ones, a scale shared by two blocks flushes them
+    steps = torch.randn(4, 256, generator=g) * 2.0 ** (
+        -12.0 * (torch.arange(256) // spec.block % 2)
+    )
+    x = torch.cat([_hard_rows(256, seed=7), steps]).bfloat16()
+    want = recipe.unpack(recipe.pack(x), 256)
+    got = recipe.pack_unpack(x)
+    assert got is not None and got.dtype == want.dtype
+    assert _same(got, want)
+    faults = [spec._replace(block=2 * spec.block)]
+    if spec.kind == "nvfp4":
+        faults.append(spec._replace(norm_const=2 * spec.norm_const))
+    for fault in faults:
+        wrong = torch.empty_like(want)
+        assert cpu_fused.fake_quant(x.float(), wrong, fault)
+        assert not _same(wrong, want), fault
+
+
+def test_recipes_without_a_fused_fc1_input_pass_say_so() -> None:
+    """mxfp8_mxfp4's FC1 input has the normal-scales rule, the hybrids a per-token scale and
+    bf16 no quantization: none of them has the pass, and pack_unpack leaves them eager."""
+    x = torch.randn(4, 256).bfloat16()
+    for recipe in (recipes.Mxfp8Mxfp4Recipe(), recipes.Fp8Mxfp4Recipe(), recipes.Bf16Recipe()):
+        assert recipe.dispatch_fake_quant is None
+        assert recipe.pack_unpack(x) is None
+
+
+@needs_library
+@pytest.mark.parametrize(
+    "kernel",
+    ["any_mxfp8_mxfp8_bf16_torch", "any_nvfp4_nvfp4_bf16_torch", "any_fp8_fp8_bf16_torch",
+     "any_fp8_fp4_bf16_torch"],
+)  # fmt: skip
+def test_the_layer_of_one_rank_gives_the_same_bits_with_one_pass(
+    monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """At world size 1 the dispatched rows never leave the rank: the layer quantizes and
+    dequantizes them in one pass (it must run) and gives the bits of pack then unpack."""
+    g = torch.Generator().manual_seed(5)
+    e, t, h, inter, k = 4, 24, 256, 128, 2
+    w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    # groups of 16 columns 2^0 to 2^-12 apart: blocks of any size see their own amax
+    group = 2.0 ** -torch.randint(0, 13, (h // 16,), generator=g).float()
+    x = (torch.randn(t, h, generator=g) * group.repeat_interleave(16)).bfloat16()
+    x[2, :40] = 0.0
+    w = torch.rand(t, k, generator=g)
+    boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
+    layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), kernel)
+    real = recipes.Recipe.pack_unpack
+    ran: list[bool] = []
+
+    def spy(self: recipes.Recipe, rows: torch.Tensor) -> torch.Tensor | None:
+        out = real(self, rows)
+        ran.append(out is not None)
+        return out
+
+    try:
+        monkeypatch.setattr(recipes.Recipe, "pack_unpack", spy)
+        fused = layer(MoEEpTensors(x, ids, w)).clone()
+        monkeypatch.setattr(recipes.Recipe, "pack_unpack", lambda self, rows: None)
+        eager = layer(MoEEpTensors(x, ids, w)).clone()
+    finally:
+        layer.destroy()
+    assert ran and all(ran)
+    assert torch.equal(fused, eager)

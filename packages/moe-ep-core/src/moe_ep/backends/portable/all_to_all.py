@@ -44,6 +44,9 @@ class _Staged:
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor | None = None
     """Kept for `prepare` when `plan` is None."""
+    dequantized: bool = False
+    """`payload` already holds `recipe.unpack(recipe.pack(rows))` (a group of one rank:
+    nothing is sent, `Recipe.pack_unpack` did both in one pass)."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +164,11 @@ class AllToAllPrepareFinalize:
                 ids, self._table, rank_counts=None, rank=0, spread_rows=0, row_block=1
             )
         plan = comm.plan_dispatch(ids, self.num_local_experts, self.runtime.world_size, self.dedup)
-        payload = self.recipe.pack(tensors.hidden_states.index_select(0, plan.row_token))
-        return _Staged(output, plan, payload, tensors.topk_weights)
+        rows = tensors.hidden_states.index_select(0, plan.row_token)
+        here = self.recipe.pack_unpack(rows) if self.runtime.world_size == 1 else None
+        if here is not None:
+            return _Staged(output, plan, here, tensors.topk_weights, dequantized=True)
+        return _Staged(output, plan, self.recipe.pack(rows), tensors.topk_weights)
 
     def _plan_replicated(self, staged: _Staged) -> tuple[comm.DispatchPlan, list[int]]:
         """Collective: gather the per-expert pair counts, route, plan; the experts' path rows."""
@@ -203,7 +209,7 @@ class AllToAllPrepareFinalize:
             pair_weight=pair_weight,
         )
         staged.payload = staged.payload[:0]  # the send buffer is no longer needed
-        rows = self.recipe.unpack(recv.rows, self.hidden_size)
+        rows = recv.rows if staged.dequantized else self.recipe.unpack(recv.rows, self.hidden_size)
         recv.rows = recv.rows[:0]  # dequantized: the received bytes are no longer needed
         # weights already applied before FC2: the top-k sum adds the rows as they are
         combine_w = torch.ones_like(w) if self.topk_weight_before_fc2 else w

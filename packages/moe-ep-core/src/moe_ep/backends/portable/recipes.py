@@ -179,6 +179,21 @@ class Recipe(ABC):
     """`requantize` as the fused CPU pass does it (`cpu_fused.fake_quant`, same bits), or
     None where the format has none."""
 
+    dispatch_fake_quant: FakeQuant | None = None
+    """`unpack(pack(x))` as the fused CPU pass does it (`cpu_fused.fake_quant`, same bits),
+    or None where the format has none."""
+
+    def pack_unpack(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`unpack(pack(x))` of `[n, H]` bf16 rows in one fused CPU pass (fp32, the compute
+        dtype of the formats that have one), for rows that stay on this rank; None where
+        the format or the pass does not apply (the caller packs and unpacks)."""
+        spec = self.dispatch_fake_quant
+        if spec is None or x.device.type != "cpu":
+            return None
+        xf = x.float()
+        out = torch.empty_like(xf)
+        return out if cpu_fused.fake_quant(xf, out, spec) else None
+
     def requantize_into(self, h: torch.Tensor, out: torch.Tensor) -> None:
         """`out[:] = requantize(h)`, rounded to out's dtype: in one fused pass on CPU where
         the format has one (`fake_quant`), else the eager ops and a copy."""
@@ -341,6 +356,7 @@ class Fp8BlockRecipe(Recipe):
         self.fc2_act_block = self.act_block if fc2_act_block is None else fc2_act_block
         kind = "fp8_ue8m0" if self.act_scale_format == "ue8m0" else "fp8"
         self.fake_quant = FakeQuant(kind, self.fc2_act_block)
+        self.dispatch_fake_quant = FakeQuant(kind, self.act_block)
 
     def check_scales(self, weights: MoEWeightPack) -> None:
         if weights.prequantized and self.fc1_gate_up_interleave is not None:
@@ -415,6 +431,7 @@ class Mxfp8Recipe(Recipe):
         return quant.dequantize_mxfp8(*quant.quantize_mxfp8(h, check_finite=False))
 
     fake_quant = FakeQuant("mxfp8", 32)
+    dispatch_fake_quant: FakeQuant | None = FakeQuant("mxfp8", 32)
 
     def _weight(
         self, name: str, w: torch.Tensor, s: torch.Tensor | None
@@ -452,6 +469,7 @@ class Nvfp4Recipe(Recipe):
         self.act_gs = float(act_global_scale)
         self.hidden_gs = float(hidden_global_scale)
         self.fake_quant = FakeQuant("nvfp4", 16, self.hidden_gs)
+        self.dispatch_fake_quant = FakeQuant("nvfp4", 16, self.act_gs)
 
     def row_bytes(self, hidden: int) -> int:
         return hidden // 2 + hidden // 16
@@ -656,6 +674,7 @@ class Mxfp8Mxfp4Recipe(Mxfp8Recipe):
     quantized_weight_dtypes = (torch.uint8,)
     k_multiple = 128
     act_normal_scales = True
+    dispatch_fake_quant = None  # the fused pass has no normal-scales rule
     scale_shape = Fp8Fp4Recipe.scale_shape  # mxfp4 packs: one E8M0 byte per 32
 
     def prepare(self, weights: MoEWeightPack) -> PreparedWeights:
