@@ -361,3 +361,20 @@ def test_the_layer_of_one_rank_gives_the_same_bits_with_one_pass(
         layer.destroy()
     assert ran and all(ran)
     assert torch.equal(fused, eager)
+
+
+@needs_library
+@pytest.mark.parametrize(
+    "name", ["mxfp8", "nvfp4 global scale 37.3", "fp8", "fp8_fp4", "fp8_mxfp4"]
+)
+def test_fake_quant_in_place_gives_the_same_bits(name: str) -> None:
+    """`out` may be `x` (what `Recipe.pack_unpack` does): the same bits as into another
+    tensor."""
+    spec = RECIPES[name].fake_quant
+    assert spec is not None
+    x = _hard_rows(256, seed=11)
+    want = torch.empty_like(x)
+    assert cpu_fused.fake_quant(x, want, spec)
+    got = x.clone()
+    assert cpu_fused.fake_quant(got, got, spec)
+    assert _same(got, want)

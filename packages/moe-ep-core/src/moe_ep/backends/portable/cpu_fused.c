@@ -580,7 +580,9 @@ static inline void fq_e4m3_block(const float *x, int64_t n, int32_t kind, void *
     }
 }
 
-/* out[r] = requantize(x[r]) for rows [0, rows) of cols elements (cols % block == 0). */
+/* out[r] = requantize(x[r]) for rows [0, rows) of cols elements (cols % block == 0); out
+ * may be x (fp32, same stride): each block is read whole (its amax) before it is written,
+ * element i read before out[i]. */
 void moe_ep_fake_quant(const float *x, int64_t ld_x, void *out, int64_t ld_out, int32_t out_bf16,
                        int64_t rows, int64_t cols, int32_t kind, int64_t block, float norm_const,
                        int32_t threads) {

@@ -387,7 +387,8 @@ class FakeQuant(NamedTuple):
 
 def fake_quant(x: torch.Tensor, out: torch.Tensor, spec: FakeQuant) -> bool:
     """`out = requantize(x)`: each block of `spec.block` elements of `x [rows, n]` (fp32, CPU)
-    quantized and dequantized in one pass, rounded to out's dtype (bf16 or fp32).
+    quantized and dequantized in one pass, rounded to out's dtype (bf16 or fp32). `out`
+    may be `x` itself (each block is read whole before its values are written).
 
     The same fp32 operations in the same order as moe_ep.quant's quantize / dequantize pair
     the recipe names (`Recipe.requantize`): the same bits, NaN where that gives NaN (its

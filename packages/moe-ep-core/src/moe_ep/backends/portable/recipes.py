@@ -190,9 +190,8 @@ class Recipe(ABC):
         spec = self.dispatch_fake_quant
         if spec is None or x.device.type != "cpu":
             return None
-        xf = x.float()
-        out = torch.empty_like(xf)
-        return out if cpu_fused.fake_quant(xf, out, spec) else None
+        out = x.float()  # then in place: one fp32 copy, as unpack's
+        return out if cpu_fused.fake_quant(out, out, spec) else None
 
     def requantize_into(self, h: torch.Tensor, out: torch.Tensor) -> None:
         """`out[:] = requantize(h)`, rounded to out's dtype: in one fused pass on CPU where
