@@ -303,6 +303,8 @@ def test_pack_unpack_in_one_pass_gives_the_eager_bits(name: str) -> None:
     got = recipe.pack_unpack(x)
     assert got is not None and got.dtype == want.dtype
     assert _same(got, want)
+    xf = x.float()  # rows already fp32: pass over a copy, never over the caller's rows
+    assert _same(recipe.pack_unpack(xf), want) and _same(xf, x.float())
     faults = [spec._replace(block=2 * spec.block)]
     if spec.kind == "nvfp4":
         faults.append(spec._replace(norm_const=2 * spec.norm_const))

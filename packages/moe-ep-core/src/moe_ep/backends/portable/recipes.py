@@ -190,7 +190,7 @@ class Recipe(ABC):
         spec = self.dispatch_fake_quant
         if spec is None or x.device.type != "cpu":
             return None
-        out = x.float()  # then in place: one fp32 copy, as unpack's
+        out = x.to(torch.float32, copy=True)  # then in place: one fp32 copy, as unpack's
         return out if cpu_fused.fake_quant(out, out, spec) else None
 
     def requantize_into(self, h: torch.Tensor, out: torch.Tensor) -> None:
