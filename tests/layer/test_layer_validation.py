@@ -233,6 +233,32 @@ def test_non_finite_weights_and_too_many_tokens(layer: MoEEpLayer) -> None:
         layer((t.hidden_states, t.topk_ids, t.topk_weights))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_every_non_finite_top_k_weight_is_refused(
+    layer: MoEEpLayer, dtype: torch.dtype, bad: float
+) -> None:
+    t = _inputs()
+    w = t.topk_weights.to(dtype)
+    w[3, 0] = bad  # one value among finite ones: a min / max reading must still see it
+    with pytest.raises(MoeEpUsageError, match=r"topk_weights must be finite: .* at row 3"):
+        layer(_replace(t, topk_weights=w))
+
+
+@pytest.mark.parametrize(("value", "which"), [(-2, "min=-2"), (E, f"max={E}")])
+def test_expert_ids_outside_the_range_are_refused(
+    layer: MoEEpLayer, value: int, which: str
+) -> None:
+    t = _inputs()
+    ids = t.topk_ids.clone()
+    ids[3, 1] = value
+    with pytest.raises(MoeEpUsageError, match=rf"outside \[-1, {E}\): {which} at row 3"):
+        layer(_replace(t, topk_ids=ids))
+    ids[3, 1] = -1  # -1 (padded) and E - 1 are in range
+    ids[2, 0] = E - 1
+    layer(_replace(t, topk_ids=ids))
+
+
 def test_forward_matches_oracle_output_honoured_and_staging(layer: MoEEpLayer) -> None:
     t = _inputs()
     ids = t.topk_ids.clone()

@@ -17,6 +17,8 @@ Every failure raises `MoeEpUsageError` naming the argument, the rule and the val
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -197,17 +199,15 @@ def check_forward_values(tensors: MoEEpTensors, fleet: FleetParams) -> None:
     ids, w = tensors.topk_ids, tensors.topk_weights
     e = fleet.num_experts
     if ids.numel():
-        bad = (ids < -1) | (ids >= e)
-        if bool(bad.any()):
-            lo, hi = int(ids.min()), int(ids.max())
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()
+        if lo < -1 or hi >= e:
             which, worst = ("max", hi) if hi >= e else ("min", lo)
             row = int((ids == worst).any(dim=1).nonzero()[0, 0])
             raise MoeEpUsageError(
                 f"topk_ids has values outside [-1, {e}): {which}={worst} at row {row}"
             )
-        finite = torch.isfinite(w)
-        if not bool(finite.all()):
-            row = int((~finite).any(dim=1).nonzero()[0, 0])
+        if not all(map(math.isfinite, torch.stack(torch.aminmax(w)).tolist())):  # NaN: both
+            row = int((~torch.isfinite(w)).any(dim=1).nonzero()[0, 0])
             raise MoeEpUsageError(
                 f"topk_weights must be finite: got {w[row].tolist()} at row {row}"
             )

@@ -42,20 +42,27 @@ class Workspace:
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
         self._subs: dict[str, Workspace] = {}
+        # the last view handed out per name: a forward of the same shape takes it as it is
+        self._views: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device, torch.Tensor]] = {}
 
     def get(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """An uninitialised `[*shape]` tensor; valid until the next `get` of `name`."""
+        last = self._views.get(name)
+        if last is not None and last[0] == shape and last[1] == dtype and last[2] == device:
+            return last[3]
         numel = 1
         for d in shape:
             numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < nbytes or buf.device != device:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
             self._bufs[name] = buf
-        return buf[:nbytes].view(dtype).view(shape)
+        view = buf[:nbytes].view(dtype).view(shape)
+        self._views[name] = (shape, dtype, device, view)
+        return view
 
     def sub(self, name: str) -> Workspace:
         """A nested workspace kept under `name` (e.g. one per worker thread)."""
@@ -67,6 +74,7 @@ class Workspace:
     def clear(self) -> None:
         self._bufs.clear()
         self._subs.clear()
+        self._views.clear()
 
 
 @dataclass
@@ -95,6 +103,8 @@ def plan_dispatch(
     n, k = int(topk_ids.shape[0]), int(topk_ids.shape[1])
     flat = topk_ids.reshape(-1).long()
     idx = (flat >= 0).nonzero().squeeze(1)  # token-major: (token, slot) order
+    if world_size == 1:
+        return _plan_one_rank(flat, idx, n, k, dedup)
     dest = torch.div(flat[idx], e_local, rounding_mode="floor")
     order = torch.sort(dest, stable=True).indices
     idx, dest = idx[order], dest[order]
@@ -124,6 +134,31 @@ def plan_dispatch(
         pair_meta=meta,
         row_counts=row_counts_t.tolist(),
         pair_counts=pair_counts_t.tolist(),
+    )
+
+
+def _plan_one_rank(
+    flat: torch.Tensor, idx: torch.Tensor, n: int, k: int, dedup: bool
+) -> DispatchPlan:
+    """`plan_dispatch` on a group of one rank, in fewer (small, per-forward) ops: every pair
+    stays in (token, slot) order, its local expert is its id; with dedup one row per token
+    that has a valid slot (with no padded slot: every token, in order)."""
+    pairs = int(idx.numel())
+    pair_token = torch.div(idx, k, rounding_mode="floor")
+    if not dedup:
+        row_of_pair, row_token = torch.arange(pairs, device=flat.device), pair_token
+    elif pairs == n * k:
+        row_of_pair, row_token = pair_token, torch.arange(n, device=flat.device)
+    else:
+        row_token, row_of_pair = torch.unique_consecutive(pair_token, return_inverse=True)
+    meta = torch.stack([row_of_pair, flat[idx]], dim=1).to(torch.int32)
+    return DispatchPlan(
+        pair_token=pair_token,
+        pair_slot=idx - pair_token * k,
+        row_token=row_token,
+        pair_meta=meta,
+        row_counts=[int(row_token.numel())],
+        pair_counts=[pairs],
     )
 
 
@@ -188,6 +223,10 @@ def exchange(
     pair_weight: `[P]` fp32 per pair (send order), sent as a third metadata column.
     """
     dev = payload.device
+    if world_size == 1:  # the rows stay: no collective, no copy
+        weight = None if pair_weight is None else pair_weight.to(torch.float32)
+        meta = plan.pair_meta
+        return Received(payload, meta[:, 0].long(), meta[:, 1].long(), plan.pair_counts, weight)
     counts = torch.tensor([plan.row_counts, plan.pair_counts], dtype=torch.int64).t().contiguous()
     recv_counts = torch.empty_like(counts)
     counts, recv_counts = counts.to(dev), recv_counts.to(dev)

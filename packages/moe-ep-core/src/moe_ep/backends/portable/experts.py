@@ -343,12 +343,15 @@ def _run_expert_gemm(
     assert s13 is not None and s2 is not None
     cdt = weights.w2t.dtype
     inter, k_most = s2.k, max(s13.k, s2.k)
-    lens = torch.tensor([b for _, _, b in runs], dtype=torch.int64)
-    q_start = torch.zeros(len(runs) + 1, dtype=torch.int64)
-    torch.cumsum(lens, 0, out=q_start[1:])
-    q = int(q_start[-1])
-    first = torch.tensor([s for _, s, _ in runs], dtype=torch.int64)
-    expert = torch.tensor([e for e, _, _ in runs], dtype=torch.int64)
+    starts = list(itertools.accumulate((b for *_, b in runs), initial=0))
+    q = starts[-1]
+    # the runs' columns as one tensor (one small op per forward, not one per column)
+    cols = torch.tensor(
+        [starts, [*(e for e, *_ in runs), 0], [*(s for _, s, _ in runs), 0],
+         [*(path[e] for e, *_ in runs), 0], [*(b for *_, b in runs), 0]],
+        dtype=torch.int64,
+    )  # fmt: skip
+    q_start, expert, first, path_rows, lens = cols[0], *cols[1:, :-1]
     pair = torch.arange(q, dtype=torch.int64) + torch.repeat_interleave(first - q_start[:-1], lens)
     xs = ws.get("eg_scratch", cpu_fused.expert_gemm_scratch(q, k_most), torch.float32, rows.device)
     gu = ws.get("eg_gu", (q, 2 * inter), weights.w13t.dtype, rows.device)  # fp32: kept
@@ -356,7 +359,6 @@ def _run_expert_gemm(
     a13 = None if weights.alpha13 is None else weights.alpha13[expert].contiguous()
     a2 = None if weights.alpha2 is None else weights.alpha2[expert].contiguous()
     x_rows = src_row[pair].contiguous()
-    path_rows = torch.tensor([path[e] for e, _, _ in runs], dtype=torch.int64)
     fc1 = cpu_fused.ExpertGroups(q_start, expert, q_start[:-1], path_rows)
     cpu_fused.expert_gemm(rows, x_rows, fc1, s13, gu, xs, alpha=a13, vector=vector)
     # alpha13 above: the fp32 product _swiglu would take first
