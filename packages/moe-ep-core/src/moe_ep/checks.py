@@ -18,7 +18,6 @@ Every failure raises `MoeEpUsageError` naming the argument, the rule and the val
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
