@@ -1322,8 +1322,9 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * tiles: each group's rows packed once per call into blocks of 16 rows, per chunk the 16 x
  * 16 pairs in the tile's layout (`xv`), 1 KiB per chunk, transposed in registers
  * (eg_transpose16), as the C tiles' sums are on their way out. Work items: (group, EG_AMX_ROWS
- * rows, EG_AMX_COLS output columns), run as 2 x 2 tiles (eg_item_amx). Each thread
- * configures its tiles once per call and releases them after. */
+ * rows, EG_AMX_COLS output columns), run as 2 x 2 tiles (eg_item_amx), or for bf16 weights
+ * and more than 32 rows as one block of weight rows against up to four row blocks
+ * (eg_amx_sweeps). Each thread configures its tiles once per call and releases them after. */
 #define EG_AMX_ROWS 256 /* rows per AMX work item (passes of 2 x 16 rows) */
 #define EG_AMX_COLS 32 /* output columns per AMX work item (blocks of 16 weight rows) */
 #ifndef EG_AMX_PF
