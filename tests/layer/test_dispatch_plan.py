@@ -89,16 +89,38 @@ def test_exchange_on_one_rank_hands_the_rows_on(with_weight: bool) -> None:
     assert torch.equal(plan.row_token[recv.pair_row], plan.pair_token)
 
 
+def test_plan_of_no_slots_sends_nothing() -> None:
+    ids = torch.empty((3, 0), dtype=torch.int64)
+    for world in (1, 2):
+        plan = comm.plan_dispatch(ids, 4, world, True)
+        assert plan.row_token.numel() == plan.pair_token.numel() == 0
+        assert plan.row_counts == plan.pair_counts == [0] * world
+
+
+CPU = torch.device("cpu")
+
+
 def test_workspace_reuses_a_view_only_for_the_same_request() -> None:
     ws = comm.Workspace()
-    a = ws.get("x", (4, 8), torch.float32, torch.device("cpu"))
-    assert ws.get("x", (4, 8), torch.float32, torch.device("cpu")) is a
-    b = ws.get("x", (8, 4), torch.float32, torch.device("cpu"))
+    a = ws.get("x", (4, 8), torch.float32, CPU)
+    assert ws.get("x", (4, 8), torch.float32, CPU) is a
+    assert ws.get("x", [4, 8], torch.float32, CPU) is a  # type: ignore[arg-type]
+    b = ws.get("x", (8, 4), torch.float32, CPU)
     assert tuple(b.shape) == (8, 4) and b.data_ptr() == a.data_ptr()
-    c = ws.get("x", (4, 8), torch.bfloat16, torch.device("cpu"))
+    c = ws.get("x", (4, 8), torch.bfloat16, CPU)
     assert c.dtype == torch.bfloat16 and tuple(c.shape) == (4, 8)
-    d = ws.get("x", (64, 8), torch.float32, torch.device("cpu"))  # grown: a new buffer
-    assert tuple(d.shape) == (64, 8) and d.dtype == torch.float32
+    d = ws.get("x", (64, 8), torch.float32, CPU)  # grown: a new buffer
+    assert tuple(d.shape) == (64, 8) and d.data_ptr() != a.data_ptr()
+    again = ws.get("x", (4, 8), torch.float32, CPU)  # the first request: the new buffer
+    assert again.data_ptr() == d.data_ptr() and tuple(again.shape) == (4, 8)
     ws.clear()
-    e = ws.get("x", (64, 8), torch.float32, torch.device("cpu"))
-    assert e is not d and tuple(e.shape) == (64, 8)
+    e = ws.get("x", (64, 8), torch.float32, CPU)
+    assert tuple(e.shape) == (64, 8)
+
+
+def test_workspace_view_from_inference_mode_is_not_reused_outside_it() -> None:
+    ws = comm.Workspace()
+    ws.get("x", (64, 8), torch.float32, CPU)  # the buffer, outside inference mode
+    with torch.inference_mode():
+        ws.get("x", (4, 8), torch.float32, CPU).fill_(1.0)
+    ws.get("x", (4, 8), torch.float32, CPU).fill_(2.0)  # an inference tensor would raise

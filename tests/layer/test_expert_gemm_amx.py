@@ -44,9 +44,10 @@ pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CP
 
 AMX = 16
 """`cpu_fused.vector_bodies()` bit of the AMX body."""
-RAGGED = [0, 1, 2, 3, 4, 15, 16, 17, 24, 0, 33, 64, 65, 97, 300, 1]
+RAGGED = [0, 1, 2, 3, 4, 15, 16, 17, 24, 0, 33, 64, 65, 97, 200, 300, 1]
 """Rows per expert: empty experts, partial and whole 16-row tiles, the 2 x 2 tiles of a
-32-row pass, a 64-row work item and past it."""
+32-row pass, the bf16 sweeps' groups of 3-4 row blocks (200 rows: 13 blocks, 4 + 3 + 3 + 3),
+a 256-row work item and past it."""
 
 
 def _round(v: torch.Tensor, flush: bool) -> torch.Tensor:

@@ -43,15 +43,17 @@ class Workspace:
         self._bufs: dict[str, torch.Tensor] = {}
         self._subs: dict[str, Workspace] = {}
         # the last view handed out per name: a forward of the same shape takes it as it is
-        self._views: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device, torch.Tensor]] = {}
+        # (keyed on inference mode too: a view made under it cannot be written outside it)
+        self._views: dict[str, tuple[object, torch.Tensor]] = {}
 
     def get(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """An uninitialised `[*shape]` tensor; valid until the next `get` of `name`."""
+        key = (tuple(shape), dtype, device, torch.is_inference_mode_enabled())
         last = self._views.get(name)
-        if last is not None and last[0] == shape and last[1] == dtype and last[2] == device:
-            return last[3]
+        if last is not None and last[0] == key:
+            return last[1]
         numel = 1
         for d in shape:
             numel *= d
@@ -61,7 +63,7 @@ class Workspace:
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
             self._bufs[name] = buf
         view = buf[:nbytes].view(dtype).view(shape)
-        self._views[name] = (shape, dtype, device, view)
+        self._views[name] = (key, view)
         return view
 
     def sub(self, name: str) -> Workspace:
@@ -147,7 +149,7 @@ def _plan_one_rank(
     pair_token = torch.div(idx, k, rounding_mode="floor")
     if not dedup:
         row_of_pair, row_token = torch.arange(pairs, device=flat.device), pair_token
-    elif pairs == n * k:
+    elif k and pairs == n * k:
         row_of_pair, row_token = pair_token, torch.arange(n, device=flat.device)
     else:
         row_token, row_of_pair = torch.unique_consecutive(pair_token, return_inverse=True)
@@ -224,9 +226,10 @@ def exchange(
     """
     dev = payload.device
     if world_size == 1:  # the rows stay: no collective, no copy
-        weight = None if pair_weight is None else pair_weight.to(torch.float32)
+        weight = None if pair_weight is None else pair_weight.to(torch.float32).contiguous()
         meta = plan.pair_meta
-        return Received(payload, meta[:, 0].long(), meta[:, 1].long(), plan.pair_counts, weight)
+        pairs = list(plan.pair_counts)
+        return Received(payload, meta[:, 0].long(), meta[:, 1].long(), pairs, weight)
     counts = torch.tensor([plan.row_counts, plan.pair_counts], dtype=torch.int64).t().contiguous()
     recv_counts = torch.empty_like(counts)
     counts, recv_counts = counts.to(dev), recv_counts.to(dev)

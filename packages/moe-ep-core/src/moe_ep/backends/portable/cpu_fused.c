@@ -1785,13 +1785,14 @@ static EG_AMX void eg_amx_sweeps(const eg_args *a, int64_t g, int64_t i0, int64_
     const int64_t tb_step = EG_AMX_BLOCK(k32), tsz = 16 * EG_DOT;
     const uint8_t *we = a->w + a->g_expert[g] * a->w_expert_bytes;
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
-    /* the item's 16-row blocks in as few groups as the C tiles allow, of equal size (a
-     * last group of one block would read the weights again for one tile's work) */
+    /* the item's 16-row blocks in as few groups as the C tiles allow, of sizes differing by
+     * at most one (a last group of one block would read the weights again for one tile's
+     * work): each group the blocks left over the groups left, rounded up */
     const int64_t blocks = (rows + 15) / 16;
-    const int64_t per = (blocks + (blocks + EG_AMX_SWEEP - 1) / EG_AMX_SWEEP - 1) /
-                        ((blocks + EG_AMX_SWEEP - 1) / EG_AMX_SWEEP);
-    for (int64_t b0 = 0; b0 < rows; b0 += per * 16) {
-        const int64_t left = (rows - b0 + 15) / 16, nb = left < per ? left : per;
+    int64_t groups = (blocks + EG_AMX_SWEEP - 1) / EG_AMX_SWEEP;
+    for (int64_t b = 0, nb; b < blocks; b += nb, groups--) {
+        nb = (blocks - b + groups - 1) / groups;
+        const int64_t b0 = 16 * b;
         const uint16_t *xv = a->xv + (a->xv_start[g] + (i0 + b0) / 16) * tb_step;
         for (int64_t wb = 0; wb < (nr1 > 0 ? 2 : 1); wb++) {
             const int64_t jw = j0 + 16 * wb, nrw = wb ? nr1 : nr0;
