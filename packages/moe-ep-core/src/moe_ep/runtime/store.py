@@ -71,7 +71,9 @@ def store_barrier(
     decides it by poisoning the counter (adding `world_size + 1`, so no rank can count
     itself in afterwards) and proposes the missing ranks as the verdict on `board`; the
     ranks that did arrive, and a rank that arrives late, raise that verdict. A failure
-    reported on `board` (a peer's bad input, a broken collective) ends the wait at once.
+    reported on `board` (a peer's bad input, a broken collective) ends the wait at once,
+    unless every rank has arrived by then (the barrier held for the reporter: it holds here
+    too, and the failure is seen at the next wait).
     `on_poll(deadline)` runs at each poll (the bootstrap checks world-size claims there).
 
     Raises:
