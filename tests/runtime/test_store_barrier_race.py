@@ -46,13 +46,12 @@ class _Board:
         return True
 
     def agree(self, why: str) -> Any:
-        board = self
-
-        class _Verdict:
-            def error(self, what: str, **kw: Any) -> MoeEpPeerError:
-                return MoeEpPeerError(f"{what}: rank 0 failed ({board})")
-
         return _Verdict()
+
+
+class _Verdict:
+    def error(self, what: str, **kw: Any) -> MoeEpPeerError:
+        return MoeEpPeerError(f"{what}: rank 0 failed")
 
 
 def _barrier(store: _Store) -> None:
