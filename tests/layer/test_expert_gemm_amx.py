@@ -194,7 +194,10 @@ def _bf16_exact(v: torch.Tensor) -> torch.Tensor:
      # scale blocks other than the formats' (one scale over several chunks, or a chunk
      # split between two scales): the decode's scale index must follow K
      ("e4m3", "e8m0", 256, 64), ("e4m3", "e8m0", 256, 128), ("e2m1", "e4m3", 96, 48),
-     ("e2m1", "e8m0", 128, 64)],
+     ("e2m1", "e8m0", 128, 64),
+     # e2m1 items of up to 32 rows decode EG_AMX_ICH chunks at a time as they go: K of many
+     # such groups, the last one partial
+     ("e2m1", "e4m3", 1056, None), ("e2m1", "e8m0", 2080, None)],
 )  # fmt: skip
 def test_codes_exact_in_bf16_run_in_the_amx_order(
     code: str, scale: str | None, k: int, block: int | None

@@ -923,6 +923,11 @@ typedef struct {
     const int64_t *xv_start;  /* group g's packed blocks: xv_start[g] on (EG_AMX_BLOCK each) */
 } eg_args;
 
+typedef struct {
+    const void *p;
+    int64_t bytes;
+} eg_span; /* bytes [p, p + bytes) */
+
 /* ---------------------------------------------------------------------------------------
  * The bf16 dot-product bodies (EG_BODY_BF16DOT: AVX-512 BF16 `vdpbf16ps`; its scalar twin
  * EG_BODY_BF16DOT_SCALAR), for bf16 activations and bf16 weights only, in their own order:
@@ -1335,6 +1340,9 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
 #ifndef EG_AMX_DPF
 #define EG_AMX_DPF 2048 /* bytes a decoded row's codes are prefetched ahead (into L1) */
 #endif
+#ifndef EG_AMX_ICH
+#define EG_AMX_ICH 4 /* chunks decoded at a time in one pass of codes (eg_item_amx) */
+#endif
 #define EG_AMX_BLOCK(k32) ((k32) * 16) /* bf16 elements of one packed 16-row block */
 #define EG_AMX_LDD(k32) ((k32) + 32) /* elements from one decoded weight row to the next: a line
                                         * of padding, so that a tile's rows do not share L1 sets */
@@ -1524,21 +1532,24 @@ static inline __attribute__((always_inline)) EG_AMX int eg_amx_e4m3_fast(const u
 
 /* eg_amx_decode of a whole chunk of e2m1 codes in 16-bit lanes, 32 at once: each looked up
  * in the 16 products code x scale of its half's scale (t0: elements [0, 16), t1: [16, 32);
- * rows of eg_e2m1_scaled). */
+ * rows of eg_e2m1_scaled; one: t0 is t1, a block of 32 or more). The tables come in by broadcast loads (a
+ * blend where the halves differ), not a shuffle: the shuffle port bounds this loop. */
 static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_fast(const uint8_t *codes,
                                                                         const uint16_t *t0,
-                                                                        const uint16_t *t1,
+                                                                        const uint16_t *t1, int one,
                                                                         uint16_t *dst) {
-    const __m512i table = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)t0)),
-        _mm256_load_si256((const __m256i *)t1), 1);
+    __m512i table = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)t0));
+    if (!one)
+        table = _mm512_mask_broadcast_i64x4(table, 0xf0, _mm256_load_si256((const __m256i *)t1));
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
     /* element 2m: byte m's low nibble (word 2m), 2m + 1 its high one; +16 in the upper half */
     __m512i idx = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12),
                                             _mm512_set1_epi32(0x000f000f), 0xa8); /* (b | b << 12) & c */
-    idx = _mm512_or_si512(idx, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x00100010, 0x00100010,
-                                                 0x00100010, 0x00100010, 0x00100010, 0x00100010,
-                                                 0x00100010, 0x00100010));
+    if (!one)
+        idx = _mm512_or_si512(idx, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x00100010,
+                                                     0x00100010, 0x00100010, 0x00100010,
+                                                     0x00100010, 0x00100010, 0x00100010,
+                                                     0x00100010));
     _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, table));
 }
 
@@ -1552,66 +1563,78 @@ static inline __attribute__((always_inline)) int64_t eg_amx_s_at(int64_t c, int6
 }
 
 /* Rows [0, nr) of e2m1 codes at w (ldw bytes apart; scales s, lds apart, block sb as
- * eg_amx_s_at), whole chunks [0, nc), decoded by eg_amx_e2m1_fast with the products of
- * table t into buf (row r's chunk c at buf + r * ldd + c * EG_DOT). */
+ * eg_amx_s_at), whole chunks [c0, c1), decoded by eg_amx_e2m1_fast with the products of
+ * table t into buf (row r's chunk c at buf + r * ldd + (c - c0) * EG_DOT), each row's codes
+ * prefetched pf bytes ahead (none: 0). */
 static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_rows(
     const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds, int64_t sb, int64_t nr,
-    int64_t nc, const uint16_t (*t)[16], uint16_t *buf, int64_t ldd) {
+    int64_t c0, int64_t c1, const uint16_t (*t)[16], uint16_t *buf, int64_t ldd, int64_t pf) {
+#define EG_E2M1_CHUNK(c)                                                                       \
+    eg_amx_e2m1_fast(wr + (c) * (EG_DOT / 2), t[sr[eg_amx_s_at(c, 0, sb)]],                     \
+                     t[sr[eg_amx_s_at(c, 1, sb)]], sb % EG_DOT == 0, dr + ((c) - c0) * EG_DOT)
     for (int64_t r = 0; r < nr; r++) {
         const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
-        for (int64_t c = 0; c < nc; c++) {
-            if ((c & 3) == 0) /* a line holds four chunks */
-                _mm_prefetch((const char *)wr + c * (EG_DOT / 2) + EG_AMX_DPF, _MM_HINT_T0);
-            eg_amx_e2m1_fast(wr + c * (EG_DOT / 2), t[sr[eg_amx_s_at(c, 0, sb)]],
-                             t[sr[eg_amx_s_at(c, 1, sb)]], buf + r * ldd + c * EG_DOT);
+        uint16_t *dr = buf + r * ldd;
+        int64_t c = c0;
+        for (; c + 4 <= c1; c += 4) { /* a line of codes at a time (four chunks): the loop's
+                                       * own instructions were a fifth of its work */
+            if (pf) _mm_prefetch((const char *)wr + c * (EG_DOT / 2) + pf, _MM_HINT_T0);
+            EG_E2M1_CHUNK(c);
+            EG_E2M1_CHUNK(c + 1);
+            EG_E2M1_CHUNK(c + 2);
+            EG_E2M1_CHUNK(c + 3);
         }
+        for (; c < c1; c++) EG_E2M1_CHUNK(c);
     }
+#undef EG_E2M1_CHUNK
 }
 
 /* Rows [0, nr) of e4m3 codes at w (ldw bytes apart; e8m0 scales s, lds apart, block sb a
- * multiple of EG_DOT or 0, as eg_amx_s_at), whole chunks [0, nc), decoded by
+ * multiple of EG_DOT or 0, as eg_amx_s_at), whole chunks [c0, c1), decoded by
  * eg_amx_e4m3_fast into buf as eg_amx_e2m1_rows; returns whether a chunk was left
  * undecoded (a NaN code, a scale byte outside 10-246). */
 static inline __attribute__((always_inline)) EG_AMX int eg_amx_e4m3_rows(
     const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds, int64_t sb, int64_t nr,
-    int64_t nc, uint16_t *buf, int64_t ldd) {
+    int64_t c0, int64_t c1, uint16_t *buf, int64_t ldd, int64_t pf) {
     int slow = 0;
     for (int64_t r = 0; r < nr; r++) {
         const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
-        for (int64_t c = 0; c < nc; c++) {
-            if ((c & 1) == 0) /* a line holds two chunks */
-                _mm_prefetch((const char *)wr + c * EG_DOT + EG_AMX_DPF, _MM_HINT_T0);
+        for (int64_t c = c0; c < c1; c++) {
+            if (pf && (c & 1) == 0) /* a line holds two chunks */
+                _mm_prefetch((const char *)wr + c * EG_DOT + pf, _MM_HINT_T0);
             const int32_t sc = sr[eg_amx_s_at(c, 0, sb)];
             if (sc < 10 || sc > 246 ||
-                !eg_amx_e4m3_fast(wr + c * EG_DOT, eg_e4m3_bias2 + sc, buf + r * ldd + c * EG_DOT))
+                !eg_amx_e4m3_fast(wr + c * EG_DOT, eg_e4m3_bias2 + sc,
+                                  buf + r * ldd + (c - c0) * EG_DOT))
                 slow = 1;
         }
     }
     return slow;
 }
 
-/* Weight rows [j, j + nr) of the expert at we (scales se), whole chunks [0, nc) of codes,
- * decoded into 16 rows at buf (row r, ldd = EG_AMX_LDD elements apart, its chunks in order:
- * chunk c's A tile at buf + c * EG_DOT, stride ldd; zero rows past nr): row by row, each in
- * memory order (a stream the hardware prefetchers follow) and written in order, by the
- * 16-bit-lane decodes where they apply, eg_amx_decode otherwise. */
+/* Weight rows [j, j + nr) of the expert at we (scales se), whole chunks [c0, c1) of codes,
+ * decoded into 16 rows at buf (row r ldd elements apart, its chunks in order: chunk c's A
+ * tile at buf + (c - c0) * EG_DOT, stride ldd; zero rows past nr), each row's codes
+ * prefetched pf bytes ahead (none: 0): row by row, each in memory order and written in
+ * order, by the 16-bit-lane decodes where they apply, eg_amx_decode otherwise. */
 static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const uint8_t *se,
-                                      int64_t j, int64_t nr, int64_t nc, uint16_t *buf) {
+                                      int64_t j, int64_t nr, int64_t c0, int64_t c1,
+                                      uint16_t *buf, int64_t ldd, int64_t pf) {
     const int64_t ldw = a->w_row_bytes, sb = a->s_block, lds = se ? a->s_row_bytes : 0;
     const uint8_t *w = we + j * ldw, *s = se ? se + j * lds : &eg_unscaled;
     const int64_t sbk = se ? sb : 0; /* eg_amx_s_at's block: 0 reads the one unscaled byte */
-    const int64_t ldd = EG_AMX_LDD((a->k + EG_DOT - 1) / EG_DOT * EG_DOT);
     if (a->w_kind == EG_W_E4M3 &&
         (a->s_kind == EG_S_NONE || (a->s_kind == EG_S_E8M0 && sb % EG_DOT == 0))) {
         /* one e8m0 scale per chunk, or none; the chunks it does not cover after, so that
          * no call breaks the loop */
         /* mxfp8's block size as a constant (no branch per chunk) */
-        const int slow = sbk == EG_DOT ? eg_amx_e4m3_rows(w, ldw, s, lds, EG_DOT, nr, nc, buf, ldd)
-                                       : eg_amx_e4m3_rows(w, ldw, s, lds, sbk, nr, nc, buf, ldd);
+        const int slow =
+            sbk == EG_DOT ? eg_amx_e4m3_rows(w, ldw, s, lds, EG_DOT, nr, c0, c1, buf, ldd, pf)
+                          : eg_amx_e4m3_rows(w, ldw, s, lds, sbk, nr, c0, c1, buf, ldd, pf);
         for (int64_t r = 0; slow && r < nr; r++) /* every chunk again, element by element */
-            for (int64_t c = 0; c < nc; c++) {
+            for (int64_t c = c0; c < c1; c++) {
                 const int32_t sc = s[r * lds + eg_amx_s_at(c, 0, sbk)];
-                uint16_t *dst = buf + r * ldd + c * EG_DOT;
+                uint16_t *dst = buf + r * ldd + (c - c0) * EG_DOT;
                 if (sc < 10 || sc > 246 ||
                     !eg_amx_e4m3_fast(w + r * ldw + c * EG_DOT, eg_e4m3_bias2 + sc, dst))
                     eg_amx_decode(a, w + r * ldw, s + r * lds, c, dst);
@@ -1619,16 +1642,16 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
     } else if (a->w_kind == EG_W_E2M1 && a->s_kind != EG_S_F32) {
         const uint16_t(*t)[16] = eg_e2m1_scaled[a->s_kind == EG_S_E4M3];
         /* the formats' block sizes as constants (no division per chunk) */
-        if (sbk == 16) eg_amx_e2m1_rows(w, ldw, s, lds, 16, nr, nc, t, buf, ldd);
-        else if (sbk == EG_DOT) eg_amx_e2m1_rows(w, ldw, s, lds, EG_DOT, nr, nc, t, buf, ldd);
-        else eg_amx_e2m1_rows(w, ldw, s, lds, sbk, nr, nc, t, buf, ldd);
+        if (sbk == 16) eg_amx_e2m1_rows(w, ldw, s, lds, 16, nr, c0, c1, t, buf, ldd, pf);
+        else if (sbk == EG_DOT) eg_amx_e2m1_rows(w, ldw, s, lds, EG_DOT, nr, c0, c1, t, buf, ldd, pf);
+        else eg_amx_e2m1_rows(w, ldw, s, lds, sbk, nr, c0, c1, t, buf, ldd, pf);
     } else {
         for (int64_t r = 0; r < nr; r++)
-            for (int64_t c = 0; c < nc; c++)
-                eg_amx_decode(a, w + r * ldw, s + r * lds, c, buf + r * ldd + c * EG_DOT);
+            for (int64_t c = c0; c < c1; c++)
+                eg_amx_decode(a, w + r * ldw, s + r * lds, c, buf + r * ldd + (c - c0) * EG_DOT);
     }
     for (int64_t r = nr; r < 16; r++)
-        memset(buf + r * ldd, 0, sizeof(uint16_t) * (size_t)(nc * EG_DOT));
+        memset(buf + r * ldd, 0, sizeof(uint16_t) * (size_t)((c1 - c0) * EG_DOT));
 }
 
 /* The A tile of weight rows [j, j + nr) of the expert at we (scales se), chunk c: bf16
@@ -1840,7 +1863,7 @@ static EG_AMX void eg_amx_sweeps(const eg_args *a, int64_t g, int64_t i0, int64_
  * to) two blocks of 16 weight rows x the two row blocks accumulate in tiles 0-3 (C[w][t]
  * in tile 2w + t; A tiles 4-5, B tiles 6-7) over the whole of K. */
 static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64_t tile,
-                               uint16_t *dec) {
+                               uint16_t *dec, const eg_span next[2]) {
     const int64_t i0 = block * EG_AMX_ROWS, n_rows = a->q_start[g + 1] - a->q_start[g];
     const int64_t rows = n_rows - i0 < EG_AMX_ROWS ? n_rows - i0 : EG_AMX_ROWS;
     const int64_t k32 = (a->k + EG_DOT - 1) / EG_DOT * EG_DOT, chunks = k32 / EG_DOT;
@@ -1854,15 +1877,23 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
     uint16_t abuf[2][16 * EG_DOT] __attribute__((aligned(64)));
     float sums[16 * 16] __attribute__((aligned(64)));
-    /* codes: the item's A tiles decoded first, each weight row read once in memory order
+    /* codes in one pass (at most 32 rows): every EG_AMX_ICH chunks of the item's weight
+     * rows decoded just before their products, into L1 (fb, two sets in turn), their codes
+     * read from L2, where the thread's previous item prefetched them (next); in more
+     * passes: the item's A tiles decoded first, each weight row read once in memory order
      * (a stream the hardware prefetchers follow), into the thread's buffer dec (32 rows of
-     * the whole chunks, EG_AMX_LDD apart, in L2), for all the item's passes; a K tail's
-     * partial chunk through abuf as bf16's */
-    const int codes = a->w_kind != EG_W_BF16;
-    if (codes) {
-        eg_amx_decode_rows(a, we, se, j0, nr0, whole, dec);
-        if (nr1 > 0) eg_amx_decode_rows(a, we, se, j0 + 16, nr1, whole, dec + 16 * ldd);
+     * the whole chunks, EG_AMX_LDD apart, in L2), for all the passes; a K tail's partial
+     * chunk through abuf as bf16's */
+    const int codes = a->w_kind != EG_W_BF16, fused = a->w_kind == EG_W_E2M1 && rows <= 32;
+    uint16_t fb[2][32 * EG_AMX_ICH * EG_DOT] __attribute__((aligned(64)));
+    if (codes && !fused) {
+        eg_amx_decode_rows(a, we, se, j0, nr0, 0, whole, dec, ldd, EG_AMX_DPF);
+        if (nr1 > 0)
+            eg_amx_decode_rows(a, we, se, j0 + 16, nr1, 0, whole, dec + 16 * ldd, ldd, EG_AMX_DPF);
     }
+    /* the next item's codes and scales, a share per chunk of the first pass, into L2 */
+    const int64_t pl0 = (next[0].bytes + 63) / 64, pl1 = (next[1].bytes + 63) / 64;
+    const int64_t ps0 = (pl0 + chunks - 1) / chunks, ps1 = (pl1 + chunks - 1) / chunks;
     if (rows > 32 && !codes) { /* bf16 weights in three or more 16-row blocks: eg_amx_sweeps
                                 * (decoded codes come from L2 in every pass: the 2 x 2 passes,
                                 * fewer tile loads per product, measured 2-9% faster) */
@@ -1878,8 +1909,29 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
         _tile_zero(3);
         for (int64_t c = 0; c < chunks; c++) {
             int64_t s0 = 2 * EG_DOT, s1 = 2 * EG_DOT;
-            if (codes && c < whole) s0 = s1 = 2 * ldd;
-            const void *a0 = codes && c < whole ? dec + c * EG_DOT
+            const uint16_t *d = dec + c * EG_DOT; /* the chunk's decoded A tiles, ld apart */
+            int64_t ld = ldd;
+            if (r0 == 0) {
+                for (int64_t l = c * ps0; l < (c + 1) * ps0 && l < pl0; l++)
+                    _mm_prefetch((const char *)next[0].p + 64 * l, _MM_HINT_T1);
+                for (int64_t l = c * ps1; l < (c + 1) * ps1 && l < pl1; l++)
+                    _mm_prefetch((const char *)next[1].p + 64 * l, _MM_HINT_T1);
+            }
+            if (fused && c < whole) {
+                const int64_t c0 = c / EG_AMX_ICH * EG_AMX_ICH;
+                const int64_t c1 = c0 + EG_AMX_ICH < whole ? c0 + EG_AMX_ICH : whole;
+                uint16_t *f = fb[c / EG_AMX_ICH & 1];
+                if (c == c0) {
+                    eg_amx_decode_rows(a, we, se, j0, nr0, c0, c1, f, EG_AMX_ICH * EG_DOT, 0);
+                    if (nr1 > 0)
+                        eg_amx_decode_rows(a, we, se, j0 + 16, nr1, c0, c1,
+                                           f + 16 * EG_AMX_ICH * EG_DOT, EG_AMX_ICH * EG_DOT, 0);
+                }
+                d = f + (c - c0) * EG_DOT;
+                ld = EG_AMX_ICH * EG_DOT;
+            }
+            if (codes && c < whole) s0 = s1 = 2 * ld;
+            const void *a0 = codes && c < whole ? d
                                                 : eg_amx_a(a, we, se, j0, nr0, c, abuf[0], &s0);
             const uint16_t *xc = xv + c * tsz;
             _tile_loadd(4, a0, s0);
@@ -1891,7 +1943,7 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
             }
             if (nr1 > 0) {
                 const void *a1 = codes && c < whole
-                                     ? dec + 16 * ldd + c * EG_DOT
+                                     ? d + 16 * ld
                                      : eg_amx_a(a, we, se, j0 + 16, nr1, c, abuf[1], &s1);
                 _tile_loadd(5, a1, s1);
                 _tile_dpbf16ps(2, 5, 6);
@@ -2417,6 +2469,22 @@ static int64_t eg_group_of(const int64_t *start, int64_t groups, int64_t i) {
  * x and weights only, their own orders). Returns 0, -1 when out of memory, -2 when this build
  * or CPU lacks the body asked for, -3 when a dot, AMX or k-order body is asked for other
  * kinds (nothing written in any of these). */
+#ifdef MOE_EP_AMX_GEMM
+/* The codes and scales of AMX item it's weight rows (item_start as eg_group_of's). */
+static void eg_amx_next(const eg_args *a, const int64_t *item_start, int64_t groups,
+                        int64_t amx_tiles, int64_t it, eg_span out[2]) {
+    const int64_t g = eg_group_of(item_start, groups, it);
+    const int64_t j = (it - item_start[g]) % amx_tiles * EG_AMX_COLS;
+    const int64_t nr = a->n - j < EG_AMX_COLS ? a->n - j : EG_AMX_COLS;
+    out[0].p = a->w + a->g_expert[g] * a->w_expert_bytes + j * a->w_row_bytes;
+    out[0].bytes = nr * a->w_row_bytes;
+    if (a->s) {
+        out[1].p = a->s + a->g_expert[g] * a->s_expert_bytes + j * a->s_row_bytes;
+        out[1].bytes = nr * a->s_row_bytes;
+    }
+}
+#endif
+
 int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                         int64_t groups, const int64_t *q_start, const int64_t *g_expert,
                         const int64_t *out_row0, const int64_t *g_rows, const float *alpha,
@@ -2511,6 +2579,7 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     const size_t x_elem = x_kind == EG_X_F32 ? 4 : 2;
     (void)threads;
     (void)vblocks; /* packed (AMX builds only) */
+    int64_t claimed = 0; /* items taken by a thread */
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
@@ -2555,15 +2624,22 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
         uint16_t *dec = a.dec;
 #endif
 #endif
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
+        /* the items in turn to whichever thread is free (as schedule(dynamic, 1)), each
+         * thread claiming its next one when it starts one: an AMX item of codes prefetches
+         * the next one's into L2 */
+        for (int64_t it = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), after; it < items;
+             it = after) {
+            after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             if (inexact) continue;
             const int64_t lo = eg_group_of(item_start, groups, it); /* the group holding item it */
             const int64_t i = it - item_start[lo];
             if (amx_body) { /* every group of the call */
 #ifdef MOE_EP_AMX_GEMM
-                if (packed) eg_item_amx(&a, lo, i / amx_tiles, i % amx_tiles, dec);
-                else
+                if (packed) {
+                    eg_span next[2] = {{NULL, 0}, {NULL, 0}};
+                    if (after < items && w_kind == EG_W_E2M1) eg_amx_next(&a, item_start, groups, amx_tiles, after, next);
+                    eg_item_amx(&a, lo, i / amx_tiles, i % amx_tiles, dec, next);
+                } else
 #endif
                     eg_item_amx_scalar(&a, lo, i / amx_tiles, i % amx_tiles);
             } else if (eg_group_kseq(&a, eg_path_rows(&a, lo)))
