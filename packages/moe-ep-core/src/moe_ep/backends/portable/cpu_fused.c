@@ -1462,6 +1462,17 @@ static EG_AMX void eg_amx_configure(void) {
 
 static EG_AMX void eg_amx_release(void) { _tile_release(); }
 
+/* Share `step` of `steps` of the spans' lines prefetched into L2 (the thread's next work
+ * item's weights, a share per step of this one's loop). */
+static inline __attribute__((always_inline)) void eg_prefetch_share(const eg_span next[2],
+                                                                    int64_t step, int64_t steps) {
+    for (int i = 0; i < 2; i++) {
+        const int64_t lines = (next[i].bytes + 63) / 64, per = (lines + steps - 1) / steps;
+        for (int64_t l = step * per; l < (step + 1) * per && l < lines; l++)
+            _mm_prefetch((const char *)next[i].p + 64 * l, _MM_HINT_T1);
+    }
+}
+
 /* Weight row w_row's (scales s_row) elements [32c, 32c + 32) as bf16 at dst, zeros past K:
  * whole chunks of e4m3 / e2m1 codes decoded 16 at a time (the fp32 value of
  * eg_decode_chunk_avx512, times the scale, daz, truncated), the rest element by element. */
@@ -1891,9 +1902,6 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
         if (nr1 > 0)
             eg_amx_decode_rows(a, we, se, j0 + 16, nr1, 0, whole, dec + 16 * ldd, ldd, EG_AMX_DPF);
     }
-    /* the next item's codes and scales, a share per chunk of the first pass, into L2 */
-    const int64_t pl0 = (next[0].bytes + 63) / 64, pl1 = (next[1].bytes + 63) / 64;
-    const int64_t ps0 = (pl0 + chunks - 1) / chunks, ps1 = (pl1 + chunks - 1) / chunks;
     if (rows > 32 && !codes) { /* bf16 weights in three or more 16-row blocks: eg_amx_sweeps
                                 * (decoded codes come from L2 in every pass: the 2 x 2 passes,
                                 * fewer tile loads per product, measured 2-9% faster) */
@@ -1911,12 +1919,7 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
             int64_t s0 = 2 * EG_DOT, s1 = 2 * EG_DOT;
             const uint16_t *d = dec + c * EG_DOT; /* the chunk's decoded A tiles, ld apart */
             int64_t ld = ldd;
-            if (r0 == 0) {
-                for (int64_t l = c * ps0; l < (c + 1) * ps0 && l < pl0; l++)
-                    _mm_prefetch((const char *)next[0].p + 64 * l, _MM_HINT_T1);
-                for (int64_t l = c * ps1; l < (c + 1) * ps1 && l < pl1; l++)
-                    _mm_prefetch((const char *)next[1].p + 64 * l, _MM_HINT_T1);
-            }
+            if (r0 == 0) eg_prefetch_share(next, c, chunks); /* in the first pass */
             if (fused && c < whole) {
                 const int64_t c0 = c / EG_AMX_ICH * EG_AMX_ICH;
                 const int64_t c1 = c0 + EG_AMX_ICH < whole ? c0 + EG_AMX_ICH : whole;
