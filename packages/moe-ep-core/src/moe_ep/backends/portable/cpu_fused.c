@@ -510,16 +510,94 @@ static inline int32_t fq_ceil_exp(float amax) {
     return e - 9 + (m > 0.875f);
 }
 
+#ifdef MOE_EP_AVX512
+/* The fake quantization's element loops on 16 lanes, lane for lane the scalar ones' fp32
+ * operations (the tests compare both with the eager recipes bit for bit). Each returns how
+ * many elements it did (whole vectors); the scalar loop does the rest. */
+
+/* fq_amax of n elements, n a multiple of 16. */
+static inline float fq_amax16(const float *x, int64_t n) {
+    __m512 m = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+        nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, a);
+    }
+    return nan ? __builtin_nanf("") : _mm512_reduce_max_ps(m);
+}
+
+/* 16 fp32 values v at out + j as fp32, or rounded to bf16 as f32_to_bf16 (the 16 lie in one
+ * block, NaN in all lanes or none: f32x16_to_bf16's path for subnormals meets no NaN). */
+static inline void fq_put16(void *out, int32_t out_bf16, int64_t j, __m512 v) {
+    if (out_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + j), f32x16_to_bf16(v));
+    else _mm512_storeu_ps((float *)out + j, v);
+}
+
+/* fq_e4m3_block's elements: x / s (by_div) or x * s, clamped to +-448, rounded to e4m3 as
+ * fq_e4m3 (normals: RNE at 3 mantissa bits in the fp32 bits; below 2^-6 the fp32 add of
+ * 2^14), the value times deq. A NaN element has no case of its own: it makes the block's
+ * amax NaN, so deq is NaN and every output of the block NaN, as in the scalar loop. */
+static inline int64_t fq_e4m3_x16(const float *x, int64_t n, int by_div, float s, float deq,
+                                  void *out, int32_t out_bf16, int64_t j0) {
+    const __m512 sv = _mm512_set1_ps(s), dq = _mm512_set1_ps(deq), big = _mm512_set1_ps(0x1p14f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        __m512 v = by_div ? _mm512_div_ps(xv, sv) : _mm512_mul_ps(xv, sv);
+        /* max(c, v) and min(c, v) return v where v is NaN, as the scalar compares */
+        v = _mm512_min_ps(_mm512_set1_ps(448.0f), _mm512_max_ps(_mm512_set1_ps(-448.0f), v));
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u));
+        const __m512i a = _mm512_xor_si512(u, sign);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+        __m512i r = _mm512_and_si512(
+            _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7ffff)), lsb),
+            _mm512_set1_epi32((int)0xfff00000u));
+        const __m512 sub = _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(a), big), big);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)),
+                                  _mm512_castps_si512(sub));
+        r = _mm512_or_si512(r, sign);
+        fq_put16(out, out_bf16, j0 + i, _mm512_mul_ps(_mm512_castsi512_ps(r), dq));
+    }
+    return i;
+}
+
+/* fq_nvfp4_block's elements: y = x * acc * 2^-6, |y| rounded to e2m1's step in its band
+ * by an fp32 add and subtract, times 64, at most 6 (NaN: 6), y's sign, times sf. */
+static inline int64_t fq_nvfp4_x16(const float *x, int64_t n, float acc, float sf, void *out,
+                                   int32_t out_bf16, int64_t j0) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(acc)),
+                                       _mm512_set1_ps(0x1p-6f));
+        const __m512i u = _mm512_castps_si512(y);
+        const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u));
+        const __m512i a = _mm512_xor_si512(u, sign);
+        __m512i band = _mm512_and_si512(a, _mm512_set1_epi32(0x7f800000));
+        band = _mm512_min_epu32(_mm512_max_epu32(band, _mm512_set1_epi32(121 << 23)),
+                                _mm512_set1_epi32(123 << 23));
+        const __m512 c = _mm512_castsi512_ps(_mm512_add_epi32(band, _mm512_set1_epi32(22 << 23)));
+        __m512 q = _mm512_mul_ps(_mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(a), c), c),
+                                 _mm512_set1_ps(64.0f));
+        q = _mm512_min_ps(q, _mm512_set1_ps(6.0f)); /* q < 6 ? q : 6: NaN gives 6 */
+        q = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(q), sign));
+        fq_put16(out, out_bf16, j0 + i, _mm512_mul_ps(q, _mm512_set1_ps(sf)));
+    }
+    return i;
+}
+#endif
+
 /* out[j] = v, as fp32 or rounded to bf16. */
 static inline void fq_put(void *out, int32_t out_bf16, int64_t j, float v) {
     if (out_bf16) ((uint16_t *)out)[j] = f32_to_bf16(v);
     else ((float *)out)[j] = v;
 }
 
-/* One nvfp4 block (quantize_nvfp4, then dequantize_nvfp4 without the global scale). */
-static inline void fq_nvfp4_block(const float *x, int64_t n, float nc, int has_nc, void *out,
-                                  int32_t out_bf16, int64_t j0) {
-    const float amax = fq_amax(x, n);
+/* One nvfp4 block (quantize_nvfp4, then dequantize_nvfp4 without the global scale), its
+ * amax given. */
+static inline void fq_nvfp4_block(const float *x, int64_t n, float amax, float nc, int has_nc,
+                                  void *out, int32_t out_bf16, int64_t j0) {
     float bs = amax * (float)(1.0 / 6.0);
     if (has_nc) bs = bs * nc;
     bs = bs > 448.0f ? 448.0f : bs;
@@ -529,7 +607,11 @@ static inline void fq_nvfp4_block(const float *x, int64_t n, float nc, int has_n
     if (has_nc) acc = acc * nc;
     acc = acc > 3.40282347e38f ? 3.40282347e38f : acc;
     if (sf == 0.0f) acc = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i0 = 0;
+#ifdef MOE_EP_AVX512
+    i0 = fq_nvfp4_x16(x, n, acc, sf, out, out_bf16, j0);
+#endif
+    for (int64_t i = i0; i < n; i++) {
         const float y = x[i] * acc * 0x1p-6f; /* two roundings, as there */
         bits32 mag, c;
         mag.f = __builtin_fabsf(y);
@@ -542,11 +624,11 @@ static inline void fq_nvfp4_block(const float *x, int64_t n, float nc, int has_n
     }
 }
 
-/* One block of the e4m3 formats: scale as `kind` says, elements x * mult or x / scale,
- * clamped to +-448, cast, times the dequantization scale. */
-static inline void fq_e4m3_block(const float *x, int64_t n, int32_t kind, void *out,
+/* One block of the e4m3 formats, its amax given: scale as `kind` says, elements x * mult
+ * or x / scale, clamped to +-448, cast, times the dequantization scale. */
+static inline void fq_e4m3_block(const float *x, int64_t n, float amax, int32_t kind, void *out,
                                  int32_t out_bf16, int64_t j0) {
-    const float amax = fq_amax(x, n), nan = __builtin_nanf("");
+    const float nan = __builtin_nanf("");
     const int finite = __builtin_isfinite(amax);
     float mult = 1.0f, div = 1.0f, deq;
     int by_div = 0;
@@ -573,7 +655,11 @@ static inline void fq_e4m3_block(const float *x, int64_t n, int32_t kind, void *
         deq = finite ? s : nan;
         mult = 1.0f / deq;
     }
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i0 = 0;
+#ifdef MOE_EP_AVX512
+    i0 = fq_e4m3_x16(x, n, by_div, by_div ? div : mult, deq, out, out_bf16, j0);
+#endif
+    for (int64_t i = i0; i < n; i++) {
         float v = by_div ? x[i] / div : x[i] * mult;
         v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
         fq_put(out, out_bf16, j0 + i, e4m3_value[fq_e4m3(v)] * deq);
@@ -591,10 +677,17 @@ void moe_ep_fake_quant(const float *x, int64_t ld_x, void *out, int64_t ld_out, 
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t j = 0; j < cols; j += block) {
             const float *xb = x + r * ld_x + j;
+            float amax;
+#ifdef MOE_EP_AVX512
+            amax = block % 16 == 0 ? fq_amax16(xb, block) : fq_amax(xb, block);
+#else
+            amax = fq_amax(xb, block);
+#endif
             if (kind == FQ_NVFP4)
-                fq_nvfp4_block(xb, block, norm_const, norm_const != 1.0f, out, out_bf16, r * ld_out + j);
+                fq_nvfp4_block(xb, block, amax, norm_const, norm_const != 1.0f, out, out_bf16,
+                               r * ld_out + j);
             else
-                fq_e4m3_block(xb, block, kind, out, out_bf16, r * ld_out + j);
+                fq_e4m3_block(xb, block, amax, kind, out, out_bf16, r * ld_out + j);
         }
     }
 }
