@@ -1636,8 +1636,8 @@ static inline __attribute__((always_inline)) EG_AMX int eg_amx_e4m3_fast(const u
 
 /* eg_amx_decode of a whole chunk of e2m1 codes in 16-bit lanes, 32 at once: each looked up
  * in the 16 products code x scale of its half's scale (t0: elements [0, 16), t1: [16, 32);
- * rows of eg_e2m1_scaled; one: t0 is t1, a block of 32 or more). The tables come in by broadcast loads (a
- * blend where the halves differ), not a shuffle: the shuffle port bounds this loop. */
+ * rows of eg_e2m1_scaled; one: t0 is t1, a block of 32 or more). The tables come in by
+ * broadcast loads (and a blend where the halves differ), not a lane insert. */
 static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_fast(const uint8_t *codes,
                                                                         const uint16_t *t0,
                                                                         const uint16_t *t1, int one,
@@ -1680,8 +1680,8 @@ static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_rows(
         const uint8_t *wr = w + r * ldw, *sr = s + r * lds;
         uint16_t *dr = buf + r * ldd;
         int64_t c = c0;
-        for (; c + 4 <= c1; c += 4) { /* a line of codes at a time (four chunks): the loop's
-                                       * own instructions were a fifth of its work */
+        for (; c + 4 <= c1; c += 4) { /* a line of codes (four chunks) at a time: one
+                                       * prefetch and one loop test per line */
             if (pf) _mm_prefetch((const char *)wr + c * (EG_DOT / 2) + pf, _MM_HINT_T0);
             EG_E2M1_CHUNK(c);
             EG_E2M1_CHUNK(c + 1);
