@@ -1747,7 +1747,8 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
         const uint16_t(*t)[16] = eg_e2m1_scaled[a->s_kind == EG_S_E4M3];
         /* the formats' block sizes as constants (no division per chunk) */
         if (sbk == 16) eg_amx_e2m1_rows(w, ldw, s, lds, 16, nr, c0, c1, t, buf, ldd, pf);
-        else if (sbk == EG_DOT) eg_amx_e2m1_rows(w, ldw, s, lds, EG_DOT, nr, c0, c1, t, buf, ldd, pf);
+        else if (sbk == EG_DOT)
+            eg_amx_e2m1_rows(w, ldw, s, lds, EG_DOT, nr, c0, c1, t, buf, ldd, pf);
         else eg_amx_e2m1_rows(w, ldw, s, lds, sbk, nr, c0, c1, t, buf, ldd, pf);
     } else {
         for (int64_t r = 0; r < nr; r++)
@@ -1756,6 +1757,16 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
     }
     for (int64_t r = nr; r < 16; r++)
         memset(buf + r * ldd, 0, sizeof(uint16_t) * (size_t)((c1 - c0) * EG_DOT));
+}
+
+/* An item's weight rows [j, j + nr0) and [j + 16, j + 16 + nr1) (nr1 may be 0), whole
+ * chunks [c0, c1), by eg_amx_decode_rows into buf's two 16-row blocks (the second 16 * ldd
+ * elements on). */
+static inline __attribute__((always_inline)) EG_AMX void eg_amx_decode_item(
+    const eg_args *a, const uint8_t *we, const uint8_t *se, int64_t j, int64_t nr0,
+    int64_t nr1, int64_t c0, int64_t c1, uint16_t *buf, int64_t ldd, int64_t pf) {
+    eg_amx_decode_rows(a, we, se, j, nr0, c0, c1, buf, ldd, pf);
+    if (nr1 > 0) eg_amx_decode_rows(a, we, se, j + 16, nr1, c0, c1, buf + 16 * ldd, ldd, pf);
 }
 
 /* The A tile of weight rows [j, j + nr) of the expert at we (scales se), chunk c: bf16
@@ -1990,11 +2001,8 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
      * chunk through abuf as bf16's */
     const int codes = a->w_kind != EG_W_BF16, fused = a->w_kind == EG_W_E2M1 && rows <= 32;
     uint16_t fb[2][32 * EG_AMX_ICH * EG_DOT] __attribute__((aligned(64)));
-    if (codes && !fused) {
-        eg_amx_decode_rows(a, we, se, j0, nr0, 0, whole, dec, ldd, EG_AMX_DPF);
-        if (nr1 > 0)
-            eg_amx_decode_rows(a, we, se, j0 + 16, nr1, 0, whole, dec + 16 * ldd, ldd, EG_AMX_DPF);
-    }
+    if (codes && !fused)
+        eg_amx_decode_item(a, we, se, j0, nr0, nr1, 0, whole, dec, ldd, EG_AMX_DPF);
     if (rows > 32 && !codes) { /* bf16 weights in three or more 16-row blocks: eg_amx_sweeps
                                 * (decoded codes come from L2 in every pass: the 2 x 2 passes,
                                 * fewer tile loads per product, measured 2-9% faster) */
@@ -2017,12 +2025,8 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
                 const int64_t c0 = c / EG_AMX_ICH * EG_AMX_ICH;
                 const int64_t c1 = c0 + EG_AMX_ICH < whole ? c0 + EG_AMX_ICH : whole;
                 uint16_t *f = fb[c / EG_AMX_ICH & 1];
-                if (c == c0) {
-                    eg_amx_decode_rows(a, we, se, j0, nr0, c0, c1, f, EG_AMX_ICH * EG_DOT, 0);
-                    if (nr1 > 0)
-                        eg_amx_decode_rows(a, we, se, j0 + 16, nr1, c0, c1,
-                                           f + 16 * EG_AMX_ICH * EG_DOT, EG_AMX_ICH * EG_DOT, 0);
-                }
+                if (c == c0)
+                    eg_amx_decode_item(a, we, se, j0, nr0, nr1, c0, c1, f, EG_AMX_ICH * EG_DOT, 0);
                 d = f + (c - c0) * EG_DOT;
                 ld = EG_AMX_ICH * EG_DOT;
             }
@@ -2548,6 +2552,22 @@ static int64_t eg_group_of(const int64_t *start, int64_t groups, int64_t i) {
     return lo;
 }
 
+#ifdef MOE_EP_AMX_GEMM
+/* The codes and scales of AMX item it's weight rows (item_start as eg_group_of's). */
+static void eg_amx_next(const eg_args *a, const int64_t *item_start, int64_t groups,
+                        int64_t amx_tiles, int64_t it, eg_span out[2]) {
+    const int64_t g = eg_group_of(item_start, groups, it);
+    const int64_t j = (it - item_start[g]) % amx_tiles * EG_AMX_COLS;
+    const int64_t nr = a->n - j < EG_AMX_COLS ? a->n - j : EG_AMX_COLS;
+    out[0].p = a->w + a->g_expert[g] * a->w_expert_bytes + j * a->w_row_bytes;
+    out[0].bytes = nr * a->w_row_bytes;
+    if (a->s) {
+        out[1].p = a->s + a->g_expert[g] * a->s_expert_bytes + j * a->s_row_bytes;
+        out[1].bytes = nr * a->s_row_bytes;
+    }
+}
+#endif
+
 /* out[out_row0[g] + i, :n] = (x[row(q_start[g] + i), :k] @ w_e^T) [* alpha[g]] for every
  * group g (local expert e = g_expert[g]) and i < q_start[g + 1] - q_start[g], in the order
  * described above. row(q) = x_rows[q], or q when x_rows is NULL. w_e row j starts at byte
@@ -2565,22 +2585,6 @@ static int64_t eg_group_of(const int64_t *start, int64_t groups, int64_t i) {
  * x and weights only, their own orders). Returns 0, -1 when out of memory, -2 when this build
  * or CPU lacks the body asked for, -3 when a dot, AMX or k-order body is asked for other
  * kinds (nothing written in any of these). */
-#ifdef MOE_EP_AMX_GEMM
-/* The codes and scales of AMX item it's weight rows (item_start as eg_group_of's). */
-static void eg_amx_next(const eg_args *a, const int64_t *item_start, int64_t groups,
-                        int64_t amx_tiles, int64_t it, eg_span out[2]) {
-    const int64_t g = eg_group_of(item_start, groups, it);
-    const int64_t j = (it - item_start[g]) % amx_tiles * EG_AMX_COLS;
-    const int64_t nr = a->n - j < EG_AMX_COLS ? a->n - j : EG_AMX_COLS;
-    out[0].p = a->w + a->g_expert[g] * a->w_expert_bytes + j * a->w_row_bytes;
-    out[0].bytes = nr * a->w_row_bytes;
-    if (a->s) {
-        out[1].p = a->s + a->g_expert[g] * a->s_expert_bytes + j * a->s_row_bytes;
-        out[1].bytes = nr * a->s_row_bytes;
-    }
-}
-#endif
-
 int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                         int64_t groups, const int64_t *q_start, const int64_t *g_expert,
                         const int64_t *out_row0, const int64_t *g_rows, const float *alpha,
@@ -2733,7 +2737,8 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
 #ifdef MOE_EP_AMX_GEMM
                 if (packed) {
                     eg_span next[2] = {{NULL, 0}, {NULL, 0}};
-                    if (after < items && w_kind == EG_W_E2M1) eg_amx_next(&a, item_start, groups, amx_tiles, after, next);
+                    if (after < items && w_kind == EG_W_E2M1)
+                        eg_amx_next(&a, item_start, groups, amx_tiles, after, next);
                     eg_item_amx(&a, lo, i / amx_tiles, i % amx_tiles, dec, next);
                 } else
 #endif
