@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors
+from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, quant
 from moe_ep.backends.portable import cpu_fused, experts, recipes
 from moe_ep.backends.portable.comm import Workspace
 from moe_ep.spawn import free_port
@@ -333,7 +333,9 @@ def test_the_layer_of_one_rank_gives_the_same_bits_with_one_pass(
     monkeypatch: pytest.MonkeyPatch, kernel: str
 ) -> None:
     """At world size 1 the dispatched rows never leave the rank: the layer quantizes and
-    dequantizes them in one pass (it must run) and gives the bits of pack then unpack."""
+    dequantizes them in one pass (it must run) and gives the bits of pack then unpack. fp8
+    where its experts take the rows' codes (`Recipe.keeps_codes`: a CPU with AMX) packs
+    them by the fused pass instead (it must run) and gives the bits of the eager pack."""
     g = torch.Generator().manual_seed(5)
     e, t, h, inter, k = 4, 24, 256, 128, 2
     w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
@@ -346,7 +348,11 @@ def test_the_layer_of_one_rank_gives_the_same_bits_with_one_pass(
     w = torch.rand(t, k, generator=g)
     boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
     layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), kernel)
-    real = recipes.Recipe.pack_unpack
+    codes = kernel == "any_fp8_fp8_bf16_torch" and cpu_fused.block_scaled_by_default()
+    cls, name = (
+        (recipes.Fp8BlockRecipe, "_pack_fused") if codes else (recipes.Recipe, "pack_unpack")
+    )
+    real = getattr(cls, name)
     ran: list[bool] = []
 
     def spy(self: recipes.Recipe, rows: torch.Tensor) -> torch.Tensor | None:
@@ -355,14 +361,40 @@ def test_the_layer_of_one_rank_gives_the_same_bits_with_one_pass(
         return out
 
     try:
-        monkeypatch.setattr(recipes.Recipe, "pack_unpack", spy)
+        monkeypatch.setattr(cls, name, spy)
         fused = layer(MoEEpTensors(x, ids, w)).clone()
-        monkeypatch.setattr(recipes.Recipe, "pack_unpack", lambda self, rows: None)
+        monkeypatch.setattr(cls, name, lambda self, rows: None)
         eager = layer(MoEEpTensors(x, ids, w)).clone()
     finally:
         layer.destroy()
     assert ran and all(ran)
     assert torch.equal(fused, eager)
+
+
+@needs_library
+@pytest.mark.parametrize(
+    ("recipe", "fmt"), [(recipes.Fp8BlockRecipe(), "fp32"), (recipes.Fp8Fp4Recipe(), "ue8m0")]
+)
+def test_the_fused_pack_gives_the_eager_bytes(recipe: recipes.Fp8BlockRecipe, fmt: str) -> None:
+    """`pack` on CPU by the fused pass (`cpu_fused.quant_e4m3`, writing through the
+    payload's strided views): the codes and scales of `quant.quantize_fp8_blockwise` byte
+    for byte on finite rows with every rounding boundary; a row with NaN and inf unpacks
+    to NaN where the eager bytes do, to the same values elsewhere."""
+    x = _hard_rows(512, seed=12)
+    for rows in (x[torch.isfinite(x).all(1)], x):
+        got = recipe._pack_fused(rows)
+        assert got is not None
+        data, scales = quant.quantize_fp8_blockwise(
+            rows, block=(1, recipe.act_block), scale_format=fmt, check_finite=False
+        )
+        want = torch.cat([data.view(torch.uint8), scales.view(torch.uint8)], dim=1)
+        if bool(torch.isfinite(rows).all()):
+            assert torch.equal(got, want)
+            assert torch.equal(recipe.pack(rows), want)
+        else:
+            a, b = recipe.unpack(got, 512), recipe.unpack(want, 512)
+            assert torch.equal(a.isnan(), b.isnan()) and bool(a.isnan().any())
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 @needs_library

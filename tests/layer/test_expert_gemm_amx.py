@@ -421,3 +421,210 @@ def test_the_layer_with_experts_above_the_crossover_stays_within_the_oracle(kern
            "any_fp8_fp4_bf16_torch": "fp8_fp4"}[kernel]  # fmt: skip
     report = compare_to_oracle(out, oracle_forward(x, ids, w, w13, w2, fmt=fmt))
     assert report.ok, report
+
+
+def _random_e4m3(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Every e4m3fn byte but NaN."""
+    codes = torch.randint(0, 256, shape, generator=g).to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C
+    return codes
+
+
+def _random_scales(shape: tuple[int, ...], low: int, g: torch.Generator) -> torch.Tensor:
+    """fp32 scales from 2^low to 2^10, not powers of two."""
+    s = torch.pow(2.0, torch.randint(low, 11, shape, generator=g).float())
+    return s * (1 + torch.rand(shape, generator=g))
+
+
+def reference_block_scaled(
+    xc: torch.Tensor,
+    xs: torch.Tensor,
+    x_block: int,
+    wc: torch.Tensor,
+    ws: torch.Tensor,
+    w_block: int,
+    *,
+    fused: bool = True,
+    weight_scale: bool = True,
+) -> torch.Tensor:
+    """fp32 `[Q, N]` of e4m3 codes `xc [Q, K]` (scales `xs [Q, K / x_block]`) times `wc [N,
+    K]` (per-row scales `ws [N, K / w_block]`) in the block-scaled AMX order: per sum block
+    (the smaller block) the codes' values summed in the AMX order from +0 (`reference_amx`),
+    then `acc = fma(sum, fp32(x scale * w scale), acc)` over the blocks from +0, nothing
+    flushed there. `fused=False` (a multiply then an add) and `weight_scale=False` plant
+    the faults the tests show this comparison catches."""
+    xv, wv = xc.view(torch.float8_e4m3fn).bfloat16(), wc.view(torch.float8_e4m3fn).bfloat16()
+    bs, k = min(x_block, w_block), int(xc.shape[1])
+    acc = torch.zeros(int(xc.shape[0]), int(wc.shape[0]), dtype=torch.float64)
+    for b in range(k // bs):
+        part = reference_amx(xv[:, b * bs : (b + 1) * bs], wv[:, b * bs : (b + 1) * bs]).double()
+        sx = xs[:, b * bs // x_block].double()[:, None]
+        sw = ws[:, b * bs // w_block].double()[None, :] if weight_scale else 1.0
+        s = (sx * sw).float().double()  # fp32(sx * sw): the float64 product is exact
+        if fused:  # the float64 sum rounds once before fp32 (a tie these data miss)
+            acc = (acc + part * s).float().double()
+        else:
+            acc = (acc + (part * s).float().double()).float().double()
+    return acc.float()
+
+
+def _block_scaled_case(
+    counts: list[int], n: int, k: int, x_block: int, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, StoredWeight, torch.Tensor, torch.Tensor]:
+    """x codes and scales, fp8 weights with fp32 per-row block scales of 128 (their codes
+    and scales too)."""
+    xc = _random_e4m3((sum(counts), k), g)
+    xs = _random_scales((sum(counts), k // x_block), -60, g)
+    wc = _random_e4m3((len(counts), n, k), g)
+    ws = _random_scales((len(counts), n, k // 128), -70, g)
+    return xc, xs, StoredWeight(wc, "e4m3", ws, "fp32", 128), wc, ws
+
+
+def _run_block_scaled(
+    xc: torch.Tensor,
+    xs: torch.Tensor,
+    x_block: int,
+    w: StoredWeight,
+    counts: list[int],
+    vector: cpu_fused.Body,
+    out_dtype: torch.dtype = torch.float32,
+    alpha: torch.Tensor | None = None,
+    x_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    rows = groups(counts)
+    out = torch.full((rows.rows, w.n), 7.0, dtype=out_dtype)
+    scratch = torch.empty(cpu_fused.expert_gemm_scratch(rows.rows, w.k))
+    assert cpu_fused.expert_gemm(
+        xc, x_rows, rows, w, out, scratch, alpha=alpha, vector=vector, x_scales=xs,
+        x_block=x_block,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(("n", "k", "x_block"), [(37, 256, 128), (70, 384, 64), (16, 2048, 128)])
+def test_block_scaled_order_matches_its_emulation(n: int, k: int, x_block: int) -> None:
+    """fp8's GEMMs from both operands' codes (`expert_gemm(x_scales=...)`, the AMX body and
+    its twin, one and two threads): bit for bit the block-scaled emulation, over ragged
+    groups (empty ones, partial and whole 16-row tiles, the 2 x 2 passes and more than one
+    256-row item), scales from 2^-70 (products of scales subnormal), with alphas, x rows
+    gathered (`x_rows`), fp32 and bf16 outputs; x blocks of 128 and of 64 (fp8's
+    `fc2_act_block=64`)."""
+    g = torch.Generator().manual_seed(n + k + x_block)
+    counts = RAGGED
+    xc, xs, w, wc, ws = _block_scaled_case(counts, n, k, x_block, g)
+    alpha = torch.rand(len(counts), generator=g) + 0.5
+    want, q0 = [], 0
+    for e, rows in enumerate(counts):
+        ref = reference_block_scaled(xc[q0 : q0 + rows], xs[q0 : q0 + rows], x_block, wc[e],
+                                     ws[e], 128)  # fmt: skip
+        want.append(ref * alpha[e])
+        q0 += rows
+    expect = torch.cat(want)
+    perm = torch.randperm(sum(counts), generator=g)  # x_rows: row q of the call is x[perm[q]]
+    xg, sg = torch.empty_like(xc), torch.empty_like(xs)
+    xg[perm], sg[perm] = xc, xs
+
+    def check(threads: int) -> None:
+        for vector in _bodies():
+            got = _run_block_scaled(xc, xs, x_block, w, counts, vector, alpha=alpha)
+            assert differ(got, expect) == 0, vector
+            got16 = _run_block_scaled(xc, xs, x_block, w, counts, vector, torch.bfloat16, alpha)
+            assert differ(got16, expect.bfloat16()) == 0, vector
+            gathered = _run_block_scaled(xg, sg, x_block, w, counts, vector, alpha=alpha,
+                                         x_rows=perm)  # fmt: skip
+            assert differ(gathered, expect) == 0, vector
+
+    at_one_and_two_threads(check)
+    # the comparison tells the order from a multiply then an add per block, from a missing
+    # weight scale, and from the fp32 order on the dequantized values
+    some = slice(0, sum(counts[:6]))
+    unfused = torch.cat([reference_block_scaled(xc[some], xs[some], x_block, wc[0], ws[0], 128,
+                                                fused=False)])  # fmt: skip
+    fused = reference_block_scaled(xc[some], xs[some], x_block, wc[0], ws[0], 128)
+    assert differ(unfused, fused) > 0
+    assert differ(reference_block_scaled(xc[some], xs[some], x_block, wc[0], ws[0], 128,
+                                         weight_scale=False), fused) > 0  # fmt: skip
+    xd = quant.dequantize_fp8_blockwise(xc.view(torch.float8_e4m3fn), xs, block=(1, x_block))
+    fp32_order = run(xd.float().contiguous(), w, counts, False, alpha=alpha)
+    assert differ(fp32_order, expect) > 0
+
+
+def test_block_scaled_order_refuses_what_it_cannot_sum() -> None:
+    """Bad operands are refused with the argument, the value and the rule, nothing written."""
+    g = torch.Generator().manual_seed(21)
+    xc, xs, w, _, _ = _block_scaled_case([4], 16, 256, 128, g)
+    out = torch.full((4, 16), 7.0)
+    scratch = torch.empty(cpu_fused.expert_gemm_scratch(4, 256))
+
+    def call(
+        x: torch.Tensor, s: torch.Tensor, block: int, weight: StoredWeight, vector: Any
+    ) -> None:
+        cpu_fused.expert_gemm(x, None, groups([4]), weight, out, scratch, vector=vector,
+                              x_scales=s, x_block=block)  # fmt: skip
+
+    with pytest.raises(ValueError, match="vector must be one of amx, amx_scalar"):
+        call(xc, xs, 128, w, True)
+    with pytest.raises(ValueError, match="x_block=48 and the weights' block 128"):
+        call(xc, xs, 48, w, "amx_scalar")
+    with pytest.raises(ValueError, match=r"x_scales must be fp32 \[4, 2\]"):
+        call(xc, xs[:, :1].contiguous(), 128, w, "amx_scalar")
+    with pytest.raises(ValueError, match="x as \\[R, 256\\] e4m3 codes"):
+        call(xc.float(), xs, 128, w, "amx_scalar")
+    e8m0, _ = random_stored("e4m3", "e8m0", 1, 16, 256, g)
+    with pytest.raises(ValueError, match="needs e4m3 weights with fp32 scales, got e4m3 with e8m0"):
+        call(xc, xs, 128, e8m0, "amx_scalar")
+    assert (out == 7.0).all()
+
+
+def test_run_experts_takes_fp8_codes_in_the_block_scaled_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp8 rows handed over with their codes (`Dispatched.codes`) on a CPU with AMX: every
+    expert (under and over the crossover) runs both GEMMs in the block-scaled order, FC2 on
+    the SwiGLU output quantized as the recipe quantizes it; the output equals that order's
+    emulation over the eager quantization, bit for bit. An explicit crossover
+    (`expert_gemm_rows`) keeps the dequantized rows' paths."""
+    if not cpu_fused.block_scaled_by_default():
+        pytest.skip("the block-scaled order runs only where the CPU has AMX")
+    g = torch.Generator().manual_seed(12)
+    e, h, inter = 3, 256, 128
+    pack = MoEWeightPack(torch.randn(e, 2 * inter, h, generator=g) / 11,
+                         torch.randn(e, h, inter, generator=g) / 11)  # fmt: skip
+    recipe = Fp8BlockRecipe()
+    pw = recipe.prepare(pack)
+    s13, s2 = pw.stored13, pw.stored2
+    assert s13 is not None and s2 is not None and s13.scales is not None and s2.scales is not None
+    payload = recipe.pack(torch.randn(50, h, generator=g) * 3)
+    rows, codes = recipe.unpack(payload, h), recipe.codes_of(payload, h)
+    counts = [3, 0, 40]
+    src_row = torch.randint(0, 50, (sum(counts),), generator=g)
+    calls: list[tuple[object, bool]] = []
+    real = cpu_fused.expert_gemm
+
+    def recorded(*args: Any, vector: Any = True, **kw: Any) -> bool:
+        calls.append((vector, kw.get("x_scales") is not None))
+        return real(*args, vector=vector, **kw)
+
+    monkeypatch.setattr(cpu_fused, "expert_gemm", recorded)
+    y = torch.empty(sum(counts), h, dtype=torch.bfloat16)
+    spec = recipe.fake_quant
+    experts.run_experts(rows, src_row, counts, pw, recipe.requantize_into, None, y, Workspace(),
+                        codes=codes, fc2_codes=spec)  # fmt: skip
+    assert calls == [("amx", True), ("amx", True)]
+    xc, xs = codes.codes[src_row], codes.scales[src_row]
+    want, q0 = [], 0
+    for ex, n in enumerate(counts):
+        sl = slice(q0, q0 + n)
+        gu = reference_block_scaled(xc[sl], xs[sl], 128, s13.codes[ex], s13.scales[ex], 128)
+        hid = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        hc, hs = quant.quantize_fp8_blockwise(hid, block=(1, 128), check_finite=False)
+        fc2 = reference_block_scaled(
+            hc.view(torch.uint8), hs, 128, s2.codes[ex], s2.scales[ex], 128
+        )
+        want.append(fc2.bfloat16())
+        q0 += n
+    assert differ(y, torch.cat(want)) == 0
+    calls.clear()
+    experts.run_experts(rows, src_row, counts, pw, recipe.requantize_into, None, y, Workspace(),
+                        codes=codes, fc2_codes=spec, gemm_rows=16)  # fmt: skip
+    assert calls == [(True, False), (True, False)]  # the 3-row expert in the fp32 order

@@ -105,3 +105,16 @@ def test_token_split_covers_every_token() -> None:
             split = token_split(case, ws)
             assert sum(split) == case.tokens and len(split) == ws
             assert split[0] == 0 or not (case.first_rank_empty and ws > 1)
+
+
+@pytest.mark.parametrize("fmt", [f for f in KERNELS if f != "bf16"])
+def test_quantized_formats_bit_identical_across_world_sizes(fmt: str) -> None:
+    """Each quantized format gives the same bits at EP 1, 2 and 4: an expert's rows meet
+    its weights in the same order wherever it lives (fp8 on a CPU with AMX: both GEMMs in
+    the block-scaled order on codes that the home rank packs, whatever the world size)."""
+    runs = {ws: _run(ws) for ws in WORLD_SIZES}
+    ref = runs[1]["out"]
+    for case in [c for c in CASES if c.experts]:
+        key = f"{case.name}/{fmt}"
+        for ws in WORLD_SIZES[1:]:
+            assert torch.equal(runs[ws]["out"][key], ref[key]), f"{key}: EP{ws} != EP1"

@@ -285,8 +285,11 @@ def _fc2_input_not_requantized(run: Run) -> torch.Tensor:
     # requantize_into is what the experts call, fused or eager)
     run.mp.setattr(run.recipe_cls, "requantize_into", lambda recipe, h, out: out.copy_(h))
     # the AMX order refuses FC2 inputs that are not exact in bf16 (ValueError, tested in
-    # test_expert_gemm_amx.py): this faulty kernel runs on the fp32 order instead
+    # test_expert_gemm_amx.py), and the block-scaled order (fp8 on AMX) quantizes its FC2
+    # input into codes, not through requantize_into: this faulty kernel runs on the fp32
+    # order instead
     run.mp.setattr(experts, "amx_for_quantized", lambda weights, device: False)
+    run.mp.setattr(experts, "block_scaled_operands", lambda *args: None)
     return run.forward()
 
 
@@ -390,6 +393,7 @@ def _fc1_variation(compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         run.mp.setattr(experts, "_mm", fc1)
         run.mp.setattr(experts, "expert_gemm_rows", lambda w, d: 0)  # the `_mm` path only
         run.mp.setattr(experts, "amx_for_quantized", lambda w, d: False)
+        run.mp.setattr(experts, "block_scaled_operands", lambda *args: None)
         return run.forward()
 
     variation.counts = {"changed": 0, "differs": 0}  # type: ignore[attr-defined]

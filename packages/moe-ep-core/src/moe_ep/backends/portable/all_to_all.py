@@ -124,6 +124,9 @@ class AllToAllPrepareFinalize:
         self.dedup = dedup
         self.topk_weight_before_fc2 = topk_weight_before_fc2
         self.workspace = comm.Workspace()
+        self.keeps_codes = recipe.keeps_codes(runtime.device)
+        """The received rows' codes go to the experts (`Dispatched.codes`): nothing is
+        dequantized in one pass with the quantization (`Recipe.pack_unpack`)."""
         self.placement = self._check_placement(placement, runtime.world_size)
         replicated = self.placement is not None and self.placement.replicated
         if replicated != (replicas is not None) or not isinstance(replicas, Replicas | None):
@@ -165,7 +168,8 @@ class AllToAllPrepareFinalize:
             )
         plan = comm.plan_dispatch(ids, self.num_local_experts, self.runtime.world_size, self.dedup)
         rows = tensors.hidden_states.index_select(0, plan.row_token)
-        here = self.recipe.pack_unpack(rows) if self.runtime.world_size == 1 else None
+        one = self.runtime.world_size == 1 and not self.keeps_codes
+        here = self.recipe.pack_unpack(rows) if one else None
         if here is not None:
             return _Staged(output, plan, here, tensors.topk_weights, dequantized=True)
         return _Staged(output, plan, self.recipe.pack(rows), tensors.topk_weights)
@@ -210,10 +214,13 @@ class AllToAllPrepareFinalize:
         )
         staged.payload = staged.payload[:0]  # the send buffer is no longer needed
         rows = recv.rows if staged.dequantized else self.recipe.unpack(recv.rows, self.hidden_size)
-        recv.rows = recv.rows[:0]  # dequantized: the received bytes are no longer needed
+        codes = self.recipe.codes_of(recv.rows, self.hidden_size) if self.keeps_codes else None
+        recv.rows = recv.rows[:0]  # dequantized (or viewed by codes): no longer needed here
         # weights already applied before FC2: the top-k sum adds the rows as they are
         combine_w = torch.ones_like(w) if self.topk_weight_before_fc2 else w
-        dispatched = Dispatched(rows, recv.pair_row, recv.pair_expert, recv.pair_weight, path_rows)
+        dispatched = Dispatched(
+            rows, recv.pair_row, recv.pair_expert, recv.pair_weight, path_rows, codes
+        )
         return dispatched, _CombineState(staged.output, plan, recv, combine_w)
 
     def _return_rows(self, expert_out: torch.Tensor, state: _CombineState) -> torch.Tensor:

@@ -387,7 +387,7 @@ void moe_ep_omp_set_threads(int32_t n) {
  * DRAM once per item and stay in L1 or L2 for the later row tiles.
  * Every output is one item's, so the split never changes a bit.
  */
-enum { EG_X_BF16 = 0, EG_X_F32 = 1 };
+enum { EG_X_BF16 = 0, EG_X_F32 = 1, EG_X_E4M3 = 2 }; /* E4M3: codes, the block-scaled AMX order */
 enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2 };
 enum { EG_S_NONE = 0, EG_S_F32 = 1, EG_S_E8M0 = 2, EG_S_E4M3 = 3 };
 enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
@@ -538,27 +538,52 @@ static inline void fq_put16(void *out, int32_t out_bf16, int64_t j, __m512 v) {
  * fq_e4m3 (normals: RNE at 3 mantissa bits in the fp32 bits; below 2^-6 the fp32 add of
  * 2^14), the value times deq. A NaN element has no case of its own: it makes the block's
  * amax NaN, so deq is NaN and every output of the block NaN, as in the scalar loop. */
+static inline __m512i fq_e4m3_round16(const float *x, int by_div, __m512 sv) {
+    const __m512 xv = _mm512_loadu_ps(x), big = _mm512_set1_ps(0x1p14f);
+    __m512 v = by_div ? _mm512_div_ps(xv, sv) : _mm512_mul_ps(xv, sv);
+    /* max(c, v) and min(c, v) return v where v is NaN, as the scalar compares */
+    v = _mm512_min_ps(_mm512_set1_ps(448.0f), _mm512_max_ps(_mm512_set1_ps(-448.0f), v));
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u));
+    const __m512i a = _mm512_xor_si512(u, sign);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7ffff)), lsb),
+        _mm512_set1_epi32((int)0xfff00000u));
+    const __m512 sub = _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(a), big), big);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)),
+                              _mm512_castps_si512(sub));
+    return _mm512_or_si512(r, sign);
+}
+
 static inline int64_t fq_e4m3_x16(const float *x, int64_t n, int by_div, float s, float deq,
                                   void *out, int32_t out_bf16, int64_t j0) {
-    const __m512 sv = _mm512_set1_ps(s), dq = _mm512_set1_ps(deq), big = _mm512_set1_ps(0x1p14f);
+    const __m512 sv = _mm512_set1_ps(s), dq = _mm512_set1_ps(deq);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        fq_put16(out, out_bf16, j0 + i,
+                 _mm512_mul_ps(_mm512_castsi512_ps(fq_e4m3_round16(x + i, by_div, sv)), dq));
+    return i;
+}
+
+/* fq_e4m3_x16's elements as their e4m3fn bytes (fq_e4m3's): from the rounded value's fp32
+ * bits, a normal's exponent and 3 mantissa bits rebiased, a value below 2^-6 (a multiple
+ * of 2^-9) times 2^9, NaN 0x7f; the sign in bit 7. */
+static inline int64_t fq_e4m3_codes_x16(const float *x, int64_t n, int by_div, float s,
+                                        uint8_t *codes) {
+    const __m512 sv = _mm512_set1_ps(s);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + i);
-        __m512 v = by_div ? _mm512_div_ps(xv, sv) : _mm512_mul_ps(xv, sv);
-        /* max(c, v) and min(c, v) return v where v is NaN, as the scalar compares */
-        v = _mm512_min_ps(_mm512_set1_ps(448.0f), _mm512_max_ps(_mm512_set1_ps(-448.0f), v));
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u));
-        const __m512i a = _mm512_xor_si512(u, sign);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
-        __m512i r = _mm512_and_si512(
-            _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7ffff)), lsb),
-            _mm512_set1_epi32((int)0xfff00000u));
-        const __m512 sub = _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(a), big), big);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)),
-                                  _mm512_castps_si512(sub));
-        r = _mm512_or_si512(r, sign);
-        fq_put16(out, out_bf16, j0 + i, _mm512_mul_ps(_mm512_castsi512_ps(r), dq));
+        const __m512i r = fq_e4m3_round16(x + i, by_div, sv);
+        const __m512i a = _mm512_and_si512(r, _mm512_set1_epi32(0x7fffffff));
+        __m512i c = _mm512_sub_epi32(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(120 << 3));
+        c = _mm512_mask_mov_epi32(
+            c, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23)),
+            _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f))));
+        c = _mm512_mask_mov_epi32(c, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000)),
+                                  _mm512_set1_epi32(0x7f));
+        c = _mm512_or_si512(c, _mm512_srli_epi32(_mm512_xor_si512(r, a), 24));
+        _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(c));
     }
     return i;
 }
@@ -624,10 +649,10 @@ static inline void fq_nvfp4_block(const float *x, int64_t n, float amax, float n
     }
 }
 
-/* One block of the e4m3 formats, its amax given: scale as `kind` says, elements x * mult
- * or x / scale, clamped to +-448, cast, times the dequantization scale. */
-static inline void fq_e4m3_block(const float *x, int64_t n, float amax, int32_t kind, void *out,
-                                 int32_t out_bf16, int64_t j0) {
+/* The scales of one block of the e4m3 formats, its amax given, as `kind` says: its
+ * elements are x * *mult or x / *div (*by_div), the dequantization scale returned. */
+static inline float fq_e4m3_scale(float amax, int32_t kind, float *mult_, float *div_,
+                                  int *by_div_) {
     const float nan = __builtin_nanf("");
     const int finite = __builtin_isfinite(amax);
     float mult = 1.0f, div = 1.0f, deq;
@@ -655,6 +680,19 @@ static inline void fq_e4m3_block(const float *x, int64_t n, float amax, int32_t 
         deq = finite ? s : nan;
         mult = 1.0f / deq;
     }
+    *mult_ = mult;
+    *div_ = div;
+    *by_div_ = by_div;
+    return deq;
+}
+
+/* One block of the e4m3 formats, its amax given: scale as `kind` says, elements x * mult
+ * or x / scale, clamped to +-448, cast, times the dequantization scale. */
+static inline void fq_e4m3_block(const float *x, int64_t n, float amax, int32_t kind, void *out,
+                                 int32_t out_bf16, int64_t j0) {
+    float mult, div;
+    int by_div;
+    const float deq = fq_e4m3_scale(amax, kind, &mult, &div, &by_div);
     int64_t i0 = 0;
 #ifdef MOE_EP_AVX512
     i0 = fq_e4m3_x16(x, n, by_div, by_div ? div : mult, deq, out, out_bf16, j0);
@@ -664,6 +702,43 @@ static inline void fq_e4m3_block(const float *x, int64_t n, float amax, int32_t 
         v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
         fq_put(out, out_bf16, j0 + i, e4m3_value[fq_e4m3(v)] * deq);
     }
+}
+
+/* The codes and scales of the e4m3 formats whose scale is an fp32 value (FQ_FP8_F32,
+ * FQ_FP8_UE8M0, FQ_FP8_HYBRID): for rows [0, rows) of cols elements (cols % block == 0),
+ * codes[r * ld_codes + i] the e4m3fn byte of x[r, i] and scales[r * ld_scales + b] block b's
+ * dequantization scale, as moe_ep_fake_quant forms them (its output is code * scale).
+ * Returns -1 (nothing written) for another kind. */
+int32_t moe_ep_quant_e4m3(const float *x, int64_t ld_x, uint8_t *codes, int64_t ld_codes,
+                          float *scales, int64_t ld_scales, int64_t rows, int64_t cols,
+                          int32_t kind, int64_t block, int32_t threads) {
+    if (kind != FQ_FP8_F32 && kind != FQ_FP8_UE8M0 && kind != FQ_FP8_HYBRID) return -1;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t j = 0; j < cols; j += block) {
+            const float *xb = x + r * ld_x + j;
+            uint8_t *cb = codes + r * ld_codes + j;
+            float mult, div;
+            int by_div;
+#ifdef MOE_EP_AVX512
+            const float amax = block % 16 == 0 ? fq_amax16(xb, block) : fq_amax(xb, block);
+#else
+            const float amax = fq_amax(xb, block);
+#endif
+            scales[r * ld_scales + j / block] = fq_e4m3_scale(amax, kind, &mult, &div, &by_div);
+            int64_t i0 = 0;
+#ifdef MOE_EP_AVX512
+            i0 = fq_e4m3_codes_x16(xb, block, by_div, by_div ? div : mult, cb);
+#endif
+            for (int64_t i = i0; i < block; i++) {
+                float v = by_div ? xb[i] / div : xb[i] * mult;
+                v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
+                cb[i] = fq_e4m3(v);
+            }
+        }
+    }
+    return 0;
 }
 
 /* out[r] = requantize(x[r]) for rows [0, rows) of cols elements (cols % block == 0); out
@@ -1010,10 +1085,18 @@ typedef struct {
     int64_t ld_x;
     const int64_t *xt_start;  /* group g's blocks start at xt + xt_start[g] */
     uint16_t *xv;             /* the AMX bodies' packed x blocks, or NULL */
-    int32_t x_kind;           /* EG_X_BF16 / EG_X_F32: x16's elements */
+    int32_t x_kind;           /* EG_X_BF16 / EG_X_F32 / EG_X_E4M3: x16's elements */
     int32_t *inexact;         /* set when an fp32 x value is not exact in bf16 (AMX bodies) */
     uint16_t *dec;            /* per thread, an AMX item's decoded A tiles (codes) */
     const int64_t *xv_start;  /* group g's packed blocks: xv_start[g] on (EG_AMX_BLOCK each) */
+    /* the block-scaled AMX order (e4m3 x codes; bs_block 0: not that order): the sum block
+     * (elements), x's fp32 scales (x_block elements each, ld_xsc apart per x row), the
+     * weights' fp32 scales (ws_block elements each; s / s_kind then say unscaled codes), and
+     * the packed blocks' x scales (xsv: per 16-row block, per x block, 16 rows) */
+    int64_t bs_block, x_block, ld_xsc, ws_expert_bytes, ws_row_bytes, ws_block;
+    const float *xsc;
+    const uint8_t *ws;
+    float *xsv;
 } eg_args;
 
 typedef struct {
@@ -1476,14 +1559,30 @@ static inline uint16_t eg_amx_w_bits(const eg_args *a, const uint8_t *w_row, con
 static inline uint16_t eg_amx_x_bits(const eg_args *a, int64_t q, int64_t i) {
     const int64_t row = a->x_rows ? a->x_rows[q] : q;
     if (a->x_kind == EG_X_BF16) return a->x16[row * a->ld_x + i];
+    if (a->x_kind == EG_X_E4M3) { /* the code's value, exact in bf16 (NaN: a quiet one) */
+        bits32 b;
+        b.f = e4m3_value[((const uint8_t *)a->x16)[row * a->ld_x + i]];
+        return (uint16_t)(b.u >> 16);
+    }
     return eg_amx_bits(((const float *)a->x16)[row * a->ld_x + i], a->inexact);
 }
 
+/* The block-scaled AMX order's scale of call row q of x and weight row ws_row's scales,
+ * sum block b: fp32(x scale * weight scale). */
+static inline float eg_bs_scale(const eg_args *a, int64_t q, const float *ws_row, int64_t b) {
+    const int64_t row = a->x_rows ? a->x_rows[q] : q;
+    return a->xsc[row * a->ld_xsc + b * a->bs_block / a->x_block] *
+           ws_row[b * a->bs_block / a->ws_block];
+}
+
 /* One output of the AMX order, element by element (the twin and the definition): call row
- * q of x times weight row w_row (scales s_row). */
-static float eg_amx_scalar(const eg_args *a, int64_t q, const uint8_t *w_row, const uint8_t *s_row) {
+ * q of x times weight row w_row (scales s_row); in the block-scaled order (ws_row: the
+ * row's fp32 scales) each sum block's AMX-order sum from +0, p, then acc = fma(p,
+ * eg_bs_scale, acc) in increasing blocks from +0. */
+static float eg_amx_scalar(const eg_args *a, int64_t q, const uint8_t *w_row, const uint8_t *s_row,
+                           const float *ws_row) {
     const int64_t k = a->k;
-    float acc = 0.0f;
+    float acc = 0.0f, bs = 0.0f;
     for (int64_t c = 0; c < k; c += EG_DOT) {
         float e = 0.0f, o = 0.0f;
         for (int64_t i = c; i < c + EG_DOT; i += 2) {
@@ -1495,8 +1594,12 @@ static float eg_amx_scalar(const eg_args *a, int64_t q, const uint8_t *w_row, co
             o = eg_flush(__builtin_fmaf(eg_flush(xo), eg_flush(wo), o));
         }
         acc = eg_flush(acc + eg_flush(e + o));
+        if (ws_row && (c + EG_DOT) % a->bs_block == 0) { /* the end of a sum block */
+            bs = __builtin_fmaf(acc, eg_bs_scale(a, q, ws_row, c / a->bs_block), bs);
+            acc = 0.0f;
+        }
     }
-    return acc;
+    return ws_row ? bs : acc;
 }
 
 /* Writes the sums of 16 weight rows (from output column j, nr of them) x rows [m0, m0 +
@@ -1844,7 +1947,17 @@ static EG_AMX void eg_amx_pack16(const eg_args *a, int64_t g, int64_t block) {
     const char *src[16];
     for (int64_t t = 0; t < 16; t++) {
         const int64_t row = t < rows ? (a->x_rows ? a->x_rows[q0 + t] : q0 + t) : 0;
-        src[t] = (const char *)a->x16 + row * a->ld_x * (a->x_kind == EG_X_BF16 ? 2 : 4);
+        src[t] = (const char *)a->x16 +
+                 row * a->ld_x * (a->x_kind == EG_X_BF16 ? 2 : a->x_kind == EG_X_E4M3 ? 1 : 4);
+    }
+    if (a->bs_block) { /* the rows' x scales, per x block 16 rows (zeros past the last) */
+        const int64_t nxb = k / a->x_block;
+        float *xs = a->xsv + (a->xv_start[g] + block) * nxb * 16;
+        for (int64_t b = 0; b < nxb; b++)
+            for (int64_t t = 0; t < 16; t++)
+                xs[b * 16 + t] = t < rows ? a->xsc[(a->x_rows ? a->x_rows[q0 + t] : q0 + t) *
+                                                       a->ld_xsc + b]
+                                          : 0.0f;
     }
     __mmask16 lost = 0;
     for (int64_t c = 0; c < whole; c++) {
@@ -1854,6 +1967,13 @@ static EG_AMX void eg_amx_pack16(const eg_args *a, int64_t g, int64_t block) {
                 v[t] = _mm512_setzero_si512();
             } else if (a->x_kind == EG_X_BF16) {
                 v[t] = _mm512_loadu_si512(src[t] + c * EG_DOT * 2);
+            } else if (a->x_kind == EG_X_E4M3) { /* the codes' values, exact in bf16 */
+                const __m128i *b = (const __m128i *)(src[t] + c * EG_DOT);
+                const __m512i lo = _mm512_castps_si512(
+                    e4m3x16_value(_mm512_cvtepu8_epi32(_mm_loadu_si128(b))));
+                const __m512i hi = _mm512_castps_si512(
+                    e4m3x16_value(_mm512_cvtepu8_epi32(_mm_loadu_si128(b + 1))));
+                v[t] = _mm512_permutex2var_epi16(lo, high, hi);
             } else {
                 const float *f = (const float *)src[t] + c * EG_DOT;
                 __m512i lo = _mm512_loadu_si512(f), hi = _mm512_loadu_si512(f + 16);
@@ -1973,6 +2093,22 @@ static EG_AMX void eg_amx_sweeps(const eg_args *a, int64_t g, int64_t i0, int64_
     }
 }
 
+/* The block-scaled order's step for one C tile (sums: weight row r's 16 row sums of sum
+ * block b at sums + 16 r): acc[r] = fma(sums[r], x scales * weight row j + r's scale,
+ * acc[r]) for r < nr (x scales: the packed block's 16 rows). */
+static inline __attribute__((always_inline)) EG_AMX void eg_amx_bs_acc(
+    const eg_args *a, const float *sums, float *acc, const uint8_t *wse, int64_t j, int64_t nr,
+    const float *xs, int64_t b) {
+    const __m512 sx = _mm512_loadu_ps(xs + b * a->bs_block / a->x_block * 16);
+    const int64_t bw = b * a->bs_block / a->ws_block;
+    for (int64_t r = 0; r < nr; r++) {
+        const float sw = ((const float *)(wse + (j + r) * a->ws_row_bytes))[bw];
+        const __m512 sc = _mm512_mul_ps(sx, _mm512_set1_ps(sw));
+        _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(sums + 16 * r), sc,
+                                                      _mm512_load_ps(acc + 16 * r)));
+    }
+}
+
 /* One AMX work item: rows [block * EG_AMX_ROWS, +EG_AMX_ROWS) of group g times output
  * columns [tile * EG_AMX_COLS, +EG_AMX_COLS): per pair of 16-row blocks, the item's (up
  * to) two blocks of 16 weight rows x the two row blocks accumulate in tiles 0-3 (C[w][t]
@@ -2009,9 +2145,18 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
         eg_amx_sweeps(a, g, i0, rows, j0, nr0, nr1, abuf[0], sums);
         return;
     }
+    /* the block-scaled order: each C tile's sums of a sum block scaled into acc (per tile,
+     * 16 weight rows x 16 rows), the tile zeroed again */
+    const int64_t cpb = a->bs_block / EG_DOT; /* chunks per sum block (0: not that order) */
+    const uint8_t *wse = a->bs_block ? a->ws + a->g_expert[g] * a->ws_expert_bytes : NULL;
+    float acc[4][16 * 16] __attribute__((aligned(64)));
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int two = rows - r0 > 16; /* a second 16-row block */
         const uint16_t *xv = a->xv + (a->xv_start[g] + (i0 + r0) / 16) * EG_AMX_BLOCK(k32);
+        const float *xs0 = cpb ? a->xsv + (a->xv_start[g] + (i0 + r0) / 16) * (a->k / a->x_block) * 16
+                               : NULL;
+        const float *xs1 = cpb ? xs0 + (a->k / a->x_block) * 16 : NULL;
+        if (cpb) memset(acc, 0, sizeof acc);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -2049,9 +2194,38 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
                 _tile_dpbf16ps(2, 5, 6);
                 if (two) _tile_dpbf16ps(3, 5, 7);
             }
+            if (cpb && (c + 1) % cpb == 0) { /* the end of sum block c / cpb */
+                const int64_t b = c / cpb;
+                _tile_stored(0, sums, 64);
+                _tile_zero(0);
+                eg_amx_bs_acc(a, sums, acc[0], wse, j0, nr0, xs0, b);
+                if (two) {
+                    _tile_stored(1, sums, 64);
+                    _tile_zero(1);
+                    eg_amx_bs_acc(a, sums, acc[1], wse, j0, nr0, xs1, b);
+                }
+                if (nr1 > 0) {
+                    _tile_stored(2, sums, 64);
+                    _tile_zero(2);
+                    eg_amx_bs_acc(a, sums, acc[2], wse, j0 + 16, nr1, xs0, b);
+                    if (two) {
+                        _tile_stored(3, sums, 64);
+                        _tile_zero(3);
+                        eg_amx_bs_acc(a, sums, acc[3], wse, j0 + 16, nr1, xs1, b);
+                    }
+                }
+            }
         }
         const int64_t out_row = a->out_row0[g] + i0 + r0;
         const int64_t mr0 = rows - r0 < 16 ? rows - r0 : 16, mr1 = rows - r0 - mr0;
+        if (cpb) {
+            eg_amx_store16(a, acc[0], out_row, mr0, j0, nr0, alpha);
+            if (two) eg_amx_store16(a, acc[1], out_row + 16, mr1 < 16 ? mr1 : 16, j0, nr0, alpha);
+            if (nr1 > 0) eg_amx_store16(a, acc[2], out_row, mr0, j0 + 16, nr1, alpha);
+            if (nr1 > 0 && two)
+                eg_amx_store16(a, acc[3], out_row + 16, mr1 < 16 ? mr1 : 16, j0 + 16, nr1, alpha);
+            continue;
+        }
         _tile_stored(0, sums, 64);
         eg_amx_store16(a, sums, out_row, mr0, j0, nr0, alpha);
         if (two) {
@@ -2085,9 +2259,12 @@ static void eg_item_amx_scalar(const eg_args *a, int64_t g, int64_t block, int64
             const int64_t mr = rows - m0 < 16 ? rows - m0 : 16;
             for (int64_t m = 0; m < mr; m++)
                 for (int64_t r = 0; r < nr; r++)
-                    sums[r * 16 + m] = eg_amx_scalar(a, a->q_start[g] + i0 + m0 + m,
-                                                     we + (j + r) * a->w_row_bytes,
-                                                     se ? se + (j + r) * a->s_row_bytes : NULL);
+                    sums[r * 16 + m] = eg_amx_scalar(
+                        a, a->q_start[g] + i0 + m0 + m, we + (j + r) * a->w_row_bytes,
+                        se ? se + (j + r) * a->s_row_bytes : NULL,
+                        a->bs_block ? (const float *)(a->ws + a->g_expert[g] * a->ws_expert_bytes +
+                                                      (j + r) * a->ws_row_bytes)
+                                    : NULL);
             eg_amx_store(a, sums, a->out_row0[g] + i0 + m0, mr, j, nr, alpha);
         }
     }
@@ -2593,8 +2770,29 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
                         const void *s, int64_t s_expert_bytes, int64_t s_row_bytes,
                         int32_t s_kind, int64_t s_block, void *out, int64_t ld_out,
                         int32_t out_kind, int64_t n, int64_t k, float *xs, int32_t threads,
-                        int32_t vector) {
+                        int32_t vector);
+
+/* moe_ep_expert_gemm_v2 with e4m3 x codes too (x_kind EG_X_E4M3, one byte per element, ld_x
+ * bytes apart), in the block-scaled AMX order (the AMX bodies only, e4m3 weights with fp32
+ * scales): x_scale holds each x row's fp32 scales, one per x_block elements, ld_x_scale
+ * apart (rows as x's); x_block and s_block multiples of 32, one dividing the other, and
+ * both dividing k; else -3. */
+int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
+                              const float *x_scale, int64_t ld_x_scale, int64_t x_block,
+                              int64_t groups, const int64_t *q_start, const int64_t *g_expert,
+                              const int64_t *out_row0, const int64_t *g_rows, const float *alpha,
+                              const void *w, int64_t w_expert_bytes, int64_t w_row_bytes,
+                              int32_t w_kind, const void *s, int64_t s_expert_bytes,
+                              int64_t s_row_bytes, int32_t s_kind, int64_t s_block, void *out,
+                              int64_t ld_out, int32_t out_kind, int64_t n, int64_t k, float *xs,
+                              int32_t threads, int32_t vector) {
     const int32_t bodies = moe_ep_vector_bodies();
+    const int bs = x_kind == EG_X_E4M3; /* the block-scaled AMX order */
+    if (bs && (w_kind != EG_W_E4M3 || s_kind != EG_S_F32 || x_scale == NULL || x_block <= 0 ||
+               s_block <= 0 || x_block % EG_DOT || s_block % EG_DOT ||
+               (x_block % s_block && s_block % x_block) || k % x_block || k % s_block ||
+               (vector != EG_BODY_AMX && vector != EG_BODY_AMX_SCALAR)))
+        return -3;
     const int bf16_only = x_kind == EG_X_BF16 && w_kind == EG_W_BF16;
     /* auto on bf16 with AMX: the AMX body for every group (1-2-row ones too: measured 1.15x
      * faster than the AVX2 body at 1 row per expert, weights from DRAM, 8 experts, K = 2048
@@ -2617,9 +2815,9 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     const int dot = vector == EG_BODY_BF16DOT || vector == EG_BODY_BF16DOT_SCALAR;
     const int amx_body = vector == EG_BODY_AMX || vector == EG_BODY_AMX_SCALAR;
     /* the AMX bodies: operands whose values are exact in bf16 (fp32 x checked as packed) */
-    const int amx_kinds = w_kind == EG_W_BF16 ? s_kind == EG_S_NONE
-                          : w_kind == EG_W_E4M3 ? s_kind == EG_S_E8M0 || s_kind == EG_S_NONE
-                                                : s_kind != EG_S_F32;
+    const int amx_kinds = bs || (w_kind == EG_W_BF16 ? s_kind == EG_S_NONE
+                                 : w_kind == EG_W_E4M3 ? s_kind == EG_S_E8M0 || s_kind == EG_S_NONE
+                                                       : s_kind != EG_S_F32);
     if (amx_body ? !amx_kinds : (dot || vector >= EG_BODY_KSEQ) && !bf16_only) return -3;
     const int64_t k16 = (k + EG_LANES - 1) / EG_LANES * EG_LANES;
     const int64_t k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
@@ -2645,6 +2843,18 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
                  .ld_out = ld_out, .n = n, .k = k, .xt = NULL, .xt_start = xt_start,
                  .x16 = (const uint16_t *)x, .x_rows = x_rows, .ld_x = ld_x,
                  .xv = NULL, .xv_start = xv_start, .x_kind = x_kind, .inexact = &inexact};
+    if (bs) { /* the weights' scales apply per sum block: the codes decode unscaled */
+        a.bs_block = x_block < s_block ? x_block : s_block;
+        a.x_block = x_block;
+        a.xsc = x_scale;
+        a.ld_xsc = ld_x_scale;
+        a.ws = (const uint8_t *)s;
+        a.ws_expert_bytes = s_expert_bytes;
+        a.ws_row_bytes = s_row_bytes;
+        a.ws_block = s_block;
+        a.s = NULL;
+        a.s_kind = EG_S_NONE;
+    }
     const int transposed = vector == EG_BODY_KSEQ || auto_kseq; /* the AVX2 k-order body */
     const int packed = vector == EG_BODY_AMX;                   /* the AMX body */
     item_start[0] = blk_start[0] = xt_start[0] = xv_start[0] = 0;
@@ -2662,21 +2872,24 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     if (xt_start[groups] > 0) a.xt = malloc(sizeof(float) * (size_t)xt_start[groups]);
     if (xv_start[groups] > 0)
         a.xv = malloc(sizeof(uint16_t) * (size_t)(xv_start[groups] * EG_AMX_BLOCK(k32)));
+    const int64_t xsv_size = bs ? xv_start[groups] * (k / x_block) * 16 : 0;
+    if (xsv_size > 0) a.xsv = malloc(sizeof(float) * (size_t)xsv_size);
     /* per thread, an AMX item's decoded A tiles (codes only, eg_item_amx) */
     const int64_t dec_size = packed && w_kind != EG_W_BF16 ? 32 * EG_AMX_LDD(k32) : 0;
     if (dec_size > 0)
         a.dec = aligned_alloc(64, sizeof(uint16_t) * (size_t)(dec_size * (threads > 1 ? threads : 1)));
     if ((xt_start[groups] > 0 && a.xt == NULL) || (xv_start[groups] > 0 && a.xv == NULL) ||
-        (dec_size > 0 && a.dec == NULL)) {
+        (dec_size > 0 && a.dec == NULL) || (xsv_size > 0 && a.xsv == NULL)) {
         free(a.xt);
         free(a.xv);
+        free(a.xsv);
         free(a.dec);
         free(item_start);
         return -1;
     }
     const int64_t items = item_start[groups], total_rows = q_start[groups];
     const int64_t blocks = blk_start[groups], vblocks = xv_start[groups];
-    const size_t x_elem = x_kind == EG_X_F32 ? 4 : 2;
+    const size_t x_elem = x_kind == EG_X_F32 ? 4 : x_kind == EG_X_E4M3 ? 1 : 2;
     (void)threads;
     (void)vblocks; /* packed (AMX builds only) */
     int64_t claimed = 0; /* items taken by a thread */
@@ -2754,9 +2967,26 @@ int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const
     }
     free(a.xt);
     free(a.xv);
+    free(a.xsv);
     free(a.dec);
     free(item_start);
     return inexact ? -4 : 0;
+}
+
+int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
+                        int64_t groups, const int64_t *q_start, const int64_t *g_expert,
+                        const int64_t *out_row0, const int64_t *g_rows, const float *alpha,
+                        const void *w,
+                        int64_t w_expert_bytes, int64_t w_row_bytes, int32_t w_kind,
+                        const void *s, int64_t s_expert_bytes, int64_t s_row_bytes,
+                        int32_t s_kind, int64_t s_block, void *out, int64_t ld_out,
+                        int32_t out_kind, int64_t n, int64_t k, float *xs, int32_t threads,
+                        int32_t vector) {
+    if (x_kind == EG_X_E4M3) return -3; /* needs x scales: moe_ep_expert_gemm_v3 */
+    return moe_ep_expert_gemm_v3(x, ld_x, x_kind, x_rows, NULL, 0, 0, groups, q_start, g_expert,
+                                 out_row0, g_rows, alpha, w, w_expert_bytes, w_row_bytes, w_kind,
+                                 s, s_expert_bytes, s_row_bytes, s_kind, s_block, out, ld_out,
+                                 out_kind, n, k, xs, threads, vector);
 }
 
 /* Which vector bodies this build has and this CPU runs: bit 0 the AVX2 expert GEMM, bit 1

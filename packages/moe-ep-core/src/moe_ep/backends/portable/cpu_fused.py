@@ -111,6 +111,7 @@ def _cpu_features() -> str:
 _EG_ROWS_ARGS = [_ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr]
 _EG_WEIGHT_ARGS = [_ptr, _i64, _i64, _i32, _ptr, _i64, _i64, _i32, _i64]
 _EG_OUT_ARGS = [_ptr, _i64, _i32, _i64, _i64, _ptr, _i32, _i32]
+_EG_X_SCALE_ARGS = [_ptr, _i64, _i64]
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "moe_ep_swiglu_bf16": (
         # gu, ld_gu, h, ld_h, rows, inter, has_alpha, alpha, has_clamp, clamp, threads
@@ -123,7 +124,23 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
         [_ptr, _i64, _ptr, _i64, _i32, _i64, _i64, _i32, _i64, _f32, _i32],
         None,
     ),
+    "moe_ep_quant_e4m3": (
+        # x, ld_x, codes, ld_codes, scales, ld_scales, rows, cols, kind, block, threads
+        [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i32, _i64, _i32],
+        _i32,
+    ),
     "moe_ep_expert_gemm_v2": ([*_EG_ROWS_ARGS, *_EG_WEIGHT_ARGS, *_EG_OUT_ARGS], _i32),
+    # v2's arguments with x_scale, ld_x_scale, x_block after x_rows
+    "moe_ep_expert_gemm_v3": (
+        [
+            *_EG_ROWS_ARGS[:4],
+            *_EG_X_SCALE_ARGS,
+            *_EG_ROWS_ARGS[4:],
+            *_EG_WEIGHT_ARGS,
+            *_EG_OUT_ARGS,
+        ],
+        _i32,
+    ),
     "moe_ep_vector_bodies": ([], _i32),
     "moe_ep_omp_max_threads": ([], _i32),
     "moe_ep_omp_set_threads": ([_i32], None),
@@ -131,7 +148,9 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
 """Every function the code calls, with its ctypes signature; a library lacking one is
 rebuilt (a cached one) or refused (a fresh build)."""
 
-NEWER_THAN_BASELINES = frozenset({"moe_ep_fake_quant"})
+NEWER_THAN_BASELINES = frozenset(
+    {"moe_ep_fake_quant", "moe_ep_quant_e4m3", "moe_ep_expert_gemm_v3"}
+)
 """Functions an older `cpu_fused.c` (a benchmark's `--baseline-kernel`) may lack: on such a
 library their callers run the eager code, as that commit did (`benchlib.baseline_kernel`)."""
 
@@ -421,6 +440,54 @@ def fake_quant(x: torch.Tensor, out: torch.Tensor, spec: FakeQuant) -> bool:
     return True
 
 
+E4M3_CODE_KINDS = ("fp8", "fp8_ue8m0", "fp8_hybrid")
+"""The `fake_quant` kinds whose scale is one fp32 value per block (`quant_e4m3`)."""
+
+
+def quant_e4m3(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, spec: FakeQuant) -> bool:
+    """`codes [rows, n]` (uint8 e4m3fn bytes) and `scales [rows, n / block]` (fp32) of
+    `x [rows, n]` (fp32, CPU) quantized as `fake_quant(x, out, spec)` quantizes it (`out` is
+    `code * scale`): the codes and scales `moe_ep.quant.quantize_fp8_blockwise` gives for
+    finite blocks (a block with NaN or inf: scale NaN). `spec.kind` one of
+    `E4M3_CODE_KINDS`. Each tensor's last dim contiguous (rows may be strided: a payload's
+    views). Returns False (nothing written) where the fused path does not apply (no library
+    or an older one, other dtypes, shapes or devices)."""
+    rows, n = (int(d) for d in x.shape) if x.dim() == 2 else (0, 0)
+    block = spec.block
+    ok = (
+        spec.kind in E4M3_CODE_KINDS
+        and x.dim() == 2
+        and x.dtype == torch.float32
+        and codes.dtype in (torch.uint8, torch.float8_e4m3fn)
+        and scales.dtype == torch.float32
+        and block > 0
+        and n % block == 0
+        and tuple(codes.shape) == (rows, n)
+        and tuple(scales.shape) == (rows, n // block)
+        and all(t.device.type == "cpu" and t.stride(1) == 1 for t in (x, codes, scales))
+    )
+    lib = library() if ok else None
+    if lib is None or not hasattr(lib, "moe_ep_quant_e4m3"):
+        return False
+    rc = lib.moe_ep_quant_e4m3(
+        x.data_ptr(), x.stride(0), codes.data_ptr(), codes.stride(0), scales.data_ptr(),
+        scales.stride(0), rows, n, FAKE_QUANT_KINDS[spec.kind], block, _threads(rows),
+    )  # fmt: skip
+    return bool(rc == 0)
+
+
+@dataclass(frozen=True)
+class E4m3Rows:
+    """Activation rows as e4m3 codes and their fp32 block scales, the operand form of
+    `expert_gemm`'s block-scaled order: `codes [R, K]` uint8 (e4m3fn bytes), `scales [R, K
+    / block]` fp32, row r's value `code * scale` (each tensor's rows may be strided, e.g.
+    views of a dispatch payload)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    block: int
+
+
 @dataclass(frozen=True)
 class StoredWeight:
     """One expert weight as `expert_gemm` reads it: `[E_local, N, K]` in its stored width.
@@ -543,6 +610,17 @@ def kseq_by_default() -> bool:
     return bool(bodies & _BODY_BIT["avx2"]) and not bodies & _BODY_BIT["avx512"]
 
 
+def block_scaled_by_default() -> bool:
+    """Whether the block-scaled AMX order (`expert_gemm` with `x_scales`) and the e4m3
+    codes pass (`quant_e4m3`) run here: the AMX body and a library that has both."""
+    lib = library()
+    return (
+        amx_by_default()
+        and hasattr(lib, "moe_ep_expert_gemm_v3")
+        and hasattr(lib, "moe_ep_quant_e4m3")
+    )
+
+
 def amx_by_default() -> bool:
     """Whether `expert_gemm(vector=True)` takes the AMX body for bf16 groups here: the CPU
     has AMX-BF16 and the library the AMX body (cpu_fused.c's auto_amx)."""
@@ -569,6 +647,45 @@ def _body_kind(vector: bool | Body) -> int:
     return _BODY_KIND[vector]
 
 
+_X_KIND = {torch.bfloat16: 0, torch.float32: 1, torch.uint8: 2}
+"""cpu_fused.c's EG_X_*: bf16, fp32 values, e4m3 codes (the block-scaled AMX order)."""
+
+
+def _check_block_scaled(
+    x: torch.Tensor, x_scales: torch.Tensor, x_block: int, w: StoredWeight, vector: bool | Body
+) -> None:
+    """ValueError unless `expert_gemm`'s block-scaled order applies to these operands."""
+    k = w.k
+    if x.dtype not in (torch.uint8, torch.float8_e4m3fn) or x.dim() != 2 or int(x.shape[1]) != k:
+        raise ValueError(
+            f"expert_gemm with x_scales needs x as [R, {k}] e4m3 codes (uint8 / "
+            f"float8_e4m3fn), got {x.dtype} {tuple(x.shape)}"
+        )
+    if vector not in _AMX_BODIES:
+        raise ValueError(
+            f"expert_gemm with x_scales sums in the block-scaled AMX order: vector must be one "
+            f"of {', '.join(_AMX_BODIES)}, got {vector!r}"
+        )
+    if (w.code, w.scale) != ("e4m3", "fp32"):
+        raise ValueError(
+            f"expert_gemm with x_scales needs e4m3 weights with fp32 scales, got {w.code} with "
+            f"{w.scale} scales"
+        )
+    blocks = (x_block, w.block)
+    if any(b <= 0 or b % 32 or k % b for b in blocks) or (x_block % w.block and w.block % x_block):
+        raise ValueError(
+            f"expert_gemm x_block={x_block} and the weights' block {w.block} must be multiples "
+            f"of 32 dividing K={k}, one dividing the other"
+        )
+    expect = (int(x.shape[0]), k // x_block)
+    shape = tuple(x_scales.shape)
+    if x_scales.dtype != torch.float32 or shape != expect or x_scales.stride(1) != 1:
+        raise ValueError(
+            f"expert_gemm x_scales must be fp32 {list(expect)} contiguous along the last dim, "
+            f"got {x_scales.dtype} {tuple(x_scales.shape)} strides {x_scales.stride()}"
+        )
+
+
 def expert_gemm_scratch(rows: int, k: int) -> tuple[int]:
     """Shape of the fp32 scratch `expert_gemm` needs for `rows` rows of `k` elements."""
     return (rows * (-(-k // 16) * 16 + 16),)  # rows a cache line longer (cpu_fused.c)
@@ -584,6 +701,8 @@ def expert_gemm(
     *,
     alpha: torch.Tensor | None = None,
     vector: bool | Body = True,
+    x_scales: torch.Tensor | None = None,
+    x_block: int = 0,
 ) -> bool:
     """`out[out_row0[g] + i] = x[row(q_start[g] + i)] @ w[expert[g]]^T` (times `alpha[g]`).
 
@@ -604,14 +723,25 @@ def expert_gemm(
     x and weights only, but for "amx" / "amx_scalar": fp32 x too (every value exact in bf16,
     else ValueError with nothing written) and codes whose values are exact in bf16 (e4m3
     with e8m0 scales, e2m1 with e8m0 / e4m3 scales; fp32-scaled fp8 refused).
-    Returns False (nothing written) when the library is not available.
+
+    x_scales: the block-scaled AMX order (fp8's `x @ w^T` from both operands' codes): x holds
+    e4m3 codes (uint8 or float8_e4m3fn), `x_scales [R, K / x_block]` fp32 their scales (rows
+    as x's, contiguous along the last dim), w e4m3 codes with fp32 scales, `vector` "amx" or
+    "amx_scalar"; x_block and w's block multiples of 32, one dividing the other. Each sum
+    block (the smaller of the two blocks) of codes is summed in the AMX order from +0, then
+    `acc = fma(sum, fp32(x scale * w scale), acc)` over the blocks in increasing K from +0
+    (cpu_fused.c). Returns False (nothing written) when the library is not available (or,
+    with x_scales, predates that order).
     """
     lib = library()
-    if lib is None:
+    if lib is None or (x_scales is not None and not hasattr(lib, "moe_ep_expert_gemm_v3")):
         return False
     k, n = w.k, w.n
     q = groups.rows
-    if x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or int(x.shape[1]) != k:
+    if x_scales is not None:
+        _check_block_scaled(x, x_scales, x_block, w, vector)
+        x = x.view(torch.uint8)
+    elif x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or int(x.shape[1]) != k:
         raise ValueError(f"expert_gemm x must be [R, {k}] bf16 / fp32, got {x.dtype} {x.shape}")
     if out.dtype not in (torch.bfloat16, torch.float32) or int(out.shape[1]) != n:
         raise ValueError(f"expert_gemm out must be [*, {n}] bf16 / fp32, got {out.shape}")
@@ -630,7 +760,7 @@ def expert_gemm(
             f"expert_gemm vector={vector!r} needs bf16 x and bf16 weights, got x {x.dtype} "
             f"and weights {w.code}"
         )
-    if vector in _AMX_BODIES and (w.code, w.scale) not in _AMX_WEIGHTS:
+    if vector in _AMX_BODIES and (w.code, w.scale) not in _AMX_WEIGHTS and x_scales is None:
         raise ValueError(
             f"expert_gemm vector={vector!r} needs weights exact in bf16 (bf16, e4m3 with e8m0 "
             f"or no scales, e2m1 with e8m0 / e4m3 or no scales), got {w.code} with {w.scale} "
@@ -638,9 +768,16 @@ def expert_gemm(
         )
     s = w.scales
     path = groups.path_rows
-    rc = lib.moe_ep_expert_gemm_v2(
-        x.data_ptr(), x.stride(0), 1 if x.dtype == torch.float32 else 0,
-        None if x_rows is None else x_rows.data_ptr(),
+    x_args = (
+        x.data_ptr(), x.stride(0), _X_KIND[x.dtype], None if x_rows is None else x_rows.data_ptr(),
+    )  # fmt: skip
+    if x_scales is not None:
+        fn = functools.partial(
+            lib.moe_ep_expert_gemm_v3, *x_args, x_scales.data_ptr(), x_scales.stride(0), x_block
+        )
+    else:
+        fn = functools.partial(lib.moe_ep_expert_gemm_v2, *x_args)
+    rc = fn(
         int(groups.expert.numel()), groups.q_start.data_ptr(), groups.expert.data_ptr(),
         groups.out_row0.data_ptr(), None if path is None else path.data_ptr(),
         None if alpha is None else alpha.data_ptr(),

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moe_ep.backends.portable.cpu_fused import E4m3Rows
 from moe_ep.types import MoEEpTensors
 
 __all__ = ["Dispatched", "PrepareFinalize"]
@@ -34,6 +35,9 @@ class Dispatched:
         (under a placement with replicas: its logical expert's pairs over all ranks, so a
         replica holding part of them computes them as the whole would be); None: the
         expert's own pair count here.
+    codes: the rows as e4m3 codes and fp32 scales (views of the received payload) where the
+        recipe keeps them for the experts' block-scaled order (`Recipe.keeps_codes`: fp8 on
+        a CPU with AMX); None otherwise.
 
     Pairs of one expert come in global (token, slot) order (the order the bit-identity
     across world sizes rests on).
@@ -44,6 +48,7 @@ class Dispatched:
     pair_expert: torch.Tensor
     pair_scale: torch.Tensor | None = None
     path_rows: list[int] | None = None
+    codes: E4m3Rows | None = None
 
 
 class PrepareFinalize(Protocol):

@@ -116,6 +116,21 @@ class Recipe(ABC):
     """True when every dequantized activation (FC1 and FC2 inputs) and weight value of this
     format is exact in bf16 (power-of-two or e4m3 scales on e4m3 / e2m1 codes): the CPU
     expert GEMM can then sum them in the AMX order (`cpu_fused.expert_gemm(vector="amx")`)."""
+    block_scaled: bool = False
+    """True when the format's GEMMs can be summed from both operands' codes in the
+    block-scaled AMX order (e4m3 activations and weights with fp32 block scales: fp8):
+    on a CPU with AMX its dispatched rows keep their codes (`keeps_codes`) and the experts
+    run there."""
+
+    def keeps_codes(self, device: torch.device) -> bool:
+        """Whether the dispatch hands the experts the rows' e4m3 codes and scales
+        (`Dispatched.codes`, from `codes_of`): a `block_scaled` format on a CPU where the
+        block-scaled order runs (`cpu_fused.block_scaled_by_default`)."""
+        return self.block_scaled and device.type == "cpu" and cpu_fused.block_scaled_by_default()
+
+    def codes_of(self, payload: torch.Tensor, hidden: int) -> cpu_fused.E4m3Rows:
+        """The codes and scales inside a `[m, row_bytes(H)]` payload, as views."""
+        raise MoeEpUsageError(f"format {self.name} keeps no e4m3 codes")
 
     def _prepared(
         self,
@@ -321,6 +336,7 @@ class Fp8BlockRecipe(Recipe):
     unless `fc2_act_block` says otherwise."""
     act_scale_format = "fp32"
     scale_desc = "fp32"
+    block_scaled = True
 
     def scale_shape(self, w: torch.Tensor) -> tuple[int, ...]:
         e, rows, cols = (int(d) for d in w.shape)
@@ -335,13 +351,33 @@ class Fp8BlockRecipe(Recipe):
         )
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
+        payload = self._pack_fused(x)
+        if payload is not None:
+            return payload
         data, scales = self._qdq_parts(x, self.act_block)
         return torch.cat([_bytes(data), _bytes(scales)], dim=1)
 
+    def _pack_fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`pack` by the fused CPU pass (`cpu_fused.quant_e4m3`): the eager bytes for
+        finite blocks (a block with NaN or inf: NaN scale and codes, which unpack to NaN as
+        the eager ones do); None where it does not apply."""
+        hidden = int(x.shape[-1])
+        spec = self.dispatch_fake_quant
+        if spec is None or x.device.type != "cpu" or x.dim() != 2 or hidden % self.act_block:
+            return None
+        payload = torch.empty(int(x.shape[0]), self.row_bytes(hidden), dtype=torch.uint8)
+        part = self.codes_of(payload, hidden)
+        ok = cpu_fused.quant_e4m3(x.to(torch.float32), part.codes, part.scales, spec)
+        return payload if ok else None
+
+    def codes_of(self, payload: torch.Tensor, hidden: int) -> cpu_fused.E4m3Rows:
+        scales = payload[:, hidden : hidden + 4 * (hidden // self.act_block)]
+        return cpu_fused.E4m3Rows(payload[:, :hidden], scales.view(torch.float32), self.act_block)
+
     def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
-        data, scales = _split(payload, [hidden, 4 * (hidden // self.act_block)])
+        part = self.codes_of(payload, hidden)
         return quant.dequantize_fp8_blockwise(
-            data.view(torch.float8_e4m3fn), scales.view(torch.float32), block=(1, self.act_block)
+            part.codes.view(torch.float8_e4m3fn), part.scales, block=(1, self.act_block)
         )
 
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
@@ -516,6 +552,7 @@ class Fp8Fp4Recipe(Fp8BlockRecipe):
 
     name = "fp8_fp4"
     operands_exact_in_bf16 = True
+    block_scaled = False  # mxfp4 weights: the AMX order on the dequantized values
     quantized_weight_dtypes = (torch.uint8,)
     k_multiple = 32
     act_block = 32
