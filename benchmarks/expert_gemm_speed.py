@@ -6,7 +6,10 @@
 
 One `cpu_fused.expert_gemm` call over --experts experts of [--n, --k] weights (the layer's
 FC1 shape at H = K, I = N / 2), --rows bf16 rows each, on the body the layer takes (the AMX
-order for the formats exact in bf16 where the CPU has AMX), on the weights as each recipe stores
+order for the formats exact in bf16 where the CPU has AMX; there fp8's block-scaled order on
+the rows' codes, which the recipe's dispatch quantization gives, and on a --baseline-kernel
+library without that order the fp32 order on the dequantized rows, as the layer would run
+it), on the weights as each recipe stores
 them after quantizing the same Gaussian weights (bf16, fp8 128x128 fp32 scales, mxfp8,
 nvfp4, fp8_fp4's mxfp4: real codes, so about as many subnormal ones as a trained layer's).
 Measured in one round robin (medians): the read bandwidth (streaming `sum`), each format's
@@ -81,6 +84,8 @@ class Stored(NamedTuple):
     weight: cpu_fused.StoredWeight
     body: cpu_fused.Body | bool
     """the body the layer runs these experts on (`experts.amx_for_quantized`)"""
+    recipe: recipes.Recipe
+    """its `keeps_codes`: the layer hands the experts the rows' codes (fp8 on AMX)"""
 
 
 def stored_weights(n_experts: int, n: int, k: int) -> dict[str, Stored]:
@@ -96,18 +101,26 @@ def stored_weights(n_experts: int, n: int, k: int) -> dict[str, Stored]:
         if prepared.stored13 is None:
             raise RuntimeError(f"{fmt}: the recipe keeps no stored-width weight on CPU")
         body: cpu_fused.Body | bool = "amx" if experts.amx_for_quantized(prepared, cpu) else True
-        out[fmt] = Stored(prepared.stored13, body)
+        out[fmt] = Stored(prepared.stored13, body, recipe())
     return out
 
 
 def _gemm(
     x: torch.Tensor,
+    codes: cpu_fused.E4m3Rows | None,
     groups: cpu_fused.ExpertGroups,
     w: cpu_fused.StoredWeight,
     out: torch.Tensor,
     scratch: torch.Tensor,
     vector: cpu_fused.Body | bool,
 ) -> None:
+    """The call the layer makes: on the rows' codes in the block-scaled order where it has
+    them and the library that order (`codes`), else on the (dequantized) rows x."""
+    if codes is not None and cpu_fused.expert_gemm(
+        codes.codes, None, groups, w, out, scratch, vector="amx", x_scales=codes.scales,
+        x_block=codes.block,
+    ):  # fmt: skip
+        return
     if not cpu_fused.expert_gemm(x, None, groups, w, out, scratch, vector=vector):
         raise RuntimeError("the fused CPU expert GEMM is unavailable here")
 
@@ -124,10 +137,13 @@ def measure(args: argparse.Namespace, steps: Steps, bw: float) -> list[Result]:
         scratch = torch.empty(cpu_fused.expert_gemm_scratch(args.experts * rows, args.k))
         xf, wf = x.float(), torch.randn(args.k, args.n)
         dense_out = torch.empty_like(out)
-        for fmt, (w, body) in weights.items():
+        for fmt, (w, body, recipe) in weights.items():
             steps.step(f"{fmt}, {rows_text(rows)}")
-
-            call = partial(_gemm, x, groups, w, out, scratch, body)
+            rows_x, codes = x, None
+            if recipe.keeps_codes(x.device):
+                payload = recipe.pack(x)
+                rows_x, codes = recipe.unpack(payload, args.k), recipe.codes_of(payload, args.k)
+            call = partial(_gemm, rows_x, codes, groups, w, out, scratch, body)
             fns: dict[str, Callable[[], object]] = {
                 NOW: call,
                 DENSE: partial(torch.mm, xf, wf, out=dense_out),
