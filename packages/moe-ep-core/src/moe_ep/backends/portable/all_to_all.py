@@ -47,6 +47,10 @@ class _Staged:
     dequantized: bool = False
     """`payload` already holds `recipe.unpack(recipe.pack(rows))` (a group of one rank:
     nothing is sent, `Recipe.pack_unpack` did both in one pass)."""
+    rows: torch.Tensor | None = None
+    """Beside a packed `payload`, its rows' `recipe.unpack(recipe.pack(rows))` (a group of
+    one rank whose experts take the codes: the payload stays, row for row, and the one-pass
+    `Recipe.pack_unpack` spares the unpack)."""
 
 
 @dataclass(frozen=True)
@@ -125,8 +129,8 @@ class AllToAllPrepareFinalize:
         self.topk_weight_before_fc2 = topk_weight_before_fc2
         self.workspace = comm.Workspace()
         self.keeps_codes = recipe.keeps_codes(runtime.device)
-        """The received rows' codes go to the experts (`Dispatched.codes`): nothing is
-        dequantized in one pass with the quantization (`Recipe.pack_unpack`)."""
+        """The received rows' codes go to the experts (`Dispatched.codes`): the rows are
+        packed (at world size 1 also dequantized in one pass, `_Staged.rows`)."""
         self.placement = self._check_placement(placement, runtime.world_size)
         replicated = self.placement is not None and self.placement.replicated
         if replicated != (replicas is not None) or not isinstance(replicas, Replicas | None):
@@ -168,11 +172,10 @@ class AllToAllPrepareFinalize:
             )
         plan = comm.plan_dispatch(ids, self.num_local_experts, self.runtime.world_size, self.dedup)
         rows = tensors.hidden_states.index_select(0, plan.row_token)
-        one = self.runtime.world_size == 1 and not self.keeps_codes
-        here = self.recipe.pack_unpack(rows) if one else None
-        if here is not None:
+        here = self.recipe.pack_unpack(rows) if self.runtime.world_size == 1 else None
+        if here is not None and not self.keeps_codes:
             return _Staged(output, plan, here, tensors.topk_weights, dequantized=True)
-        return _Staged(output, plan, self.recipe.pack(rows), tensors.topk_weights)
+        return _Staged(output, plan, self.recipe.pack(rows), tensors.topk_weights, rows=here)
 
     def _plan_replicated(self, staged: _Staged) -> tuple[comm.DispatchPlan, list[int]]:
         """Collective: gather the per-expert pair counts, route, plan; the experts' path rows."""
@@ -213,7 +216,12 @@ class AllToAllPrepareFinalize:
             pair_weight=pair_weight,
         )
         staged.payload = staged.payload[:0]  # the send buffer is no longer needed
-        rows = recv.rows if staged.dequantized else self.recipe.unpack(recv.rows, self.hidden_size)
+        if staged.rows is not None:  # world size 1: the payload's rows, in order
+            rows = staged.rows
+        elif staged.dequantized:
+            rows = recv.rows
+        else:
+            rows = self.recipe.unpack(recv.rows, self.hidden_size)
         codes = self.recipe.codes_of(recv.rows, self.hidden_size) if self.keeps_codes else None
         recv.rows = recv.rows[:0]  # dequantized (or viewed by codes): no longer needed here
         # weights already applied before FC2: the top-k sum adds the rows as they are
