@@ -2153,9 +2153,9 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int two = rows - r0 > 16; /* a second 16-row block */
         const uint16_t *xv = a->xv + (a->xv_start[g] + (i0 + r0) / 16) * EG_AMX_BLOCK(k32);
-        const float *xs0 = cpb ? a->xsv + (a->xv_start[g] + (i0 + r0) / 16) * (a->k / a->x_block) * 16
-                               : NULL;
-        const float *xs1 = cpb ? xs0 + (a->k / a->x_block) * 16 : NULL;
+        const int64_t xs_step = cpb ? a->k / a->x_block * 16 : 0; /* one 16-row block's */
+        const float *xs0 = cpb ? a->xsv + (a->xv_start[g] + (i0 + r0) / 16) * xs_step : NULL;
+        const float *xs1 = cpb ? xs0 + xs_step : NULL;
         if (cpb) memset(acc, 0, sizeof acc);
         _tile_zero(0);
         _tile_zero(1);
@@ -2761,22 +2761,13 @@ static void eg_amx_next(const eg_args *a, const int64_t *item_start, int64_t gro
  * twin, 6 the AVX2 k-order body, 7 its scalar twin, 8 the AMX body, 9 its scalar twin: bf16
  * x and weights only, their own orders). Returns 0, -1 when out of memory, -2 when this build
  * or CPU lacks the body asked for, -3 when a dot, AMX or k-order body is asked for other
- * kinds (nothing written in any of these). */
-int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
-                        int64_t groups, const int64_t *q_start, const int64_t *g_expert,
-                        const int64_t *out_row0, const int64_t *g_rows, const float *alpha,
-                        const void *w,
-                        int64_t w_expert_bytes, int64_t w_row_bytes, int32_t w_kind,
-                        const void *s, int64_t s_expert_bytes, int64_t s_row_bytes,
-                        int32_t s_kind, int64_t s_block, void *out, int64_t ld_out,
-                        int32_t out_kind, int64_t n, int64_t k, float *xs, int32_t threads,
-                        int32_t vector);
-
-/* moe_ep_expert_gemm_v2 with e4m3 x codes too (x_kind EG_X_E4M3, one byte per element, ld_x
- * bytes apart), in the block-scaled AMX order (the AMX bodies only, e4m3 weights with fp32
- * scales): x_scale holds each x row's fp32 scales, one per x_block elements, ld_x_scale
- * apart (rows as x's); x_block and s_block multiples of 32, one dividing the other, and
- * both dividing k; else -3. */
+ * kinds (nothing written in any of these): moe_ep_expert_gemm_v2 (below) does this.
+ *
+ * moe_ep_expert_gemm_v3: the same, with e4m3 x codes too (x_kind EG_X_E4M3, one byte per
+ * element, ld_x bytes apart), in the block-scaled AMX order (the AMX bodies only, e4m3
+ * weights with fp32 scales): x_scale holds each x row's fp32 scales, one per x_block
+ * elements, ld_x_scale apart (rows as x's); x_block and s_block multiples of 32, one
+ * dividing the other, and both dividing k; else -3. */
 int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                               const float *x_scale, int64_t ld_x_scale, int64_t x_block,
                               int64_t groups, const int64_t *q_start, const int64_t *g_expert,
@@ -2973,6 +2964,7 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
     return inexact ? -4 : 0;
 }
 
+/* moe_ep_expert_gemm_v3 without x scales (bf16 or fp32 x; e4m3 x codes: -3). */
 int32_t moe_ep_expert_gemm_v2(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                         int64_t groups, const int64_t *q_start, const int64_t *g_expert,
                         const int64_t *out_row0, const int64_t *g_rows, const float *alpha,
