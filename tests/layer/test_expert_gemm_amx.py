@@ -356,6 +356,12 @@ def test_amx_bodies_refuse_x_past_bf16_and_weights_not_exact_in_it() -> None:
                               vector="amx_scalar")  # fmt: skip
 
 
+def _three_experts(h: int, inter: int, g: torch.Generator) -> MoEWeightPack:
+    """Three experts' Gaussian weights, about unit-scale outputs."""
+    return MoEWeightPack(torch.randn(3, 2 * inter, h, generator=g) / 11,
+                         torch.randn(3, h, inter, generator=g) / 11)  # fmt: skip
+
+
 @pytest.mark.parametrize("recipe_cls", [Mxfp8Recipe, Nvfp4Recipe, Fp8Fp4Recipe, Fp8BlockRecipe])
 def test_run_experts_sends_quantized_experts_to_amx_whatever_their_rows(
     recipe_cls: type[Recipe], monkeypatch: pytest.MonkeyPatch
@@ -365,11 +371,9 @@ def test_run_experts_sends_quantized_experts_to_amx_whatever_their_rows(
     fp32 `mm` blocks); elsewhere, and for a format that is not exact (fp8's fp32 scales),
     those under it on the default body and those over it on the `mm` blocks."""
     g = torch.Generator().manual_seed(11)
-    e, h, inter = 3, 128, 128
-    pack = MoEWeightPack(torch.randn(e, 2 * inter, h, generator=g) / 11,
-                         torch.randn(e, h, inter, generator=g) / 11)  # fmt: skip
+    h = 128
     recipe = recipe_cls()
-    pw = recipe.prepare(pack)
+    pw = recipe.prepare(_three_experts(h, 128, g))
     counts = [3, 0, 40]  # under and over the crossover
     assert 3 <= experts.expert_gemm_rows(pw, torch.device("cpu")) < 40
     vectors: list[object] = []
@@ -587,11 +591,9 @@ def test_run_experts_takes_fp8_codes_in_the_block_scaled_order(
     if not cpu_fused.block_scaled_by_default():
         pytest.skip("the block-scaled order runs only where the CPU has AMX")
     g = torch.Generator().manual_seed(12)
-    e, h, inter = 3, 256, 128
-    pack = MoEWeightPack(torch.randn(e, 2 * inter, h, generator=g) / 11,
-                         torch.randn(e, h, inter, generator=g) / 11)  # fmt: skip
+    h, inter = 256, 128
     recipe = Fp8BlockRecipe()
-    pw = recipe.prepare(pack)
+    pw = recipe.prepare(_three_experts(h, inter, g))
     s13, s2 = pw.stored13, pw.stored2
     assert s13 is not None and s2 is not None and s13.scales is not None and s2.scales is not None
     payload = recipe.pack(torch.randn(50, h, generator=g) * 3)
