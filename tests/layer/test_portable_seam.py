@@ -138,7 +138,12 @@ class AllGatherPrepareFinalize:
         payload, tensors, output = staged
         g, ws = self.rt.group, self.rt.world_size
         counts = _counts(int(payload.shape[0]), g, ws)
-        rows = self.recipe.unpack(_gather_rows(payload, counts, g), self.hidden)
+        gathered = _gather_rows(payload, counts, g)
+        rows = self.recipe.unpack(gathered, self.hidden)
+        # the rows' codes where the experts take them (fp8 on a CPU with AMX), as the
+        # portable dispatch hands them over: the same order of sums, the same bits
+        keep = self.recipe.keeps_codes(self.rt.device)
+        codes = self.recipe.codes_of(gathered, self.hidden) if keep else None
         ids = _gather_rows(tensors.topk_ids.long(), counts, g)
         w = _gather_rows(tensors.topk_weights.float(), counts, g)
         k = int(ids.shape[1])
@@ -146,7 +151,7 @@ class AllGatherPrepareFinalize:
         flat = ids.reshape(-1)
         mine = ((flat >= lo) & (flat < lo + self.e_local)).nonzero().squeeze(1)
         scale = w.reshape(-1)[mine] if self.before_fc2 else None
-        dispatched = Dispatched(rows, mine // k, flat[mine] - lo, scale)
+        dispatched = Dispatched(rows, mine // k, flat[mine] - lo, scale, codes=codes)
         combine_w = torch.ones_like(w) if self.before_fc2 else w
         return dispatched, _GatherState(output, counts, mine, combine_w, ids >= 0)
 
