@@ -10,6 +10,7 @@ subnormal inputs read as zero and subnormal results flushed to zero.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,6 +34,8 @@ from moe_ep.backends.portable.cpu_fused import StoredWeight
 from moe_ep.backends.portable.recipes import (
     Fp8BlockRecipe,
     Fp8Fp4Recipe,
+    Fp8Mxfp4Recipe,
+    Fp8Nvfp4Recipe,
     Mxfp8Recipe,
     Nvfp4Recipe,
     Recipe,
@@ -440,6 +443,28 @@ def _random_scales(shape: tuple[int, ...], low: int, g: torch.Generator) -> torc
     return s * (1 + torch.rand(shape, generator=g))
 
 
+def _scaled_sums(
+    xv: torch.Tensor,
+    wv: torch.Tensor,
+    bs: int,
+    scale: Callable[[int], torch.Tensor],
+    fused: bool = True,
+) -> torch.Tensor:
+    """fp32 `[Q, N]`: per sum block b of `bs` elements the bf16 values `xv [Q, K]` times `wv
+    [N, K]` summed in the AMX order from +0 (`reference_amx`), then `acc = fma(sum,
+    scale(b), acc)` over the blocks from +0 (`scale(b)`: fp32 values as float64,
+    broadcastable to `[Q, N]`), nothing flushed there. `fused=False`: a multiply then an
+    add (a fault the tests show this catches)."""
+    acc = torch.zeros(int(xv.shape[0]), int(wv.shape[0]), dtype=torch.float64)
+    for b in range(int(xv.shape[1]) // bs):
+        part = reference_amx(xv[:, b * bs : (b + 1) * bs], wv[:, b * bs : (b + 1) * bs]).double()
+        if fused:  # the float64 sum rounds once before fp32 (a tie these data miss)
+            acc = (acc + part * scale(b)).float().double()
+        else:
+            acc = (acc + (part * scale(b)).float().double()).float().double()
+    return acc.float()
+
+
 def reference_block_scaled(
     xc: torch.Tensor,
     xs: torch.Tensor,
@@ -453,23 +478,26 @@ def reference_block_scaled(
 ) -> torch.Tensor:
     """fp32 `[Q, N]` of e4m3 codes `xc [Q, K]` (scales `xs [Q, K / x_block]`) times `wc [N,
     K]` (per-row scales `ws [N, K / w_block]`) in the block-scaled AMX order: per sum block
-    (the smaller block) the codes' values summed in the AMX order from +0 (`reference_amx`),
-    then `acc = fma(sum, fp32(x scale * w scale), acc)` over the blocks from +0, nothing
-    flushed there. `fused=False` (a multiply then an add) and `weight_scale=False` plant
-    the faults the tests show this comparison catches."""
+    (the smaller block) the codes' values, scaled by `fp32(x scale * w scale)`
+    (`_scaled_sums`). `weight_scale=False` plants a fault the tests show this catches."""
     xv, wv = xc.view(torch.float8_e4m3fn).bfloat16(), wc.view(torch.float8_e4m3fn).bfloat16()
-    bs, k = min(x_block, w_block), int(xc.shape[1])
-    acc = torch.zeros(int(xc.shape[0]), int(wc.shape[0]), dtype=torch.float64)
-    for b in range(k // bs):
-        part = reference_amx(xv[:, b * bs : (b + 1) * bs], wv[:, b * bs : (b + 1) * bs]).double()
+    bs = min(x_block, w_block)
+
+    def scale(b: int) -> torch.Tensor:
         sx = xs[:, b * bs // x_block].double()[:, None]
         sw = ws[:, b * bs // w_block].double()[None, :] if weight_scale else 1.0
-        s = (sx * sw).float().double()  # fp32(sx * sw): the float64 product is exact
-        if fused:  # the float64 sum rounds once before fp32 (a tie these data miss)
-            acc = (acc + part * s).float().double()
-        else:
-            acc = (acc + (part * s).float().double()).float().double()
-    return acc.float()
+        return (sx * sw).float().double()  # fp32(sx * sw): the float64 product is exact
+
+    return _scaled_sums(xv, wv, bs, scale, fused)
+
+
+def reference_x_scaled(
+    xc: torch.Tensor, xs: torch.Tensor, x_block: int, w: torch.Tensor, fused: bool = True
+) -> torch.Tensor:
+    """The block-scaled order over weights exact in bf16 (`w [N, K]`, their values): per x
+    block the x codes' values times w in the AMX order, scaled by the x scale."""
+    xv = xc.view(torch.float8_e4m3fn).bfloat16()
+    return _scaled_sums(xv, w, x_block, lambda b: xs[:, b].double()[:, None], fused)
 
 
 def _block_scaled_case(
@@ -553,6 +581,49 @@ def test_block_scaled_order_matches_its_emulation(n: int, k: int, x_block: int) 
     assert differ(fp32_order, expect) > 0
 
 
+@pytest.mark.parametrize(
+    ("code", "scale", "k", "x_block"),
+    [("e2m1", "e8m0", 256, 256), ("e2m1", "e8m0", 384, 64), ("e4m3", None, 256, 256),
+     ("e4m3", "e8m0", 128, 64), ("e2m1", "e4m3", 512, 512)],
+)  # fmt: skip
+def test_x_scaled_order_over_weights_exact_in_bf16(
+    code: str, scale: str | None, k: int, x_block: int
+) -> None:
+    """The sm90 hybrids' GEMMs (e4m3 activations with one fp32 scale per token, or per 64
+    for the FC2 input; weights the AMX order takes: mxfp4, nvfp4's e4m3 operand): both
+    bodies at one and two threads, bit for bit the emulation (each x block's AMX-order sum
+    of code values times the weights' values, then `fma(sum, x scale, acc)`), ragged
+    groups, alphas, fp32 and bf16 out; other bits than the AMX order on the dequantized
+    activations (which the AMX bodies refuse: not exact in bf16)."""
+    g = torch.Generator().manual_seed(k + x_block + len(code))
+    counts = [3, 0, 17, 1, 40, 16]
+    w, deq = random_stored(code, scale, len(counts), 37, k, g)
+    xc = _random_e4m3((sum(counts), k), g)
+    xs = _random_scales((sum(counts), k // x_block), -60, g)
+    alpha = torch.rand(len(counts), generator=g) + 0.5
+    want, q0 = [], 0
+    for e, rows in enumerate(counts):
+        ref = reference_x_scaled(xc[q0 : q0 + rows], xs[q0 : q0 + rows], x_block,
+                                 _bf16_exact(deq[e]))  # fmt: skip
+        want.append(ref * alpha[e])
+        q0 += rows
+    expect = torch.cat(want)
+
+    def check(threads: int) -> None:
+        for vector in _bodies():
+            got = _run_block_scaled(xc, xs, x_block, w, counts, vector, alpha=alpha)
+            assert differ(got, expect) == 0, vector
+            got16 = _run_block_scaled(xc, xs, x_block, w, counts, vector, torch.bfloat16, alpha)
+            assert differ(got16, expect.bfloat16()) == 0, vector
+
+    at_one_and_two_threads(check)
+    if x_block < k:  # the comparison tells the step from a multiply then an add
+        some = slice(sum(counts[:4]), sum(counts[:5]))  # the 40-row group
+        fused = reference_x_scaled(xc[some], xs[some], x_block, _bf16_exact(deq[4]))
+        unfused = reference_x_scaled(xc[some], xs[some], x_block, _bf16_exact(deq[4]), False)
+        assert differ(unfused, fused) > 0
+
+
 def test_block_scaled_order_refuses_what_it_cannot_sum() -> None:
     """Bad operands are refused with the argument, the value and the rule, nothing written."""
     g = torch.Generator().manual_seed(21)
@@ -568,34 +639,36 @@ def test_block_scaled_order_refuses_what_it_cannot_sum() -> None:
 
     with pytest.raises(ValueError, match="vector must be one of amx, amx_scalar"):
         call(xc, xs, 128, w, True)
-    with pytest.raises(ValueError, match="x_block=48 and the weights' block 128"):
+    with pytest.raises(ValueError, match=r"x_block=48 \(and fp32-scaled weights' block 128\)"):
         call(xc, xs, 48, w, "amx_scalar")
     with pytest.raises(ValueError, match=r"x_scales must be fp32 \[4, 2\]"):
         call(xc, xs[:, :1].contiguous(), 128, w, "amx_scalar")
     with pytest.raises(ValueError, match="x as \\[R, 256\\] e4m3 codes"):
         call(xc.float(), xs, 128, w, "amx_scalar")
-    e8m0, _ = random_stored("e4m3", "e8m0", 1, 16, 256, g)
-    with pytest.raises(ValueError, match="needs e4m3 weights with fp32 scales, got e4m3 with e8m0"):
-        call(xc, xs, 128, e8m0, "amx_scalar")
+    fp32_e2m1, _ = random_stored("e2m1", "fp32", 1, 16, 256, g)  # neither kind the order takes
+    with pytest.raises(ValueError, match="or weights exact in bf16, got e2m1 with fp32"):
+        call(xc, xs, 128, fp32_e2m1, "amx_scalar")
     assert (out == 7.0).all()
 
 
-def test_run_experts_takes_fp8_codes_in_the_block_scaled_order(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("recipe_cls", [Fp8BlockRecipe, Fp8Mxfp4Recipe, Fp8Nvfp4Recipe])
+def test_run_experts_takes_the_rows_codes_in_the_block_scaled_order(
+    recipe_cls: type[Recipe], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fp8 rows handed over with their codes (`Dispatched.codes`) on a CPU with AMX: every
-    expert (under and over the crossover) runs both GEMMs in the block-scaled order, FC2 on
-    the SwiGLU output quantized as the recipe quantizes it; the output equals that order's
-    emulation over the eager quantization, bit for bit. An explicit crossover
-    (`expert_gemm_rows`) keeps the dequantized rows' paths."""
+    """fp8 and the sm90 hybrids' rows handed over with their codes (`Dispatched.codes`) on a
+    CPU with AMX: every expert (under and over the crossover) runs both GEMMs in the
+    block-scaled order, FC2 on the SwiGLU output quantized as the recipe quantizes it; the
+    output equals that order's emulation over the eager quantization, bit for bit (the
+    hybrids' nvfp4 with its alphas). An explicit crossover (`expert_gemm_rows`) keeps the
+    dequantized rows' paths."""
     if not cpu_fused.block_scaled_by_default():
         pytest.skip("the block-scaled order runs only where the CPU has AMX")
     g = torch.Generator().manual_seed(12)
     h, inter = 256, 128
-    recipe = Fp8BlockRecipe()
+    recipe = recipe_cls()
     pw = recipe.prepare(_three_experts(h, inter, g))
     s13, s2 = pw.stored13, pw.stored2
-    assert s13 is not None and s2 is not None and s13.scales is not None and s2.scales is not None
+    assert s13 is not None and s2 is not None
     payload = recipe.pack(torch.randn(50, h, generator=g) * 3)
     rows, codes = recipe.unpack(payload, h), recipe.codes_of(payload, h)
     counts = [3, 0, 40]
@@ -610,20 +683,33 @@ def test_run_experts_takes_fp8_codes_in_the_block_scaled_order(
     monkeypatch.setattr(cpu_fused, "expert_gemm", recorded)
     y = torch.empty(sum(counts), h, dtype=torch.bfloat16)
     spec = recipe.fake_quant
+    assert spec is not None
     experts.run_experts(rows, src_row, counts, pw, recipe.requantize_into, None, y, Workspace(),
                         codes=codes, fc2_codes=spec)  # fmt: skip
     assert calls == [("amx", True), ("amx", True)]
+
+    def gemm(xc: torch.Tensor, xs: torch.Tensor, x_block: int, w: StoredWeight, wt: torch.Tensor,
+             e: int, alpha: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        if w.scale == "fp32":  # fp8: both operands' scales per block
+            assert w.scales is not None
+            out = reference_block_scaled(xc, xs, x_block, w.codes[e], w.scales[e], w.block)
+        else:  # weights exact in bf16: their values
+            out = reference_x_scaled(xc, xs, x_block, _bf16_exact(wt[e].t()))
+        return out if alpha is None else out * alpha[e]
+
     xc, xs = codes.codes[src_row], codes.scales[src_row]
     want, q0 = [], 0
-    for ex, n in enumerate(counts):
+    for e, n in enumerate(counts):
         sl = slice(q0, q0 + n)
-        gu = reference_block_scaled(xc[sl], xs[sl], 128, s13.codes[ex], s13.scales[ex], 128)
+        gu = gemm(xc[sl], xs[sl], codes.block, s13, pw.w13t, e, pw.alpha13)
         hid = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        hc, hs = quant.quantize_fp8_blockwise(hid, block=(1, 128), check_finite=False)
-        fc2 = reference_block_scaled(
-            hc.view(torch.uint8), hs, 128, s2.codes[ex], s2.scales[ex], 128
+        hc, hs = (
+            quant.quantize_fp8_fc2_hybrid(hid, check_finite=False)
+            if spec.kind == "fp8_hybrid"
+            else quant.quantize_fp8_blockwise(hid, block=(1, spec.block), check_finite=False)
         )
-        want.append(fc2.bfloat16())
+        out = gemm(hc.view(torch.uint8), hs, spec.block, s2, pw.w2t, e, pw.alpha2)
+        want.append(out.bfloat16())
         q0 += n
     assert differ(y, torch.cat(want)) == 0
     calls.clear()

@@ -1091,8 +1091,9 @@ typedef struct {
     const int64_t *xv_start;  /* group g's packed blocks: xv_start[g] on (EG_AMX_BLOCK each) */
     /* the block-scaled AMX order (e4m3 x codes; bs_block 0: not that order): the sum block
      * (elements), x's fp32 scales (x_block elements each, ld_xsc apart per x row), the
-     * weights' fp32 scales (ws_block elements each; s / s_kind then say unscaled codes), and
-     * the packed blocks' x scales (xsv: per 16-row block, per x block, 16 rows) */
+     * weights' fp32 scales (ws_block elements each; s / s_kind then say unscaled codes; NULL:
+     * weights exact in bf16, scaled as they are decoded), and the packed blocks' x scales
+     * (xsv: per 16-row block, per x block, 16 rows) */
     int64_t bs_block, x_block, ld_xsc, ws_expert_bytes, ws_row_bytes, ws_block;
     const float *xsc;
     const uint8_t *ws;
@@ -1568,17 +1569,17 @@ static inline uint16_t eg_amx_x_bits(const eg_args *a, int64_t q, int64_t i) {
 }
 
 /* The block-scaled AMX order's scale of call row q of x and weight row ws_row's scales,
- * sum block b: fp32(x scale * weight scale). */
+ * sum block b: fp32(x scale * weight scale) (no weight scales, ws_row NULL: the x scale). */
 static inline float eg_bs_scale(const eg_args *a, int64_t q, const float *ws_row, int64_t b) {
     const int64_t row = a->x_rows ? a->x_rows[q] : q;
-    return a->xsc[row * a->ld_xsc + b * a->bs_block / a->x_block] *
-           ws_row[b * a->bs_block / a->ws_block];
+    const float sx = a->xsc[row * a->ld_xsc + b * a->bs_block / a->x_block];
+    return ws_row ? sx * ws_row[b * a->bs_block / a->ws_block] : sx;
 }
 
 /* One output of the AMX order, element by element (the twin and the definition): call row
- * q of x times weight row w_row (scales s_row); in the block-scaled order (ws_row: the
- * row's fp32 scales) each sum block's AMX-order sum from +0, p, then acc = fma(p,
- * eg_bs_scale, acc) in increasing blocks from +0. */
+ * q of x times weight row w_row (scales s_row); in the block-scaled order (a->bs_block;
+ * ws_row: the row's fp32 scales, or NULL) each sum block's AMX-order sum from +0, p, then
+ * acc = fma(p, eg_bs_scale, acc) in increasing blocks from +0. */
 static float eg_amx_scalar(const eg_args *a, int64_t q, const uint8_t *w_row, const uint8_t *s_row,
                            const float *ws_row) {
     const int64_t k = a->k;
@@ -1594,12 +1595,12 @@ static float eg_amx_scalar(const eg_args *a, int64_t q, const uint8_t *w_row, co
             o = eg_flush(__builtin_fmaf(eg_flush(xo), eg_flush(wo), o));
         }
         acc = eg_flush(acc + eg_flush(e + o));
-        if (ws_row && (c + EG_DOT) % a->bs_block == 0) { /* the end of a sum block */
+        if (a->bs_block && (c + EG_DOT) % a->bs_block == 0) { /* the end of a sum block */
             bs = __builtin_fmaf(acc, eg_bs_scale(a, q, ws_row, c / a->bs_block), bs);
             acc = 0.0f;
         }
     }
-    return ws_row ? bs : acc;
+    return a->bs_block ? bs : acc;
 }
 
 /* Writes the sums of 16 weight rows (from output column j, nr of them) x rows [m0, m0 +
@@ -2095,15 +2096,16 @@ static EG_AMX void eg_amx_sweeps(const eg_args *a, int64_t g, int64_t i0, int64_
 
 /* The block-scaled order's step for one C tile (sums: weight row r's 16 row sums of sum
  * block b at sums + 16 r): acc[r] = fma(sums[r], x scales * weight row j + r's scale,
- * acc[r]) for r < nr (x scales: the packed block's 16 rows). */
+ * acc[r]) for r < nr (x scales: the packed block's 16 rows; no weight scales, wse NULL:
+ * the x scales alone). */
 static inline __attribute__((always_inline)) EG_AMX void eg_amx_bs_acc(
     const eg_args *a, const float *sums, float *acc, const uint8_t *wse, int64_t j, int64_t nr,
     const float *xs, int64_t b) {
     const __m512 sx = _mm512_loadu_ps(xs + b * a->bs_block / a->x_block * 16);
-    const int64_t bw = b * a->bs_block / a->ws_block;
+    const int64_t bw = wse ? b * a->bs_block / a->ws_block : 0;
     for (int64_t r = 0; r < nr; r++) {
-        const float sw = ((const float *)(wse + (j + r) * a->ws_row_bytes))[bw];
-        const __m512 sc = _mm512_mul_ps(sx, _mm512_set1_ps(sw));
+        const float *sw = wse ? (const float *)(wse + (j + r) * a->ws_row_bytes) + bw : NULL;
+        const __m512 sc = sw ? _mm512_mul_ps(sx, _mm512_set1_ps(*sw)) : sx;
         _mm512_store_ps(acc + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(sums + 16 * r), sc,
                                                       _mm512_load_ps(acc + 16 * r)));
     }
@@ -2148,7 +2150,7 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
     /* the block-scaled order: each C tile's sums of a sum block scaled into acc (per tile,
      * 16 weight rows x 16 rows), the tile zeroed again */
     const int64_t cpb = a->bs_block / EG_DOT; /* chunks per sum block (0: not that order) */
-    const uint8_t *wse = a->bs_block ? a->ws + a->g_expert[g] * a->ws_expert_bytes : NULL;
+    const uint8_t *wse = a->ws ? a->ws + a->g_expert[g] * a->ws_expert_bytes : NULL;
     float acc[4][16 * 16] __attribute__((aligned(64)));
     for (int64_t r0 = 0; r0 < rows; r0 += 32) {
         const int two = rows - r0 > 16; /* a second 16-row block */
@@ -2262,9 +2264,9 @@ static void eg_item_amx_scalar(const eg_args *a, int64_t g, int64_t block, int64
                     sums[r * 16 + m] = eg_amx_scalar(
                         a, a->q_start[g] + i0 + m0 + m, we + (j + r) * a->w_row_bytes,
                         se ? se + (j + r) * a->s_row_bytes : NULL,
-                        a->bs_block ? (const float *)(a->ws + a->g_expert[g] * a->ws_expert_bytes +
-                                                      (j + r) * a->ws_row_bytes)
-                                    : NULL);
+                        a->ws ? (const float *)(a->ws + a->g_expert[g] * a->ws_expert_bytes +
+                                                (j + r) * a->ws_row_bytes)
+                              : NULL);
             eg_amx_store(a, sums, a->out_row0[g] + i0 + m0, mr, j, nr, alpha);
         }
     }
@@ -2764,10 +2766,12 @@ static void eg_amx_next(const eg_args *a, const int64_t *item_start, int64_t gro
  * kinds (nothing written in any of these): moe_ep_expert_gemm_v2 (below) does this.
  *
  * moe_ep_expert_gemm_v3: the same, with e4m3 x codes too (x_kind EG_X_E4M3, one byte per
- * element, ld_x bytes apart), in the block-scaled AMX order (the AMX bodies only, e4m3
- * weights with fp32 scales): x_scale holds each x row's fp32 scales, one per x_block
- * elements, ld_x_scale apart (rows as x's); x_block and s_block multiples of 32, one
- * dividing the other, and both dividing k; else -3. */
+ * element, ld_x bytes apart), in the block-scaled AMX order (the AMX bodies only): x_scale
+ * holds each x row's fp32 scales, one per x_block elements, ld_x_scale apart (rows as
+ * x's); e4m3 weights with fp32 scales (applied per sum block with x's: x_block and s_block
+ * one dividing the other), or weights the AMX order takes (exact in bf16, scaled as they
+ * are decoded: x's scales alone per x_block); x_block (and s_block) multiples of 32
+ * dividing k; else -3. */
 int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const int64_t *x_rows,
                               const float *x_scale, int64_t ld_x_scale, int64_t x_block,
                               int64_t groups, const int64_t *q_start, const int64_t *g_expert,
@@ -2779,10 +2783,14 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
                               int32_t threads, int32_t vector) {
     const int32_t bodies = moe_ep_vector_bodies();
     const int bs = x_kind == EG_X_E4M3; /* the block-scaled AMX order */
-    if (bs && (w_kind != EG_W_E4M3 || s_kind != EG_S_F32 || x_scale == NULL || x_block <= 0 ||
-               s_block <= 0 || x_block % EG_DOT || s_block % EG_DOT ||
-               (x_block % s_block && s_block % x_block) || k % x_block || k % s_block ||
-               (vector != EG_BODY_AMX && vector != EG_BODY_AMX_SCALAR)))
+    const int both = w_kind == EG_W_E4M3 && s_kind == EG_S_F32; /* scales on both sides */
+    const int exact = w_kind == EG_W_BF16 ? s_kind == EG_S_NONE
+                      : w_kind == EG_W_E4M3 ? s_kind == EG_S_E8M0 || s_kind == EG_S_NONE
+                                            : s_kind != EG_S_F32; /* weights exact in bf16 */
+    if (bs && (x_scale == NULL || x_block <= 0 || x_block % EG_DOT || k % x_block ||
+               (vector != EG_BODY_AMX && vector != EG_BODY_AMX_SCALAR) || !(both || exact) ||
+               (both && (s_block <= 0 || s_block % EG_DOT || k % s_block ||
+                         (x_block % s_block && s_block % x_block)))))
         return -3;
     const int bf16_only = x_kind == EG_X_BF16 && w_kind == EG_W_BF16;
     /* auto on bf16 with AMX: the AMX body for every group (1-2-row ones too: measured 1.15x
@@ -2806,9 +2814,7 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
     const int dot = vector == EG_BODY_BF16DOT || vector == EG_BODY_BF16DOT_SCALAR;
     const int amx_body = vector == EG_BODY_AMX || vector == EG_BODY_AMX_SCALAR;
     /* the AMX bodies: operands whose values are exact in bf16 (fp32 x checked as packed) */
-    const int amx_kinds = bs || (w_kind == EG_W_BF16 ? s_kind == EG_S_NONE
-                                 : w_kind == EG_W_E4M3 ? s_kind == EG_S_E8M0 || s_kind == EG_S_NONE
-                                                       : s_kind != EG_S_F32);
+    const int amx_kinds = bs || exact;
     if (amx_body ? !amx_kinds : (dot || vector >= EG_BODY_KSEQ) && !bf16_only) return -3;
     const int64_t k16 = (k + EG_LANES - 1) / EG_LANES * EG_LANES;
     const int64_t k32 = (k + EG_DOT - 1) / EG_DOT * EG_DOT;
@@ -2834,11 +2840,14 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
                  .ld_out = ld_out, .n = n, .k = k, .xt = NULL, .xt_start = xt_start,
                  .x16 = (const uint16_t *)x, .x_rows = x_rows, .ld_x = ld_x,
                  .xv = NULL, .xv_start = xv_start, .x_kind = x_kind, .inexact = &inexact};
-    if (bs) { /* the weights' scales apply per sum block: the codes decode unscaled */
-        a.bs_block = x_block < s_block ? x_block : s_block;
+    if (bs) {
+        a.bs_block = x_block;
         a.x_block = x_block;
         a.xsc = x_scale;
         a.ld_xsc = ld_x_scale;
+    }
+    if (bs && both) { /* the weights' scales apply per sum block: the codes decode unscaled */
+        a.bs_block = x_block < s_block ? x_block : s_block;
         a.ws = (const uint8_t *)s;
         a.ws_expert_bytes = s_expert_bytes;
         a.ws_row_bytes = s_row_bytes;

@@ -651,6 +651,12 @@ _X_KIND = {torch.bfloat16: 0, torch.float32: 1, torch.uint8: 2}
 """cpu_fused.c's EG_X_*: bf16, fp32 values, e4m3 codes (the block-scaled AMX order)."""
 
 
+def block_scaled_weights(w: StoredWeight) -> bool:
+    """Whether `expert_gemm`'s block-scaled order takes these weights: e4m3 codes with fp32
+    scales, or weights exact in bf16 (the AMX order's)."""
+    return (w.code, w.scale) == ("e4m3", "fp32") or (w.code, w.scale) in _AMX_WEIGHTS
+
+
 def _check_block_scaled(
     x: torch.Tensor, x_scales: torch.Tensor, x_block: int, w: StoredWeight, vector: bool | Body
 ) -> None:
@@ -666,16 +672,19 @@ def _check_block_scaled(
             f"expert_gemm with x_scales sums in the block-scaled AMX order: vector must be one "
             f"of {', '.join(_AMX_BODIES)}, got {vector!r}"
         )
-    if (w.code, w.scale) != ("e4m3", "fp32"):
+    both = (w.code, w.scale) == ("e4m3", "fp32")
+    if not block_scaled_weights(w):
         raise ValueError(
-            f"expert_gemm with x_scales needs e4m3 weights with fp32 scales, got {w.code} with "
-            f"{w.scale} scales"
+            f"expert_gemm with x_scales needs e4m3 weights with fp32 scales or weights exact "
+            f"in bf16, got {w.code} with {w.scale} scales"
         )
-    blocks = (x_block, w.block)
-    if any(b <= 0 or b % 32 or k % b for b in blocks) or (x_block % w.block and w.block % x_block):
+    blocks = (x_block, w.block) if both else (x_block,)
+    if any(b <= 0 or b % 32 or k % b for b in blocks) or (
+        both and x_block % w.block and w.block % x_block
+    ):
         raise ValueError(
-            f"expert_gemm x_block={x_block} and the weights' block {w.block} must be multiples "
-            f"of 32 dividing K={k}, one dividing the other"
+            f"expert_gemm x_block={x_block} (and fp32-scaled weights' block {w.block}) must "
+            f"be multiples of 32 dividing K={k}, one dividing the other"
         )
     expect = (int(x.shape[0]), k // x_block)
     shape = tuple(x_scales.shape)
@@ -726,12 +735,14 @@ def expert_gemm(
 
     x_scales: the block-scaled AMX order (fp8's `x @ w^T` from both operands' codes): x holds
     e4m3 codes (uint8 or float8_e4m3fn), `x_scales [R, K / x_block]` fp32 their scales (rows
-    as x's, contiguous along the last dim), w e4m3 codes with fp32 scales, `vector` "amx" or
-    "amx_scalar"; x_block and w's block multiples of 32, one dividing the other. Each sum
-    block (the smaller of the two blocks) of codes is summed in the AMX order from +0, then
-    `acc = fma(sum, fp32(x scale * w scale), acc)` over the blocks in increasing K from +0
-    (cpu_fused.c). Returns False (nothing written) when the library is not available (or,
-    with x_scales, predates that order).
+    as x's, contiguous along the last dim), `vector` "amx" or "amx_scalar"; w e4m3 codes
+    with fp32 scales (x_block and w's block multiples of 32, one dividing the other: each
+    sum block, the smaller, of codes summed in the AMX order from +0, then `acc = fma(sum,
+    fp32(x scale * w scale), acc)` over the blocks in increasing K from +0), or weights the
+    AMX order takes (exact in bf16: each x block of x's code values times the weights'
+    values summed so, then `acc = fma(sum, x scale, acc)`; the sm90 hybrids) (cpu_fused.c).
+    Returns False (nothing written) when the library is not available (or, with x_scales,
+    predates that order).
     """
     lib = library()
     if lib is None or (x_scales is not None and not hasattr(lib, "moe_ep_expert_gemm_v3")):

@@ -404,8 +404,9 @@ def block_scaled_operands(
     gemm_rows: int | None,
 ) -> _BlockScaled | None:
     """The block-scaled order's operands where every expert runs in it: the rows' codes and
-    the FC2 quantization given (`Recipe.keeps_codes`), e4m3 weights with fp32 scales, the
-    default crossover, and the order available here (fp8 on a CPU with AMX: 2.0x / 3.3x
+    the FC2 quantization given (`Recipe.keeps_codes`), weights the order takes
+    (`cpu_fused.block_scaled_weights`), the default crossover, and the order available here
+    (fp8 and the sm90 hybrids on a CPU with AMX; fp8: 2.0x / 3.3x
     faster than the fp32 order at 8 / 16 rows per expert, 64 experts N = K = 2048, kernel
     alone, 2 threads; docs/layer.md). An expert's bits then do not depend on its row
     count."""
@@ -422,7 +423,7 @@ def block_scaled_operands(
         or int(s2.k) % fc2.block
     ):
         return None
-    if any((s.code, s.scale) != ("e4m3", "fp32") for s in (s13, s2)):
+    if not all(cpu_fused.block_scaled_weights(s) for s in (s13, s2)):
         return None
     return _BlockScaled(codes, fc2)
 

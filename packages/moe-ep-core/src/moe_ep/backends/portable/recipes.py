@@ -117,10 +117,10 @@ class Recipe(ABC):
     format is exact in bf16 (power-of-two or e4m3 scales on e4m3 / e2m1 codes): the CPU
     expert GEMM can then sum them in the AMX order (`cpu_fused.expert_gemm(vector="amx")`)."""
     block_scaled: bool = False
-    """True when the format's GEMMs can be summed from both operands' codes in the
-    block-scaled AMX order (e4m3 activations and weights with fp32 block scales: fp8):
-    on a CPU with AMX its dispatched rows keep their codes (`keeps_codes`) and the experts
-    run there."""
+    """True when the format's GEMMs can be summed from the activations' codes in the
+    block-scaled AMX order (e4m3 activations with fp32 scales, and e4m3 weights with fp32
+    block scales, fp8, or weights exact in bf16, the sm90 hybrids): on a CPU with AMX its
+    dispatched rows keep their codes (`keeps_codes`) and the experts run there."""
 
     def keeps_codes(self, device: torch.device) -> bool:
         """Whether the dispatch hands the experts the rows' e4m3 codes and scales
@@ -590,6 +590,8 @@ class _HybridFp8Recipe(Recipe):
     quantized_weight_dtypes = (torch.uint8,)
     k_multiple = 128
 
+    block_scaled = True  # e4m3 codes with fp32 scales x weights exact in bf16
+
     def row_bytes(self, hidden: int) -> int:
         return hidden + 4
 
@@ -597,11 +599,13 @@ class _HybridFp8Recipe(Recipe):
         data, scale = quant.quantize_fp8_per_token_hybrid(x, check_finite=False)
         return torch.cat([_bytes(data), _bytes(scale)], dim=1)
 
+    def codes_of(self, payload: torch.Tensor, hidden: int) -> cpu_fused.E4m3Rows:
+        scale = payload[:, hidden : hidden + 4].view(torch.float32)
+        return cpu_fused.E4m3Rows(payload[:, :hidden], scale, hidden)  # one scale per token
+
     def unpack(self, payload: torch.Tensor, hidden: int) -> torch.Tensor:
-        data, scale = _split(payload, [hidden, 4])
-        return quant.dequantize_fp8_per_row(
-            data.view(torch.float8_e4m3fn), scale.view(torch.float32)
-        )
+        part = self.codes_of(payload, hidden)
+        return quant.dequantize_fp8_per_row(part.codes.view(torch.float8_e4m3fn), part.scales)
 
     def requantize(self, h: torch.Tensor) -> torch.Tensor:
         data, scales = quant.quantize_fp8_fc2_hybrid(h, check_finite=False)
