@@ -42,6 +42,9 @@ QUANT_KERNELS = {
     "mxfp8": "any_mxfp8_mxfp8_bf16_torch",
     "nvfp4": "any_nvfp4_nvfp4_bf16_torch",
     "fp8_fp4": "any_fp8_fp4_bf16_torch",
+    "fp8_mxfp4": "any_fp8_mxfp4_bf16_torch",
+    "fp8_nvfp4": "any_fp8_nvfp4_bf16_torch",
+    "mxfp8_mxfp4": "any_mxfp8_mxfp4_bf16_torch",
 }
 # The targets of issue 16 (docs/runbook.md, Benchmarks): one copy, in moe_ep.bench.targets
 VS_LIMIT = targets.VS_LIMIT
