@@ -533,6 +533,37 @@ def _run_block_scaled(
     return out
 
 
+def _bodies_give(
+    expect: torch.Tensor,
+    xc: torch.Tensor,
+    xs: torch.Tensor,
+    x_block: int,
+    w: StoredWeight,
+    counts: list[int],
+    alpha: torch.Tensor,
+    perm: torch.Tensor | None = None,
+) -> None:
+    """Both AMX bodies at one and two threads give `expect` in the block-scaled order, fp32
+    and bf16 out; with `perm`, also from x rows gathered through `x_rows` (call row q is x's
+    row perm[q])."""
+    if perm is not None:
+        xg, sg = torch.empty_like(xc), torch.empty_like(xs)
+        xg[perm], sg[perm] = xc, xs
+
+    def check(threads: int) -> None:
+        for vector in _bodies():
+            got = _run_block_scaled(xc, xs, x_block, w, counts, vector, alpha=alpha)
+            assert differ(got, expect) == 0, vector
+            got16 = _run_block_scaled(xc, xs, x_block, w, counts, vector, torch.bfloat16, alpha)
+            assert differ(got16, expect.bfloat16()) == 0, vector
+            if perm is not None:
+                gathered = _run_block_scaled(xg, sg, x_block, w, counts, vector, alpha=alpha,
+                                             x_rows=perm)  # fmt: skip
+                assert differ(gathered, expect) == 0, vector
+
+    at_one_and_two_threads(check)
+
+
 @pytest.mark.parametrize(("n", "k", "x_block"), [(37, 256, 128), (70, 384, 64), (16, 2048, 128)])
 def test_block_scaled_order_matches_its_emulation(n: int, k: int, x_block: int) -> None:
     """fp8's GEMMs from both operands' codes (`expert_gemm(x_scales=...)`, the AMX body and
@@ -553,20 +584,7 @@ def test_block_scaled_order_matches_its_emulation(n: int, k: int, x_block: int) 
         q0 += rows
     expect = torch.cat(want)
     perm = torch.randperm(sum(counts), generator=g)  # x_rows: row q of the call is x[perm[q]]
-    xg, sg = torch.empty_like(xc), torch.empty_like(xs)
-    xg[perm], sg[perm] = xc, xs
-
-    def check(threads: int) -> None:
-        for vector in _bodies():
-            got = _run_block_scaled(xc, xs, x_block, w, counts, vector, alpha=alpha)
-            assert differ(got, expect) == 0, vector
-            got16 = _run_block_scaled(xc, xs, x_block, w, counts, vector, torch.bfloat16, alpha)
-            assert differ(got16, expect.bfloat16()) == 0, vector
-            gathered = _run_block_scaled(xg, sg, x_block, w, counts, vector, alpha=alpha,
-                                         x_rows=perm)  # fmt: skip
-            assert differ(gathered, expect) == 0, vector
-
-    at_one_and_two_threads(check)
+    _bodies_give(expect, xc, xs, x_block, w, counts, alpha, perm)
     # the comparison tells the order from a multiply then an add per block, from a missing
     # weight scale, and from the fp32 order on the dequantized values
     some = slice(0, sum(counts[:6]))
@@ -607,16 +625,7 @@ def test_x_scaled_order_over_weights_exact_in_bf16(
                                  _bf16_exact(deq[e]))  # fmt: skip
         want.append(ref * alpha[e])
         q0 += rows
-    expect = torch.cat(want)
-
-    def check(threads: int) -> None:
-        for vector in _bodies():
-            got = _run_block_scaled(xc, xs, x_block, w, counts, vector, alpha=alpha)
-            assert differ(got, expect) == 0, vector
-            got16 = _run_block_scaled(xc, xs, x_block, w, counts, vector, torch.bfloat16, alpha)
-            assert differ(got16, expect.bfloat16()) == 0, vector
-
-    at_one_and_two_threads(check)
+    _bodies_give(torch.cat(want), xc, xs, x_block, w, counts, alpha)
     if x_block < k:  # the comparison tells the step from a multiply then an add
         some = slice(sum(counts[:4]), sum(counts[:5]))  # the 40-row group
         fused = reference_x_scaled(xc[some], xs[some], x_block, _bf16_exact(deq[4]))
