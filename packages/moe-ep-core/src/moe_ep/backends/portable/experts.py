@@ -376,7 +376,8 @@ def _run_expert_gemm(
         blk = codes.fc2.block
         hc = ws.get("eg_h_codes", (q, inter), torch.uint8, rows.device)
         hs = ws.get("eg_h_scales", (q, inter // blk), torch.float32, rows.device)
-        assert cpu_fused.quant_e4m3(h, hc, hs, codes.fc2)  # checked by _block_scaled
+        if not cpu_fused.quant_e4m3(h, hc, hs, codes.fc2):  # block_scaled_operands checked
+            raise RuntimeError(f"the fused CPU pass refused the FC2 input's codes ({codes.fc2})")
         cpu_fused.expert_gemm(
             hc, None, fc2, s2, y, xs, alpha=a2, vector="amx", x_scales=hs, x_block=blk
         )
@@ -517,10 +518,10 @@ def run_experts(
     `mm` blocks (`Dispatched.path_rows`); None: `counts`.
     gemm_rows: the crossover (`PortableConfig.expert_gemm_rows`); None: `expert_gemm_rows`.
     codes, fc2_codes: the rows' e4m3 codes and the FC2 input's quantization (`Dispatched.
-        codes`, the recipe's `fake_quant`): with the default crossover, e4m3 weights with
-        fp32 scales and a CPU with AMX, every expert runs both GEMMs in the block-scaled
-        AMX order on the codes (`cpu_fused.expert_gemm`'s `x_scales`), `requantize`
-        replaced by the same quantization into codes.
+        codes`, the recipe's `fake_quant`): with the default crossover, weights the order
+        takes (fp8's, or the hybrids' exact in bf16) and a CPU with AMX, every expert runs
+        both GEMMs in the block-scaled AMX order on the codes (`cpu_fused.expert_gemm`'s
+        `x_scales`), `requantize` replaced by the same quantization into codes.
 
     Raises:
         MoeEpUsageError: gemm_rows > 0 where the expert GEMM cannot run.
