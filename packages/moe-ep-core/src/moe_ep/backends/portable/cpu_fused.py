@@ -447,8 +447,9 @@ E4M3_CODE_KINDS = ("fp8", "fp8_ue8m0", "fp8_hybrid")
 def quant_e4m3(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, spec: FakeQuant) -> bool:
     """`codes [rows, n]` (uint8 e4m3fn bytes) and `scales [rows, n / block]` (fp32) of
     `x [rows, n]` (fp32, CPU) quantized as `fake_quant(x, out, spec)` quantizes it (`out` is
-    `code * scale`): the codes and scales `moe_ep.quant.quantize_fp8_blockwise` gives for
-    finite blocks (a block with NaN or inf: scale NaN). `spec.kind` one of
+    `code * scale`): the codes and scales the recipe's eager quantizer gives for finite
+    blocks (`moe_ep.quant.quantize_fp8_blockwise`, fp32 or ue8m0 scales;
+    `quantize_fp8_fc2_hybrid`), a block with NaN or inf scale NaN. `spec.kind` one of
     `E4M3_CODE_KINDS`. Each tensor's last dim contiguous (rows may be strided: a payload's
     views). Returns False (nothing written) where the fused path does not apply (no library
     or an older one, other dtypes, shapes or devices)."""
