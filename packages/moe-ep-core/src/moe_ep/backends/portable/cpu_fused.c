@@ -613,6 +613,21 @@ static inline int64_t fq_nvfp4_x16(const float *x, int64_t n, float acc, float s
 }
 #endif
 
+/* A block's amax (fq_amax), on 16 lanes where the build and the block size allow. */
+static inline float fq_block_amax(const float *x, int64_t n) {
+#ifdef MOE_EP_AVX512
+    if (n % 16 == 0) return fq_amax16(x, n);
+#endif
+    return fq_amax(x, n);
+}
+
+/* An e4m3 format's element before the cast: x / div (by_div) or x * mult, clamped to
+ * +-448 (fq_e4m3_block's scalar loop). */
+static inline float fq_e4m3_scaled(float x, int by_div, float div, float mult) {
+    const float v = by_div ? x / div : x * mult;
+    return v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
+}
+
 /* out[j] = v, as fp32 or rounded to bf16. */
 static inline void fq_put(void *out, int32_t out_bf16, int64_t j, float v) {
     if (out_bf16) ((uint16_t *)out)[j] = f32_to_bf16(v);
@@ -698,9 +713,8 @@ static inline void fq_e4m3_block(const float *x, int64_t n, float amax, int32_t 
     i0 = fq_e4m3_x16(x, n, by_div, by_div ? div : mult, deq, out, out_bf16, j0);
 #endif
     for (int64_t i = i0; i < n; i++) {
-        float v = by_div ? x[i] / div : x[i] * mult;
-        v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
-        fq_put(out, out_bf16, j0 + i, e4m3_value[fq_e4m3(v)] * deq);
+        const uint8_t code = fq_e4m3(fq_e4m3_scaled(x[i], by_div, div, mult));
+        fq_put(out, out_bf16, j0 + i, e4m3_value[code] * deq);
     }
 }
 
@@ -721,21 +735,14 @@ int32_t moe_ep_quant_e4m3(const float *x, int64_t ld_x, uint8_t *codes, int64_t 
             uint8_t *cb = codes + r * ld_codes + j;
             float mult, div;
             int by_div;
-#ifdef MOE_EP_AVX512
-            const float amax = block % 16 == 0 ? fq_amax16(xb, block) : fq_amax(xb, block);
-#else
-            const float amax = fq_amax(xb, block);
-#endif
-            scales[r * ld_scales + j / block] = fq_e4m3_scale(amax, kind, &mult, &div, &by_div);
+            scales[r * ld_scales + j / block] =
+                fq_e4m3_scale(fq_block_amax(xb, block), kind, &mult, &div, &by_div);
             int64_t i0 = 0;
 #ifdef MOE_EP_AVX512
             i0 = fq_e4m3_codes_x16(xb, block, by_div, by_div ? div : mult, cb);
 #endif
-            for (int64_t i = i0; i < block; i++) {
-                float v = by_div ? xb[i] / div : xb[i] * mult;
-                v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
-                cb[i] = fq_e4m3(v);
-            }
+            for (int64_t i = i0; i < block; i++)
+                cb[i] = fq_e4m3(fq_e4m3_scaled(xb[i], by_div, div, mult));
         }
     }
     return 0;
@@ -752,12 +759,7 @@ void moe_ep_fake_quant(const float *x, int64_t ld_x, void *out, int64_t ld_out, 
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t j = 0; j < cols; j += block) {
             const float *xb = x + r * ld_x + j;
-            float amax;
-#ifdef MOE_EP_AVX512
-            amax = block % 16 == 0 ? fq_amax16(xb, block) : fq_amax(xb, block);
-#else
-            amax = fq_amax(xb, block);
-#endif
+            const float amax = fq_block_amax(xb, block);
             if (kind == FQ_NVFP4)
                 fq_nvfp4_block(xb, block, amax, norm_const, norm_const != 1.0f, out, out_bf16,
                                r * ld_out + j);
@@ -2028,6 +2030,25 @@ static EG_AMX void eg_amx_store16(const eg_args *a, const float *sums, int64_t o
     }
 }
 
+/* _tile_stored / _tile_zero of C tile t (0-3; tile numbers are immediates). */
+static inline __attribute__((always_inline)) EG_AMX void eg_amx_tile_store(int64_t t, float *sums) {
+    switch (t) {
+    case 0: _tile_stored(0, sums, 64); break;
+    case 1: _tile_stored(1, sums, 64); break;
+    case 2: _tile_stored(2, sums, 64); break;
+    default: _tile_stored(3, sums, 64); break;
+    }
+}
+
+static inline __attribute__((always_inline)) EG_AMX void eg_amx_tile_zero(int64_t t) {
+    switch (t) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    default: _tile_zero(3); break;
+    }
+}
+
 /* eg_item_amx's passes for bf16 weights and items of more than 32 rows: per group of up
  * to EG_AMX_SWEEP 16-row blocks, each block of 16 weight rows in turn (an A tile, tile 5) against all of
  * them (C tiles 0-3, B tiles 6 and 7 in turn) over the whole of K, so that each weight row
@@ -2081,12 +2102,7 @@ static EG_AMX void eg_amx_sweeps(const eg_args *a, int64_t g, int64_t i0, int64_
             }
             const int64_t out_row = a->out_row0[g] + i0 + b0;
             for (int64_t t = 0; t < nb; t++) {
-                switch (t) { /* tile numbers are immediates */
-                case 0: _tile_stored(0, sums, 64); break;
-                case 1: _tile_stored(1, sums, 64); break;
-                case 2: _tile_stored(2, sums, 64); break;
-                default: _tile_stored(3, sums, 64); break;
-                }
+                eg_amx_tile_store(t, sums);
                 const int64_t mr = rows - b0 - 16 * t < 16 ? rows - b0 - 16 * t : 16;
                 eg_amx_store16(a, sums, out_row + 16 * t, mr, jw, nrw, alpha);
             }
@@ -2158,6 +2174,7 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
         const int64_t xs_step = cpb ? a->k / a->x_block * 16 : 0; /* one 16-row block's */
         const float *xs0 = cpb ? a->xsv + (a->xv_start[g] + (i0 + r0) / 16) * xs_step : NULL;
         const float *xs1 = cpb ? xs0 + xs_step : NULL;
+        const int used[4] = {1, two, nr1 > 0, two && nr1 > 0}; /* the C tiles of this pass */
         if (cpb) memset(acc, 0, sizeof acc);
         _tile_zero(0);
         _tile_zero(1);
@@ -2196,51 +2213,23 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
                 _tile_dpbf16ps(2, 5, 6);
                 if (two) _tile_dpbf16ps(3, 5, 7);
             }
-            if (cpb && (c + 1) % cpb == 0) { /* the end of sum block c / cpb */
-                const int64_t b = c / cpb;
-                _tile_stored(0, sums, 64);
-                _tile_zero(0);
-                eg_amx_bs_acc(a, sums, acc[0], wse, j0, nr0, xs0, b);
-                if (two) {
-                    _tile_stored(1, sums, 64);
-                    _tile_zero(1);
-                    eg_amx_bs_acc(a, sums, acc[1], wse, j0, nr0, xs1, b);
+            if (cpb && (c + 1) % cpb == 0) /* the end of sum block c / cpb */
+                for (int64_t t = 0; t < 4; t++) {
+                    if (!used[t]) continue;
+                    eg_amx_tile_store(t, sums);
+                    eg_amx_tile_zero(t);
+                    eg_amx_bs_acc(a, sums, acc[t], wse, j0 + 16 * (t >> 1), t >> 1 ? nr1 : nr0,
+                                  t & 1 ? xs1 : xs0, c / cpb);
                 }
-                if (nr1 > 0) {
-                    _tile_stored(2, sums, 64);
-                    _tile_zero(2);
-                    eg_amx_bs_acc(a, sums, acc[2], wse, j0 + 16, nr1, xs0, b);
-                    if (two) {
-                        _tile_stored(3, sums, 64);
-                        _tile_zero(3);
-                        eg_amx_bs_acc(a, sums, acc[3], wse, j0 + 16, nr1, xs1, b);
-                    }
-                }
-            }
         }
         const int64_t out_row = a->out_row0[g] + i0 + r0;
         const int64_t mr0 = rows - r0 < 16 ? rows - r0 : 16, mr1 = rows - r0 - mr0;
-        if (cpb) {
-            eg_amx_store16(a, acc[0], out_row, mr0, j0, nr0, alpha);
-            if (two) eg_amx_store16(a, acc[1], out_row + 16, mr1 < 16 ? mr1 : 16, j0, nr0, alpha);
-            if (nr1 > 0) eg_amx_store16(a, acc[2], out_row, mr0, j0 + 16, nr1, alpha);
-            if (nr1 > 0 && two)
-                eg_amx_store16(a, acc[3], out_row + 16, mr1 < 16 ? mr1 : 16, j0 + 16, nr1, alpha);
-            continue;
-        }
-        _tile_stored(0, sums, 64);
-        eg_amx_store16(a, sums, out_row, mr0, j0, nr0, alpha);
-        if (two) {
-            _tile_stored(1, sums, 64);
-            eg_amx_store16(a, sums, out_row + 16, mr1 < 16 ? mr1 : 16, j0, nr0, alpha);
-        }
-        if (nr1 > 0) {
-            _tile_stored(2, sums, 64);
-            eg_amx_store16(a, sums, out_row, mr0, j0 + 16, nr1, alpha);
-            if (two) {
-                _tile_stored(3, sums, 64);
-                eg_amx_store16(a, sums, out_row + 16, mr1 < 16 ? mr1 : 16, j0 + 16, nr1, alpha);
-            }
+        for (int64_t t = 0; t < 4; t++) { /* C[w][h] in tile 2w + h: rows 16h on, columns 16w on */
+            if (!used[t]) continue;
+            if (!cpb) eg_amx_tile_store(t, sums);
+            eg_amx_store16(a, cpb ? acc[t] : sums, out_row + 16 * (t & 1),
+                           t & 1 ? (mr1 < 16 ? mr1 : 16) : mr0, j0 + 16 * (t >> 1),
+                           t >> 1 ? nr1 : nr0, alpha);
         }
     }
 }
