@@ -1499,10 +1499,12 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * buffer), prefetched EG_AMX_PF chunks ahead into L2. Codes are decoded first, per work item
  * into the thread's buffer (`dec`, all its whole chunks, row-major: each decoded row
  * written in order, as the A tiles' rows a padded row stride apart), each weight row read
- * in memory order and prefetched EG_AMX_DPF bytes ahead: 32 at a time in 16-bit lanes (e4m3 by adding the
- * scale's exponent to the code's bf16 bits, e2m1 by looking the codes up in a table of the
- * 16 products per scale byte), element by element where that cannot give the definition's
- * bits (NaN codes, e8m0 products past bf16's normals, a K tail). The activations are the B
+ * in memory order and prefetched EG_AMX_DPF bytes ahead: unscaled e4m3 (fp8's block-scaled
+ * order) 64 at a time by byte tables (eg_amx_e4m3_lut), other codes 32 at a time in 16-bit
+ * lanes (e4m3 by adding the scale's exponent to the code's bf16 bits, e2m1 by looking the
+ * codes up in a table of the 16 products per scale byte), element by element where that
+ * cannot give the definition's bits (NaN codes, e8m0 products past bf16's normals, a K
+ * tail). The activations are the B
  * tiles: each group's rows packed once per call into blocks of 16 rows, per chunk the 16 x
  * 16 pairs in the tile's layout (`xv`), 1 KiB per chunk, transposed in registers
  * (eg_transpose16), as the C tiles' sums are on their way out. Work items: (group, EG_AMX_ROWS
@@ -1626,7 +1628,8 @@ static void eg_amx_store(const eg_args *a, const float *sums, int64_t out_row, i
 #include <cpuid.h>
 #include <sys/syscall.h>
 extern long syscall(long number, ...); /* glibc's; <unistd.h> declares it only past -std=c11 */
-#define EG_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx2,fma")))
+#define EG_AMX \
+    __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma")))
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1634,14 +1637,15 @@ typedef struct {
     uint8_t rows[16];
 } eg_tilecfg;
 
-/* Whether this CPU has AMX-TILE and AMX-BF16 and Linux lets this process use them (asked
- * once: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)). */
+/* Whether this CPU has AMX-TILE, AMX-BF16 and AVX512-VBMI (every CPU with AMX so far) and
+ * Linux lets this process use the tiles (asked once: arch_prctl(ARCH_REQ_XCOMP_PERM,
+ * XFEATURE_XTILEDATA)). */
 static int eg_amx_supported(void) {
     static int ok = -1; /* a race here asks twice, with the same answer */
     if (ok < 0) {
         unsigned eax, ebx, ecx, edx;
         const int cpu = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 22 & 1) &&
-                        (edx >> 24 & 1);
+                        (edx >> 24 & 1) && (ecx >> 1 & 1);
         ok = cpu && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     }
     return ok;
@@ -1740,6 +1744,46 @@ static inline __attribute__((always_inline)) EG_AMX int eg_amx_e4m3_fast(const u
     return 1;
 }
 
+/* Unscaled e4m3 codes' bf16 bits by magnitude (eg_amx_decode's: NaN 0x7fc0), their low
+ * and high bytes, for eg_amx_e4m3_lut's byte lookups. */
+static uint8_t eg_e4m3_lo[128] __attribute__((aligned(64))), eg_e4m3_hi[128]
+    __attribute__((aligned(64)));
+
+__attribute__((constructor(103))) static void fill_e4m3_bytes(void) {
+    for (int m = 0; m < 128; m++) {
+        bits32 v;
+        v.f = e4m3_value[m];
+        eg_e4m3_lo[m] = (uint8_t)(v.u >> 16);
+        eg_e4m3_hi[m] = (uint8_t)(v.u >> 24);
+    }
+}
+
+/* eg_amx_decode of two whole chunks of unscaled e4m3 codes (64; the first `whole` 32-code
+ * halves read and written: 1 or 2): the codes reordered so that a 128-bit lane holds 8 of
+ * each half (one byte permute), each code's low and high bf16 bytes looked up by its
+ * magnitude in 128-byte tables (two more), the sign put on the high byte, the bytes
+ * interleaved into 16-bit lanes (unpacks within the lanes: code order). Half the vector
+ * instructions of eg_amx_e4m3_fast per code and no exceptions to test: the same bits,
+ * but a NaN code keeps its sign (eg_amx_decode's NaN has none). */
+static inline __attribute__((always_inline)) EG_AMX void eg_amx_e4m3_lut(const uint8_t *codes,
+                                                                       int whole,
+                                                                       uint16_t *dst) {
+    /* lane l: codes 8l..8l+7, then 32+8l..32+8l+7 */
+    const __m512i order = _mm512_set_epi8(
+        63, 62, 61, 60, 59, 58, 57, 56, 31, 30, 29, 28, 27, 26, 25, 24, 55, 54, 53, 52, 51, 50,
+        49, 48, 23, 22, 21, 20, 19, 18, 17, 16, 47, 46, 45, 44, 43, 42, 41, 40, 15, 14, 13, 12,
+        11, 10, 9, 8, 39, 38, 37, 36, 35, 34, 33, 32, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i b = _mm512_permutexvar_epi8(
+        order, whole == 2 ? _mm512_loadu_si512(codes) : _mm512_maskz_loadu_epi8(0xffffffffu, codes));
+    const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(eg_e4m3_lo), b,
+                                                _mm512_load_si512(eg_e4m3_lo + 64));
+    __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(eg_e4m3_hi), b,
+                                          _mm512_load_si512(eg_e4m3_hi + 64));
+    hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8((char)0x80), 0xf8); /* hi | b & c */
+    _mm512_storeu_si512(dst, _mm512_unpacklo_epi8(lo, hi));
+    if (whole == 2) _mm512_storeu_si512(dst + EG_DOT, _mm512_unpackhi_epi8(lo, hi));
+}
+
 /* eg_amx_decode of a whole chunk of e2m1 codes in 16-bit lanes, 32 at once: each looked up
  * in the 16 products code x scale of its half's scale (t0: elements [0, 16), t1: [16, 32);
  * rows of eg_e2m1_scaled; one: t0 is t1, a block of 32 or more). The tables come in by
@@ -1833,11 +1877,19 @@ static EG_AMX void eg_amx_decode_rows(const eg_args *a, const uint8_t *we, const
     const int64_t ldw = a->w_row_bytes, sb = a->s_block, lds = se ? a->s_row_bytes : 0;
     const uint8_t *w = we + j * ldw, *s = se ? se + j * lds : &eg_unscaled;
     const int64_t sbk = se ? sb : 0; /* eg_amx_s_at's block: 0 reads the one unscaled byte */
-    if (a->w_kind == EG_W_E4M3 &&
-        (a->s_kind == EG_S_NONE || (a->s_kind == EG_S_E8M0 && sb % EG_DOT == 0))) {
-        /* one e8m0 scale per chunk, or none; the chunks it does not cover after, so that
-         * no call breaks the loop */
-        /* mxfp8's block size as a constant (no branch per chunk) */
+    if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_NONE) { /* fp8's block-scaled order */
+        for (int64_t r = 0; r < nr; r++) {
+            const uint8_t *wr = w + r * ldw;
+            uint16_t *dr = buf + r * ldd;
+            for (int64_t c = c0; c < c1; c += 2) { /* a line of codes at a time */
+                if (pf) _mm_prefetch((const char *)wr + c * EG_DOT + pf, _MM_HINT_T0);
+                eg_amx_e4m3_lut(wr + c * EG_DOT, c + 1 < c1 ? 2 : 1, dr + (c - c0) * EG_DOT);
+            }
+        }
+    } else if (a->w_kind == EG_W_E4M3 && a->s_kind == EG_S_E8M0 && sb % EG_DOT == 0) {
+        /* one e8m0 scale per chunk; the chunks eg_amx_e4m3_fast does not cover after, so
+         * that no call breaks the loop; mxfp8's block size as a constant (no branch per
+         * chunk) */
         const int slow =
             sbk == EG_DOT ? eg_amx_e4m3_rows(w, ldw, s, lds, EG_DOT, nr, c0, c1, buf, ldd, pf)
                           : eg_amx_e4m3_rows(w, ldw, s, lds, sbk, nr, c0, c1, buf, ldd, pf);
