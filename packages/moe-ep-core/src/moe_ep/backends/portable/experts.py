@@ -702,7 +702,10 @@ class TorchExperts:
             fc2_codes=recipe.fake_quant,
         )
         y = ws.get("y_pairs", shape, torch.bfloat16, dev)
-        return y.index_copy_(0, order, y_sorted)
+        # back to pair order as a gather of whole rows (4-5x faster on CPU than the scatter
+        # `index_copy_`, whose rows are copied element by element)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(shape[0], device=dev))
+        return torch.index_select(y_sorted, 0, inverse, out=y)
 
     def clear(self) -> None:
         """Drop the expert blocks' buffers (idempotent)."""
