@@ -589,7 +589,8 @@ def vector_bodies() -> int:
     """Bit 0: the library has the AVX2 expert GEMM body; bit 1: the AVX-512 epilogues; bit
     2: the AVX-512F expert GEMM body and this CPU runs it; bit 3: the AVX-512 BF16 one
     (`vdpbf16ps`) and this CPU runs it; bit 4: the AMX one (`tdpbf16ps`), this CPU has
-    AMX-BF16 and Linux granted the process the tile state. 0 without the library."""
+    AMX-BF16 and AVX512-VBMI (its code decode) and Linux granted the process the tile
+    state. 0 without the library."""
     lib = library()
     return 0 if lib is None else int(lib.moe_ep_vector_bodies())
 
@@ -624,7 +625,7 @@ def block_scaled_by_default() -> bool:
 
 def amx_by_default() -> bool:
     """Whether `expert_gemm(vector=True)` takes the AMX body for bf16 groups here: the CPU
-    has AMX-BF16 and the library the AMX body (cpu_fused.c's auto_amx)."""
+    has AMX-BF16 (and AVX512-VBMI) and the library the AMX body (cpu_fused.c's auto_amx)."""
     return bool(vector_bodies() & _BODY_BIT["amx"])
 
 
