@@ -470,7 +470,7 @@ def plot_peers(
     if quant:
         shown += plots.ratio_bars(
             axes[3],
-            [q.fmt for q in quant],
+            [q.fmt.replace("_", "_\n", 1) for q in quant],  # seven side by side: two lines
             [q.layer.median / q.limit_s for q in quant],
             [QUANT_VS_LIMIT] * len(quant),
         )
