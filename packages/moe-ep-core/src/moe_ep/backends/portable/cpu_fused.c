@@ -1504,10 +1504,10 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * lanes (e4m3 by adding the scale's exponent to the code's bf16 bits, e2m1 by looking the
  * codes up in a table of the 16 products per scale byte), element by element where that
  * cannot give the definition's bits (NaN codes, e8m0 products past bf16's normals, a K
- * tail). The activations are the B
- * tiles: each group's rows packed once per call into blocks of 16 rows, per chunk the 16 x
- * 16 pairs in the tile's layout (`xv`), 1 KiB per chunk, transposed in registers
- * (eg_transpose16), as the C tiles' sums are on their way out. Work items: (group, EG_AMX_ROWS
+ * tail). The activations are the B tiles: each group's rows packed once per call into
+ * blocks of 16 rows, per chunk the 16 x 16 pairs in the tile's layout (`xv`), 1 KiB per
+ * chunk, transposed in registers (eg_transpose16), as the C tiles' sums are on their way
+ * out. Work items: (group, EG_AMX_ROWS
  * rows, EG_AMX_COLS output columns), run as 2 x 2 tiles (eg_item_amx), or for bf16 weights
  * and more than 32 rows as one block of weight rows against up to four row blocks
  * (eg_amx_sweeps). Each thread configures its tiles once per call and releases them after. */
@@ -1758,15 +1758,15 @@ __attribute__((constructor(103))) static void fill_e4m3_bytes(void) {
     }
 }
 
-/* eg_amx_decode of two whole chunks of unscaled e4m3 codes (64; the first `whole` 32-code
- * halves read and written: 1 or 2): the codes reordered so that a 128-bit lane holds 8 of
+/* eg_amx_decode of two whole chunks of unscaled e4m3 codes (64; the first `halves` 32-code
+ * chunks read and written: 1 or 2): the codes reordered so that a 128-bit lane holds 8 of
  * each half (one byte permute), each code's low and high bf16 bytes looked up by its
  * magnitude in 128-byte tables (two more), the sign put on the high byte, the bytes
  * interleaved into 16-bit lanes (unpacks within the lanes: code order). Half the vector
  * instructions of eg_amx_e4m3_fast per code and no exceptions to test: the same bits,
  * but a NaN code keeps its sign (eg_amx_decode's NaN has none). */
 static inline __attribute__((always_inline)) EG_AMX void eg_amx_e4m3_lut(const uint8_t *codes,
-                                                                       int whole,
+                                                                       int halves,
                                                                        uint16_t *dst) {
     /* lane l: codes 8l..8l+7, then 32+8l..32+8l+7 */
     const __m512i order = _mm512_set_epi8(
@@ -1774,14 +1774,14 @@ static inline __attribute__((always_inline)) EG_AMX void eg_amx_e4m3_lut(const u
         49, 48, 23, 22, 21, 20, 19, 18, 17, 16, 47, 46, 45, 44, 43, 42, 41, 40, 15, 14, 13, 12,
         11, 10, 9, 8, 39, 38, 37, 36, 35, 34, 33, 32, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i b = _mm512_permutexvar_epi8(
-        order, whole == 2 ? _mm512_loadu_si512(codes) : _mm512_maskz_loadu_epi8(0xffffffffu, codes));
+        order, halves == 2 ? _mm512_loadu_si512(codes) : _mm512_maskz_loadu_epi8(0xffffffffu, codes));
     const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(eg_e4m3_lo), b,
                                                 _mm512_load_si512(eg_e4m3_lo + 64));
     __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(eg_e4m3_hi), b,
                                           _mm512_load_si512(eg_e4m3_hi + 64));
     hi = _mm512_ternarylogic_epi32(hi, b, _mm512_set1_epi8((char)0x80), 0xf8); /* hi | b & c */
     _mm512_storeu_si512(dst, _mm512_unpacklo_epi8(lo, hi));
-    if (whole == 2) _mm512_storeu_si512(dst + EG_DOT, _mm512_unpackhi_epi8(lo, hi));
+    if (halves == 2) _mm512_storeu_si512(dst + EG_DOT, _mm512_unpackhi_epi8(lo, hi));
 }
 
 /* eg_amx_decode of a whole chunk of e2m1 codes in 16-bit lanes, 32 at once: each looked up
