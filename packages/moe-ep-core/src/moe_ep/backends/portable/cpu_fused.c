@@ -2162,14 +2162,15 @@ static EG_AMX void eg_amx_sweeps(const eg_args *a, int64_t g, int64_t i0, int64_
     }
 }
 
-/* The block-scaled order's step for one C tile (sums: weight row r's 16 row sums of a
- * sum block at sums + 16 r): acc[r] = fma(sums[r], x scales * weight row j + r's scale bw,
- * acc[r]) for r < nr (xs: the packed block's 16 rows' x scales of the sum block; no weight
- * scales, wse NULL: the x scales alone). */
+/* The block-scaled order's step for one C tile (sums: weight row r's 16 row sums of sum
+ * block b at sums + 16 r): acc[r] = fma(sums[r], x scales * weight row j + r's scale,
+ * acc[r]) for r < nr (x scales: the packed block's 16 rows; no weight scales, wse NULL:
+ * the x scales alone). */
 static inline __attribute__((always_inline)) EG_AMX void eg_amx_bs_acc(
     const eg_args *a, const float *sums, float *acc, const uint8_t *wse, int64_t j, int64_t nr,
-    const float *xs, int64_t bw) {
-    const __m512 sx = _mm512_loadu_ps(xs);
+    const float *xs, int64_t b) {
+    const __m512 sx = _mm512_loadu_ps(xs + b * a->bs_block / a->x_block * 16);
+    const int64_t bw = wse ? b * a->bs_block / a->ws_block : 0;
     for (int64_t r = 0; r < nr; r++) {
         const float *sw = wse ? (const float *)(wse + (j + r) * a->ws_row_bytes) + bw : NULL;
         const __m512 sc = sw ? _mm512_mul_ps(sx, _mm512_set1_ps(*sw)) : sx;
@@ -2231,9 +2232,6 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        /* chunks into the sum block; its x and weight scale indices and the elements past
-         * their blocks' starts */
-        int64_t in_block = 0, bx = 0, bw = 0, px = 0, pw = 0;
         for (int64_t c = 0; c < chunks; c++) {
             int64_t s0 = 2 * EG_DOT, s1 = 2 * EG_DOT;
             const uint16_t *d = dec + c * EG_DOT; /* the chunk's decoded A tiles, ld apart */
@@ -2267,20 +2265,14 @@ static EG_AMX void eg_item_amx(const eg_args *a, int64_t g, int64_t block, int64
                 _tile_dpbf16ps(2, 5, 6);
                 if (two) _tile_dpbf16ps(3, 5, 7);
             }
-            if (cpb && ++in_block == cpb) { /* the end of a sum block */
+            if (cpb && (c + 1) % cpb == 0) /* the end of sum block c / cpb */
                 for (int64_t t = 0; t < 4; t++) {
                     if (!used[t]) continue;
                     eg_amx_tile_store(t, sums);
                     eg_amx_tile_zero(t);
                     eg_amx_bs_acc(a, sums, acc[t], wse, j0 + 16 * (t >> 1), t >> 1 ? nr1 : nr0,
-                                  (t & 1 ? xs1 : xs0) + 16 * bx, bw);
+                                  t & 1 ? xs1 : xs0, c / cpb);
                 }
-                /* the next block's x and weight scale indices, b * bs_block / x_block and
-                 * / ws_block, counted (no division per block) */
-                in_block = 0;
-                for (px += a->bs_block; px >= a->x_block; px -= a->x_block) bx++;
-                for (pw += a->bs_block; wse && pw >= a->ws_block; pw -= a->ws_block) bw++;
-            }
         }
         const int64_t out_row = a->out_row0[g] + i0 + r0;
         const int64_t mr0 = rows - r0 < 16 ? rows - r0 : 16, mr1 = rows - r0 - mr0;
