@@ -1844,7 +1844,8 @@ static inline __attribute__((always_inline)) EG_AMX void eg_amx_e2m1_rows(
 }
 
 /* Rows [0, nr) of e4m3 codes at w (ldw bytes apart; e8m0 scales s, lds apart, block sb a
- * multiple of EG_DOT or 0, as eg_amx_s_at), whole chunks [c0, c1), decoded by
+ * multiple of EG_DOT, as eg_amx_s_at; unscaled codes go through eg_amx_e4m3_lut), whole
+ * chunks [c0, c1), decoded by
  * eg_amx_e4m3_fast into buf as eg_amx_e2m1_rows; returns whether a chunk was left
  * undecoded (a NaN code, a scale byte outside 10-246). */
 static inline __attribute__((always_inline)) EG_AMX int eg_amx_e4m3_rows(
