@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep.backends.portable import comm, cpu_fused
-from moe_ep.backends.portable.experts import _swiglu
+from moe_ep.backends.portable.experts import _swiglu, unsort_rows
 from moe_ep.backends.portable.recipes import PreparedWeights
 from moe_ep.contract import KernelRuntime
 from moe_ep.errors import MoeEpUsageError
@@ -175,7 +175,7 @@ class CaptureSafeForward:
         _swiglu(gu, hh, None, self.swiglu_clamp, None, self.workspace, scale)
         y_sorted = torch._grouped_mm(hh, weights.w2t, offs=offs)
         y_sorted = torch.where(valid[order][:, None], y_sorted, 0)  # rows never computed
-        y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+        y = unsort_rows(y_sorted, order, torch.empty_like(y_sorted))
         y_home = self._a2a(y.view(torch.uint8).view(-1, sub * 2 * h), "cs_y", "combine")
         y_home = y_home.view(torch.bfloat16).reshape(-1, h)
         return self._combine(y_home, staged)

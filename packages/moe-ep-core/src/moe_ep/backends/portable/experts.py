@@ -127,6 +127,16 @@ def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name
         torch.mm(a, w, out=out)
 
 
+
+def unsort_rows(y_sorted: torch.Tensor, order: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out[order[i]] = y_sorted[i]`: rows sorted by `order` (a permutation) back in place, as
+    a gather by the inverse permutation (4-5x faster on CPU than the scatter `index_copy_`,
+    whose rows are copied element by element; no host sync)."""
+    inverse = torch.empty_like(order).scatter_(
+        0, order, torch.arange(int(order.shape[0]), device=order.device, dtype=order.dtype)
+    )
+    return torch.index_select(y_sorted, 0, inverse, out=out)
+
 PACKED_MIN_ROWS = 2
 """`mm` blocks of at least this many rows use the prepacked weights: a 1-row block through
 them can give other bits than `torch.mm` (seen at K = 2048, N = 1536), from 2 rows on they
@@ -701,11 +711,7 @@ class TorchExperts:
             codes=d.codes,
             fc2_codes=recipe.fake_quant,
         )
-        y = ws.get("y_pairs", shape, torch.bfloat16, dev)
-        # back to pair order as a gather of whole rows (4-5x faster on CPU than the scatter
-        # `index_copy_`, whose rows are copied element by element)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(shape[0], device=dev))
-        return torch.index_select(y_sorted, 0, inverse, out=y)
+        return unsort_rows(y_sorted, order, ws.get("y_pairs", shape, torch.bfloat16, dev))
 
     def clear(self) -> None:
         """Drop the expert blocks' buffers (idempotent)."""
