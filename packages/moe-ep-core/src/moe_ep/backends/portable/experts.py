@@ -127,7 +127,6 @@ def _mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name
         torch.mm(a, w, out=out)
 
 
-
 def unsort_rows(y_sorted: torch.Tensor, order: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`out[order[i]] = y_sorted[i]`: rows sorted by `order` (a permutation) back in place, as
     a gather by the inverse permutation (4-5x faster on CPU than the scatter `index_copy_`,
@@ -136,6 +135,7 @@ def unsort_rows(y_sorted: torch.Tensor, order: torch.Tensor, out: torch.Tensor) 
         0, order, torch.arange(int(order.shape[0]), device=order.device, dtype=order.dtype)
     )
     return torch.index_select(y_sorted, 0, inverse, out=out)
+
 
 PACKED_MIN_ROWS = 2
 """`mm` blocks of at least this many rows use the prepacked weights: a 1-row block through
