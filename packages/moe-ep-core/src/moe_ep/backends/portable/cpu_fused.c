@@ -2395,8 +2395,9 @@ static void eg_item_amx_scalar(const eg_args *a, int64_t g, int64_t block, int64
     do {                                                                                       \
         const int32_t scaled = s_kind != EG_S_NONE;                                            \
         const int64_t step = scaled ? s_block : k1 - kc;                                       \
-        for (int64_t kb = kc; kb < k1; kb += step) {                                           \
-            const float s = scaled ? eg_scale(s_row, s_kind, kb / s_block) : 1.0f;             \
+        int64_t b = scaled ? kc / s_block : 0; /* the scale block: one division a call */     \
+        for (int64_t kb = kc; kb < k1; kb += step, b++) {                                      \
+            const float s = scaled ? eg_scale(s_row, s_kind, b) : 1.0f;                        \
             const int64_t kb1 = kb + step < k1 ? kb + step : k1;                               \
             for (int64_t kk = kb; kk < kb1; kk += EG_LANES)                                    \
                 chunk(w_row, w_kind, kk, s, scaled, dst + (kk - kc));                          \
