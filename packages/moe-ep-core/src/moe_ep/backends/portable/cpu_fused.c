@@ -2563,15 +2563,13 @@ static void eg_row_tiles(const eg_args *a, int64_t rows, int nr, int bf16, const
                          const void *const *w, int64_t chunks, float *acc, int64_t ldacc,
                          int64_t ahead) {
     const int64_t mr_max = eg_mr(a->vector);
-    /* the half-lane tiles balanced (5 rows as 3 + 2: a one-row tile waits on its fma's) */
-    int64_t tiles = a->vector == EG_BODY_AVX2_HALF ? (rows + mr_max - 1) / mr_max : 0;
-    for (int64_t r = 0; r < rows; tiles--) {
-        const int mr = tiles > 0                ? (int)((rows - r + tiles - 1) / tiles)
-                       : rows - r < mr_max ? (int)(rows - r)
-                                           : (int)mr_max;
-        eg_tile(mr, nr, bf16, x + r * a->ldxs, a->ldxs, w, chunks, acc + r * ldacc, ldacc,
+    const int balanced = a->vector == EG_BODY_AVX2_HALF; /* 5 rows as 3 + 2: a one-row
+                                                            * tile waits on its fma's */
+    for (int64_t r = 0, mr; r < rows; r += mr) {
+        const int64_t left = rows - r, tiles = (left + mr_max - 1) / mr_max;
+        mr = balanced ? (left + tiles - 1) / tiles : left < mr_max ? left : mr_max;
+        eg_tile((int)mr, nr, bf16, x + r * a->ldxs, a->ldxs, w, chunks, acc + r * ldacc, ldacc,
                 a->vector, r == 0 ? ahead : 0);
-        r += mr;
     }
 }
 
