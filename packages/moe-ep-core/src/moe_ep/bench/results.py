@@ -9,7 +9,7 @@ from typing import Any
 from moe_ep.bench.harness import RankRow
 from moe_ep.bench.limits import useful_flops
 from moe_ep.bench.shapes import BenchShape
-from moe_ep.bench.targets import Target, row_status
+from moe_ep.bench.targets import Target, row_status, with_dense_note
 
 SCHEMA = "moe-ep-bench/1"
 RATIOS = ("vs_dense", "vs_bandwidth", "vs_all_to_all", "naive_over_layer", "peer_over_layer")
@@ -81,7 +81,12 @@ class BenchRow:
         if self.skipped:
             return "skipped"
         r = self.ratios()
-        return row_status((k, r[k], self.targets.get(k)) for k in RATIOS)
+        judged = row_status((k, r[k], self.targets.get(k)) for k in RATIOS)
+        dense, bw = self.dense(), self.limits.get("bandwidth")
+        limit = self.targets.get("vs_bandwidth")
+        if dense is None or not bw or r["vs_bandwidth"] is None:
+            return judged
+        return with_dense_note(judged, limit, r["vs_bandwidth"], dense / bw)
 
     def as_dict(self) -> dict[str, Any]:
         peer = self.peer()

@@ -86,6 +86,16 @@ def row_status(checks: Iterable[tuple[str, float | None, Target | None]]) -> str
     )
 
 
+def with_dense_note(judged: str, target: Target | None, ratio: float, dense_ratio: float) -> str:
+    """`judged` (a status) with a note where a bandwidth-limit `target` that `ratio` misses
+    is missed by the dense GEMMs of equal FLOPs too (`dense_ratio`, their time over the same
+    limit): on this machine the target is below what its arithmetic reaches, not only below
+    what the layer reaches."""
+    if target is None or target.met(ratio) or target.met(dense_ratio):
+        return judged
+    return f"{judged} (dense GEMMs too: {target.fmt(dense_ratio)})"
+
+
 # The targets docs/runbook.md states for the portable layer at EP1 (issue 16; `moe-ep
 # bench` and `benchmarks/layer_speed.py --sections peers` judge by the same objects).
 DECODE_T64 = (64, 2048, 1024, 64, 8)
