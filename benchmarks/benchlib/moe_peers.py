@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -443,6 +444,16 @@ def _short_peer(name: str) -> str:
     return name.removeprefix("hf ").removesuffix("_mm")
 
 
+def _dense_marks(ax: Any, values: list[float]) -> None:
+    """A marker over each bar of `ax` (ratio_bars' positions): the dense GEMMs of equal
+    FLOPs against the same limit, where the machine's arithmetic alone lands."""
+    ax.plot(range(len(values)), values, "D", color="black", markersize=5, zorder=3,
+            label="dense GEMMs of equal FLOPs / limit")  # fmt: skip
+    bottom, top = ax.get_ylim()
+    ax.set_ylim(bottom, max(top, max(values, default=0.0) * 1.15))
+    ax.legend(loc="upper left", fontsize=7, frameon=False)
+
+
 def plot_peers(
     results: list[ShapeResult],
     quant: list[QuantResult],
@@ -467,6 +478,7 @@ def plot_peers(
         [targets_of(n)["vs_limit"] for n, _ in bound],  # type: ignore[misc]
         wrap=7,  # "decode T=64" on two lines: six names side by side
     )
+    _dense_marks(axes[0], [x["dense_vs_limit"] for _, x in bound])  # type: ignore[misc]
     axes[0].set_title("layer / its bandwidth limit (lower is better; prefill: table)", fontsize=9)
     have = [(n, x) for n, x in zip(names, ratios, strict=True) if x["peer_over_layer"] is not None]
     if have:
@@ -493,6 +505,9 @@ def plot_peers(
             [q.layer.median / q.limit_s for q in quant],
             [QUANT_VS_LIMIT] * len(quant),
         )
+        decode = [r for r in results if r.name == DECODE_TARGETED]
+        if decode:
+            _dense_marks(axes[3], [decode[0].dense_best() / q.limit_s for q in quant])
     axes[3].set_title(f"quantized layer / own weight-bytes limit, {DECODE_TARGETED}", fontsize=9)
     for fmt, ax in (("bf16", axes[4]), ("mxfp8", axes[5])):
         pts = [pt for pt in points if pt.fmt == fmt]

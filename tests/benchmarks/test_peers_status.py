@@ -5,6 +5,7 @@ FLOPs too."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from benchlib import moe_peers
 from rich.console import Console
@@ -56,3 +57,22 @@ def test_the_printed_table_carries_the_column_and_the_note() -> None:
     assert "dense/limit" in text
     assert "2.00x" in text  # 48 / 24
     assert "(dense GEMMs too: 2.00x)" in text
+
+
+def test_the_plot_marks_the_dense_gemms_over_the_limit(tmp_path: Path) -> None:
+    r = _result(100.0, 300.0, 48.0, 24.0)
+    q = moe_peers.QuantResult("fp8", Samples([0.14]), 0.012, 400 << 20)
+    seen: list[list[float]] = []
+    real = moe_peers._dense_marks
+
+    def spy(ax: object, values: list[float]) -> None:
+        seen.append(values)
+        real(ax, values)
+
+    moe_peers._dense_marks = spy  # type: ignore[assignment]
+    try:
+        path = moe_peers.plot_peers([r], [q], [], "test", "test machine", tmp_path / "p.png")
+    finally:
+        moe_peers._dense_marks = real  # type: ignore[assignment]
+    assert path.is_file() and path.stat().st_size > 0
+    assert seen == [[48.0 / 24.0], [0.048 / 0.012]]  # bf16 vs its limit, fp8 vs its own
