@@ -23,7 +23,14 @@ from moe_ep.bench import hf_peer as hf_moe
 from moe_ep.bench import plots, targets
 from moe_ep.bench.limits import dense_gemms, read_bandwidth
 from moe_ep.bench.tables import titled_table
-from moe_ep.bench.targets import Target, row_status, status, with_dense_note
+from moe_ep.bench.targets import (
+    AT_LIMIT,
+    DENSE_TOO,
+    Target,
+    row_status,
+    status,
+    with_bound_note,
+)
 from moe_ep.bench.timing import Samples, round_robin
 
 Shape = dict[str, int]
@@ -256,6 +263,29 @@ def peer_rows(results: list[ShapeResult]) -> list[dict[str, object]]:
     return rows
 
 
+def _judged(r: ShapeResult, ratios: dict[str, object], tg: dict[str, Target | None]) -> str:
+    """The row's status, with the notes where a target is beyond the dense GEMMs' speed or
+    the bandwidth limit on this machine (`with_bound_note`)."""
+    judged = row_status((k, ratios[k], tg[k]) for k in tg)  # type: ignore[misc]
+    judged = with_bound_note(
+        judged,
+        tg["vs_limit"],
+        ratios["vs_limit"],
+        ratios["dense_vs_limit"],
+        DENSE_TOO,  # type: ignore[arg-type]
+    )
+    best = r.peer_best()
+    if best is None or ratios["peer_over_layer"] is None:
+        return judged
+    return with_bound_note(
+        judged,
+        tg["peer_over_layer"],
+        ratios["peer_over_layer"],
+        best[1] / r.limit_s,
+        AT_LIMIT,  # type: ignore[arg-type]
+    )
+
+
 def targets_of(name: str) -> dict[str, Target | None]:
     decode = name == DECODE_TARGETED
     return {
@@ -299,7 +329,8 @@ def print_peers(
         ),
         caption="bw limit = active experts' bf16 weight bytes / read bandwidth; dense = the "
         "faster of the bf16 and fp32 GEMMs of equal FLOPs (dense/limit over a limit target: "
-        "the machine's arithmetic misses it too, noted in the status); peer = "
+        "the machine's arithmetic misses it too, noted in the status, as is a peer target only "
+        "a layer under its bandwidth limit could meet); peer = "
         "transformers Qwen3-MoE experts block on the same weights and routing; targets: "
         f"decode T=64 layer/limit {VS_LIMIT.label()} and peer/layer "
         f"{PEER_OVER_LAYER_DECODE.label()}; every shape peer/layer {PEER_OVER_LAYER.label()}; "
@@ -342,12 +373,7 @@ def print_peers(
             f"{ratios['dense_vs_limit']:.2f}x",
             f"{ratios['vs_dense']:.2f}x",
             "n/a" if ratios["peer_over_layer"] is None else f"{ratios['peer_over_layer']:.2f}x",
-            with_dense_note(
-                row_status((k, ratios[k], tg[k]) for k in tg),  # type: ignore[misc]
-                tg["vs_limit"],
-                ratios["vs_limit"],  # type: ignore[arg-type]
-                ratios["dense_vs_limit"],  # type: ignore[arg-type]
-            ),
+            _judged(r, ratios, tg),
         )
     out.print(table)
     for r in results:
@@ -394,8 +420,12 @@ def print_peers(
                 QUANT_VS_LIMIT.label(),
                 status(ratio, QUANT_VS_LIMIT)
                 if dense is None
-                else with_dense_note(
-                    status(ratio, QUANT_VS_LIMIT), QUANT_VS_LIMIT, ratio, dense / q.limit_s
+                else with_bound_note(
+                    status(ratio, QUANT_VS_LIMIT),
+                    QUANT_VS_LIMIT,
+                    ratio,
+                    dense / q.limit_s,
+                    DENSE_TOO,
                 ),
             )
         out.print(qt)

@@ -1,6 +1,6 @@
-"""`benchlib.moe_peers` and `moe_ep.bench.targets.with_dense_note`: the peers table's ratios
-and the note that says when a bandwidth-limit target is missed by the dense GEMMs of equal
-FLOPs too."""
+"""`benchlib.moe_peers` and `moe_ep.bench.targets.with_bound_note`: the peers table's ratios
+and the notes that say when a target is beyond the dense GEMMs of equal FLOPs or the
+bandwidth limit on the machine."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from benchlib import moe_peers
 from rich.console import Console
 
 from moe_ep.bench import hf_peer
-from moe_ep.bench.targets import VS_LIMIT, with_dense_note
+from moe_ep.bench.targets import (
+    AT_LIMIT,
+    DENSE_TOO,
+    PEER_OVER_LAYER_DECODE,
+    VS_LIMIT,
+    with_bound_note,
+)
 from moe_ep.bench.timing import Samples
 
 
@@ -39,14 +45,25 @@ def test_dense_vs_limit_takes_the_faster_dense_gemm() -> None:
 def test_the_note_only_where_both_miss_the_limit() -> None:
     over = "over target: vs_limit"
     # the layer misses, the dense GEMMs reach the bound: the layer's own miss, no note
-    assert with_dense_note(over, VS_LIMIT, 4.3, 1.2) == over
+    assert with_bound_note(over, VS_LIMIT, 4.3, 1.2, DENSE_TOO) == over
     # both miss: noted with the dense GEMMs' ratio in the target's unit
-    assert with_dense_note(over, VS_LIMIT, 4.3, 2.01) == f"{over} (dense GEMMs too: 2.01x)"
-    # the layer meets it, or no limit target on this shape: unchanged
-    assert with_dense_note("ok", VS_LIMIT, 1.4, 2.0) == "ok"
-    assert with_dense_note("ok", None, 9.0, 9.0) == "ok"
+    assert (
+        with_bound_note(over, VS_LIMIT, 4.3, 2.01, DENSE_TOO) == f"{over} (dense GEMMs too: 2.01x)"
+    )
+    # the layer meets it, or no target on this shape: unchanged
+    assert with_bound_note("ok", VS_LIMIT, 1.4, 2.0, DENSE_TOO) == "ok"
+    assert with_bound_note("ok", None, 9.0, 9.0, DENSE_TOO) == "ok"
     # exactly on the bound counts as met (<=), for the dense GEMMs as for the layer
-    assert with_dense_note(over, VS_LIMIT, 1.6, 1.5) == over
+    assert with_bound_note(over, VS_LIMIT, 1.6, 1.5, DENSE_TOO) == over
+
+
+def test_a_peer_target_past_the_bandwidth_limit_is_noted() -> None:
+    under = "under target: peer_over_layer"
+    # peer 1.8x the limit: 2x faster than the peer would put the layer under its limit
+    got = with_bound_note(under, PEER_OVER_LAYER_DECODE, 1.5, 1.8, AT_LIMIT)
+    assert got == f"{under} (even at the bandwidth limit: 1.80x)"
+    # peer 3x the limit: 2x faster is possible, the miss is the layer's own
+    assert with_bound_note(under, PEER_OVER_LAYER_DECODE, 1.5, 3.0, AT_LIMIT) == under
 
 
 def test_the_printed_table_carries_the_column_and_the_note() -> None:
@@ -57,6 +74,16 @@ def test_the_printed_table_carries_the_column_and_the_note() -> None:
     assert "dense/limit" in text
     assert "2.00x" in text  # 48 / 24
     assert "(dense GEMMs too: 2.00x)" in text
+    assert "even at the bandwidth limit" not in text  # no peer timed
+
+
+def test_the_table_notes_a_peer_that_runs_near_the_limit() -> None:
+    r = _result(30.0, 300.0, 20.0, 24.0)  # the layer 1.25x its limit, dense under it
+    r.skipped.pop("hf grouped_mm")
+    r.times["hf grouped_mm"] = Samples([0.040])  # 1.67x the limit: 2x faster is impossible
+    buf = io.StringIO()
+    moe_peers.print_peers(Console(file=buf, width=400), [r], [], 33e9, "test machine", 1)
+    assert "under target: peer_over_layer (even at the bandwidth limit: 1.67x)" in buf.getvalue()
 
 
 def test_the_plot_marks_the_dense_gemms_over_the_limit(tmp_path: Path) -> None:

@@ -15,7 +15,12 @@ from moe_ep.bench.harness import RankRow, traffic
 from moe_ep.bench.results import SCHEMA, BenchRow, merge
 from moe_ep.bench.runner import BenchRequest, check_request
 from moe_ep.bench.shapes import BenchShape, deepseek_like, parse_shape
-from moe_ep.bench.targets import VS_DENSE_PREFILL, VS_LIMIT, layer_targets
+from moe_ep.bench.targets import (
+    PEER_OVER_LAYER_DECODE,
+    VS_DENSE_PREFILL,
+    VS_LIMIT,
+    layer_targets,
+)
 from moe_ep.cli import EXIT_OK, EXIT_USAGE, main
 from moe_ep.errors import MoeEpUsageError
 
@@ -127,6 +132,11 @@ def test_ratios_against_hand_computed_values() -> None:
     assert row.status() == "over target: vs_bandwidth (dense GEMMs too: 2.00x)"
     row.limits["dense fp32"] = 0.7  # 1.4x the limit: the layer's own miss, no note
     assert row.status() == "over target: vs_bandwidth"
+    # the peer (4.5 s) 1.5x as slow as the layer, 9x its 0.5 s limit: 2x is the layer's miss
+    row.targets = {"peer_over_layer": PEER_OVER_LAYER_DECODE}
+    assert row.status() == "under target: peer_over_layer"
+    row.limits["bandwidth"] = 3.0  # now the peer is 1.5x the limit: 2x faster is impossible
+    assert row.status() == "under target: peer_over_layer (even at the bandwidth limit: 1.50x)"
 
 
 def test_targets_apply_at_ep1_uniform_on_the_shapes_the_runbook_names() -> None:

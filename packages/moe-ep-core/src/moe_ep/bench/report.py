@@ -33,8 +33,9 @@ CAPTION = (
     "layer / the faster of bf16 and fp32 dense GEMMs of the same useful FLOPs; /bw limit: "
     "layer / (active experts' stored weight bytes / read bandwidth); /all_to_all: layer / a "
     "bare all_to_all_single of the bytes the busiest rank moves; naive: the per-expert loop; "
-    "peer: transformers' fastest experts implementation (EP1); a /bw limit target the dense "
-    "GEMMs miss too is noted in the status; targets (docs/runbook.md) at "
+    "peer: transformers' fastest experts implementation (EP1); the status notes a /bw limit "
+    "target the dense GEMMs miss too, and a peer target only a layer under its bandwidth "
+    "limit could meet; targets (docs/runbook.md) at "
     "EP1, uniform routing, on the shapes they name; n/a: no target stated"
 )
 

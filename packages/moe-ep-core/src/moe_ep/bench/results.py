@@ -9,7 +9,7 @@ from typing import Any
 from moe_ep.bench.harness import RankRow
 from moe_ep.bench.limits import useful_flops
 from moe_ep.bench.shapes import BenchShape
-from moe_ep.bench.targets import Target, row_status, with_dense_note
+from moe_ep.bench.targets import AT_LIMIT, DENSE_TOO, Target, row_status, with_bound_note
 
 SCHEMA = "moe-ep-bench/1"
 RATIOS = ("vs_dense", "vs_bandwidth", "vs_all_to_all", "naive_over_layer", "peer_over_layer")
@@ -82,11 +82,19 @@ class BenchRow:
             return "skipped"
         r = self.ratios()
         judged = row_status((k, r[k], self.targets.get(k)) for k in RATIOS)
-        dense, bw = self.dense(), self.limits.get("bandwidth")
-        limit = self.targets.get("vs_bandwidth")
-        if dense is None or not bw or r["vs_bandwidth"] is None:
+        bw, dense, peer = self.limits.get("bandwidth"), self.dense(), self.peer()
+        if not bw or r["vs_bandwidth"] is None:
             return judged
-        return with_dense_note(judged, limit, r["vs_bandwidth"], dense / bw)
+        if dense is not None:
+            judged = with_bound_note(
+                judged, self.targets.get("vs_bandwidth"), r["vs_bandwidth"], dense / bw, DENSE_TOO
+            )
+        if peer is not None and r["peer_over_layer"] is not None:
+            judged = with_bound_note(
+                judged, self.targets.get("peer_over_layer"), r["peer_over_layer"], peer[1] / bw,
+                AT_LIMIT,
+            )  # fmt: skip
+        return judged
 
     def as_dict(self) -> dict[str, Any]:
         peer = self.peer()

@@ -86,14 +86,23 @@ def row_status(checks: Iterable[tuple[str, float | None, Target | None]]) -> str
     )
 
 
-def with_dense_note(judged: str, target: Target | None, ratio: float, dense_ratio: float) -> str:
-    """`judged` (a status) with a note where a bandwidth-limit `target` that `ratio` misses
-    is missed by the dense GEMMs of equal FLOPs too (`dense_ratio`, their time over the same
-    limit): on this machine the target is below what its arithmetic reaches, not only below
-    what the layer reaches."""
-    if target is None or target.met(ratio) or target.met(dense_ratio):
+def with_bound_note(
+    judged: str, target: Target | None, ratio: float, best: float, label: str
+) -> str:
+    """`judged` (a status) with a note where `ratio` misses `target` and `best`, the value
+    the ratio takes at a floor the layer cannot pass (its time at the dense GEMMs of equal
+    FLOPs, or at its bandwidth limit), misses it too: the target is beyond that floor on
+    this machine, not only beyond the layer. E.g. "over target: vs_limit (dense GEMMs too:
+    1.87x)"."""
+    if target is None or target.met(ratio) or target.met(best):
         return judged
-    return f"{judged} (dense GEMMs too: {target.fmt(dense_ratio)})"
+    return f"{judged} ({label}: {target.fmt(best)})"
+
+
+DENSE_TOO = "dense GEMMs too"
+"""The note's label for a bandwidth-limit ratio that the dense GEMMs of equal FLOPs miss."""
+AT_LIMIT = "even at the bandwidth limit"
+"""The note's label for a peer / layer ratio the layer could not reach at its limit."""
 
 
 # The targets docs/runbook.md states for the portable layer at EP1 (issue 16; `moe-ep
