@@ -267,22 +267,15 @@ def _judged(r: ShapeResult, ratios: dict[str, object], tg: dict[str, Target | No
     """The row's status, with the notes where a target is beyond the dense GEMMs' speed or
     the bandwidth limit on this machine (`with_bound_note`)."""
     judged = row_status((k, ratios[k], tg[k]) for k in tg)  # type: ignore[misc]
+    layer = r.times["layer"].median
     judged = with_bound_note(
-        judged,
-        tg["vs_limit"],
-        ratios["vs_limit"],
-        ratios["dense_vs_limit"],
-        DENSE_TOO,  # type: ignore[arg-type]
+        judged, tg["vs_limit"], layer / r.limit_s, r.dense_best() / r.limit_s, DENSE_TOO
     )
     best = r.peer_best()
-    if best is None or ratios["peer_over_layer"] is None:
+    if best is None:
         return judged
     return with_bound_note(
-        judged,
-        tg["peer_over_layer"],
-        ratios["peer_over_layer"],
-        best[1] / r.limit_s,
-        AT_LIMIT,  # type: ignore[arg-type]
+        judged, tg["peer_over_layer"], best[1] / layer, best[1] / r.limit_s, AT_LIMIT
     )
 
 
