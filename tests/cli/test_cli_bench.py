@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_ep.bench.harness import RankRow, traffic
+from moe_ep.bench.harness import RankRow, stricter_limits, traffic
 from moe_ep.bench.results import SCHEMA, BenchRow, merge
 from moe_ep.bench.runner import BenchRequest, check_request
 from moe_ep.bench.shapes import BenchShape, deepseek_like, parse_shape
@@ -221,3 +221,19 @@ def test_quick_bench_covers_every_kernel_and_fits_two_minutes_on_a_quiet_machine
     assert len(list(tmp_path.glob("bench_*.png"))) == len(QUICK_SHAPES)
     if load < 1.0:  # the two-minute bound is stated for a quiet machine only
         assert elapsed < 120, f"--quick took {elapsed:.0f} s at load {load:.2f}"
+
+
+def test_the_bandwidth_limit_takes_the_faster_of_the_two_reads() -> None:
+    def rows() -> list[RankRow]:
+        return [RankRow(TINY, "uniform", KERNEL, limits={"bandwidth": 0.4, "dense fp32": 1.0}),
+                RankRow(TINY, "uniform", KERNEL, skipped="no kernel")]  # fmt: skip
+
+    # the read after the timings was twice as fast: every bandwidth limit halves
+    slower_first = rows()
+    assert stricter_limits(slower_first, 10e9, 20e9) == 20e9
+    assert slower_first[0].limits == {"bandwidth": 0.2, "dense fp32": 1.0}
+    assert slower_first[1].limits == {}
+    # the first read was the faster one: the limits stay as measured
+    faster_first = rows()
+    assert stricter_limits(faster_first, 20e9, 10e9) == 20e9
+    assert faster_first[0].limits["bandwidth"] == 0.4

@@ -12,7 +12,9 @@ sends. Per (shape, routing) it times, round-robin after warm-up:
 then each kernel's forward. A barrier starts every timed run on all ranks together; a
 forward's time is the slowest rank's in that run (the caller merges), its limits the
 slowest rank's. The bandwidth limit is the active experts' weight bytes in the kernel's
-stored format over the read bandwidth each rank measures (all ranks reading at once).
+stored format over the read bandwidth each rank measures (all ranks reading at once), before
+the timings and after them: the faster of the two (a stricter limit, so that a neighbour's
+load at one read never meets a target).
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class BenchJob:
 
 def steps_of(job: BenchJob) -> int:
     """Progress steps one world size announces (bandwidth, then per shape and routing the
-    limits and each kernel)."""
-    return 1 + len(job.shapes) * len(job.routings) * (1 + len(job.kernels))
+    limits and each kernel, then bandwidth again)."""
+    return 2 + len(job.shapes) * len(job.routings) * (1 + len(job.kernels))
 
 
 @dataclass
@@ -301,6 +303,19 @@ def bench_rank(rank: int, world_size: int, job: BenchJob) -> dict[str, Any]:
             for shape in job.shapes:
                 for routing in job.routings:
                     rows += _shape_routing(ctx, shape, routing)
+            say(f"EP{world_size}: read bandwidth again")
+            rt.barrier()
+            bw = stricter_limits(rows, bw, statistics.median(read_bandwidth(3, BANDWIDTH_BYTES)))
     finally:
         rt.release()
     return {"bandwidth": bw, "rows": rows}
+
+
+def stricter_limits(rows: list[RankRow], before: float, after: float) -> float:
+    """The faster of the two bandwidth reads (bytes / s); `rows`' bandwidth limits, computed
+    at `before`, rescaled to it in place."""
+    best = max(before, after)
+    for row in rows:
+        if "bandwidth" in row.limits:
+            row.limits["bandwidth"] *= before / best
+    return best
