@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from rich.console import Console
@@ -256,6 +256,7 @@ def peer_rows(results: list[ShapeResult]) -> list[dict[str, object]]:
                 "dense_vs_limit": r.dense_best() / r.limit_s,
                 "vs_dense": layer / r.dense_best(),
                 "peer_over_layer": None if best is None else best[1] / layer,
+                "peer_vs_limit": None if best is None else best[1] / r.limit_s,
                 "naive_over_layer": r.times["naive"].median / layer,
                 "best_peer": None if best is None else best[0],
             }
@@ -263,20 +264,34 @@ def peer_rows(results: list[ShapeResult]) -> list[dict[str, object]]:
     return rows
 
 
-def _judged(r: ShapeResult, ratios: dict[str, object], tg: dict[str, Target | None]) -> str:
-    """The row's status, with the notes where a target is beyond the dense GEMMs' speed or
-    the bandwidth limit on this machine (`with_bound_note`)."""
+def _judged(ratios: dict[str, object], tg: dict[str, Target | None]) -> str:
+    """A row's status from its `peer_rows` ratios, with the notes where a target is beyond
+    the dense GEMMs' speed or the bandwidth limit on this machine (`with_bound_note`)."""
     judged = row_status((k, ratios[k], tg[k]) for k in tg)  # type: ignore[misc]
-    layer = r.times["layer"].median
     judged = with_bound_note(
-        judged, tg["vs_limit"], layer / r.limit_s, r.dense_best() / r.limit_s, DENSE_TOO
+        judged,
+        tg["vs_limit"],
+        cast(float, ratios["vs_limit"]),
+        cast(float, ratios["dense_vs_limit"]),
+        DENSE_TOO,
     )
-    best = r.peer_best()
-    if best is None:
+    if ratios["peer_over_layer"] is None:
         return judged
     return with_bound_note(
-        judged, tg["peer_over_layer"], best[1] / layer, best[1] / r.limit_s, AT_LIMIT
+        judged,
+        tg["peer_over_layer"],
+        cast(float, ratios["peer_over_layer"]),
+        cast(float, ratios["peer_vs_limit"]),
+        AT_LIMIT,
     )
+
+
+def quant_dense_vs_limit(results: list[ShapeResult], quant: list[QuantResult]) -> list[float]:
+    """Per quantized format, the decode shape's dense GEMMs of equal FLOPs over the
+    format's own limit (the quantized orders are fp32 fma's too); empty when that shape
+    was not timed."""
+    decode = [r for r in results if r.name == DECODE_TARGETED]
+    return [decode[0].dense_best() / q.limit_s for q in quant] if decode else []
 
 
 def targets_of(name: str) -> dict[str, Target | None]:
@@ -366,17 +381,14 @@ def print_peers(
             f"{ratios['dense_vs_limit']:.2f}x",
             f"{ratios['vs_dense']:.2f}x",
             "n/a" if ratios["peer_over_layer"] is None else f"{ratios['peer_over_layer']:.2f}x",
-            _judged(r, ratios, tg),
+            _judged(ratios, tg),
         )
     out.print(table)
     for r in results:
         for k, why in r.skipped.items():
             out.print(f"{r.name}: {k} skipped: {why}")
     if quant:
-        # the quantized orders are fp32 fma's too: the decode shape's dense GEMMs of equal
-        # FLOPs against each format's own limit
-        decode = [r for r in results if r.name == DECODE_TARGETED]
-        dense = decode[0].dense_best() if decode else None
+        dense = quant_dense_vs_limit(results, quant)
         qt = titled_table(
             "quantized portable formats at decode vs their own weight bytes",
             f"{DECODE_TARGETED} {shape_text(PEER_SHAPES[DECODE_TARGETED])}",
@@ -388,13 +400,14 @@ def print_peers(
                 "layer",
                 *base,
                 "layer/limit",
-                *(["dense/limit"] if dense is not None else []),
+                *(["dense/limit"] if dense else []),
                 "target",
                 "status",
             ),
         )
-        for q in quant:
+        for i, q in enumerate(quant):
             ratio = q.layer.median / q.limit_s
+            judged = status(ratio, QUANT_VS_LIMIT)
             b = q.baseline
             qt.add_row(
                 q.fmt,
@@ -409,17 +422,11 @@ def print_peers(
                     else []
                 ),
                 f"{ratio:.2f}x",
-                *([f"{dense / q.limit_s:.2f}x"] if dense is not None else []),
+                *([f"{dense[i]:.2f}x"] if dense else []),
                 QUANT_VS_LIMIT.label(),
-                status(ratio, QUANT_VS_LIMIT)
-                if dense is None
-                else with_bound_note(
-                    status(ratio, QUANT_VS_LIMIT),
-                    QUANT_VS_LIMIT,
-                    ratio,
-                    dense / q.limit_s,
-                    DENSE_TOO,
-                ),
+                with_bound_note(judged, QUANT_VS_LIMIT, ratio, dense[i], DENSE_TOO)
+                if dense
+                else judged,
             )
         out.print(qt)
 
@@ -528,9 +535,9 @@ def plot_peers(
             [q.layer.median / q.limit_s for q in quant],
             [QUANT_VS_LIMIT] * len(quant),
         )
-        decode = [r for r in results if r.name == DECODE_TARGETED]
-        if decode:
-            _dense_marks(axes[3], [decode[0].dense_best() / q.limit_s for q in quant])
+        dense = quant_dense_vs_limit(results, quant)
+        if dense:
+            _dense_marks(axes[3], dense)
     axes[3].set_title(f"quantized layer / own weight-bytes limit, {DECODE_TARGETED}", fontsize=9)
     for fmt, ax in (("bf16", axes[4]), ("mxfp8", axes[5])):
         pts = [pt for pt in points if pt.fmt == fmt]
