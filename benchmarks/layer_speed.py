@@ -50,8 +50,9 @@ built from another cpu_fused.c (e.g. `git show 0f2f303:<its path> > old.c`), in 
 round robin: before / after a kernel change measured side by side under the same load.
 --cpu-prepacked-weights (with peers or crossover) also times the bf16 layer with
 `cpu_prepacked_weights=True` in the same round robin ("layer prepacked", reported; the
-judged ratios stay the default layer's), and the crossover's bf16 `mm` blocks on the
-prepacked weights; refused where torch has no oneDNN bf16 GEMMs.
+judged ratios stay the default layer's), and the crossover's bf16 on the prepacked weights
+(the `mm` blocks where torch has oneDNN's bf16 GEMMs, else the expert GEMM's k order);
+refused where neither applies.
 """
 
 from __future__ import annotations
@@ -404,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-prepacked-weights",
         action="store_true",
         help="with --sections peers / crossover: also time the bf16 layer (and the crossover's "
-        "bf16 mm blocks) with cpu_prepacked_weights=True, in the same round robin",
+        "bf16 mm blocks, or its expert GEMM where torch has no oneDNN bf16 GEMMs) with "
+        "cpu_prepacked_weights=True, in the same round robin",
     )
     add_plot_options(parser, OUT_DIR / "layer_speed.png")
     return parser

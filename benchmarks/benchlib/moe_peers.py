@@ -198,6 +198,7 @@ class CrossoverPoint:
     gemm: Samples
     mm: Samples
     mm_prepacked: Samples | None = None
+    gemm_prepacked: Samples | None = None
 
 
 def crossover(
@@ -205,8 +206,9 @@ def crossover(
 ) -> list[CrossoverPoint]:
     """`run_experts` with every expert on the expert GEMM of few rows, then on the `mm`
     blocks, at each row count per expert: bf16 and (as the quantized formats' fp32 path)
-    mxfp8; with `prepacked`, bf16's `mm` blocks also on prepacked weights
-    (`experts.prepack`) in the same round robin."""
+    mxfp8; with `prepacked`, bf16 also on prepacked weights (`experts.prepack`) in the same
+    round robin: the `mm` blocks where torch has oneDNN's bf16 GEMMs, else the expert GEMM
+    (the k order on packed weights)."""
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(experts_n, 2 * i, h, generator=g) / h**0.5).bfloat16()
     w2 = (torch.randn(experts_n, h, i, generator=g) / i**0.5).bfloat16()
@@ -237,10 +239,16 @@ def crossover(
                 "gemm": lambda run=run: run(1 << 30),
                 "mm": lambda run=run: run(0),
             }
-            if pk is not None:
+            if pk is not None and pk.kpack13 is not None:
+                fns["gemm prepacked"] = lambda run=run, pk=pk: run(1 << 30, pk)
+            elif pk is not None:
                 fns["mm prepacked"] = lambda run=run, pk=pk: run(0, pk)
             t = round_robin(fns, reps)
-            points.append(CrossoverPoint(fmt, m, t["gemm"], t["mm"], t.get("mm prepacked")))
+            points.append(
+                CrossoverPoint(
+                    fmt, m, t["gemm"], t["mm"], t.get("mm prepacked"), t.get("gemm prepacked")
+                )
+            )
     return points
 
 
@@ -431,8 +439,16 @@ def print_peers(
         out.print(qt)
 
 
+def _time_and_ratio(t: Samples | None, ratio: Callable[[Samples], float]) -> list[str]:
+    """Two cells: `t`'s median (spread) in ms and `ratio(t)`, blank where `t` was not timed."""
+    if t is None:
+        return ["", ""]
+    return [f"{t.median * 1e3:.2f} ({t.spread()})", f"{ratio(t):.2f}x"]
+
+
 def print_crossover(out: Console, points: list[CrossoverPoint], machine: str) -> None:
     packed = any(pt.mm_prepacked is not None for pt in points)
+    kpacked = any(pt.gemm_prepacked is not None for pt in points)
     table = titled_table(
         "run_experts: expert GEMM of few rows vs the mm blocks",
         "4 experts, H=2048 I=1024, every expert the same row count; medians (min-max) in ms",
@@ -444,26 +460,19 @@ def print_crossover(out: Console, points: list[CrossoverPoint], machine: str) ->
             "mm blocks",
             "mm / expert GEMM",
             *(["mm prepacked", "prepacked / expert GEMM"] if packed else []),
+            *(["expert GEMM prepacked", "mm / prepacked GEMM"] if kpacked else []),
         ),
     )
     for pt in points:
-        pk = pt.mm_prepacked
+        gemm, mm = pt.gemm.median, pt.mm.median
         table.add_row(
             pt.fmt,
             str(pt.rows),
-            f"{pt.gemm.median * 1e3:.2f} ({pt.gemm.spread()})",
-            f"{pt.mm.median * 1e3:.2f} ({pt.mm.spread()})",
-            f"{pt.mm.median / pt.gemm.median:.2f}x",
-            *(
-                []
-                if not packed
-                else ["", ""]
-                if pk is None
-                else [
-                    f"{pk.median * 1e3:.2f} ({pk.spread()})",
-                    f"{pk.median / pt.gemm.median:.2f}x",
-                ]
-            ),
+            f"{gemm * 1e3:.2f} ({pt.gemm.spread()})",
+            f"{mm * 1e3:.2f} ({pt.mm.spread()})",
+            f"{mm / gemm:.2f}x",
+            *(_time_and_ratio(pt.mm_prepacked, lambda t, g=gemm: t.median / g) if packed else []),
+            *(_time_and_ratio(pt.gemm_prepacked, lambda t, m=mm: m / t.median) if kpacked else []),
         )
     out.print(table)
 
@@ -484,6 +493,11 @@ def _dense_marks(ax: Any, values: list[float]) -> None:
     ax.legend(loc="upper left", fontsize=7, frameon=False)
 
 
+def _not_run(ax: Any, section: str) -> None:
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, f"not run (--sections {section})", ha="center", transform=ax.transAxes)
+
+
 def plot_peers(
     results: list[ShapeResult],
     quant: list[QuantResult],
@@ -501,14 +515,22 @@ def plot_peers(
     # prefill reads each weight about a thousand times: its 20-40x would flatten the bars
     # the bandwidth limit is about (it stays in the table)
     bound = [(n, x) for n, x in zip(names, ratios, strict=True) if n != "prefill"]
-    shown = plots.ratio_bars(
-        axes[0],
-        [n for n, _ in bound],
-        [x["vs_limit"] for _, x in bound],
-        [targets_of(n)["vs_limit"] for n, _ in bound],  # type: ignore[misc]
-        wrap=7,  # "decode T=64" on two lines: six names side by side
+    if not results:  # a crossover-only run
+        for ax in axes[:4]:
+            _not_run(ax, "peers")
+    shown = (
+        []
+        if not results
+        else plots.ratio_bars(
+            axes[0],
+            [n for n, _ in bound],
+            [x["vs_limit"] for _, x in bound],
+            [targets_of(n)["vs_limit"] for n, _ in bound],  # type: ignore[misc]
+            wrap=7,  # "decode T=64" on two lines: six names side by side
+        )
     )
-    _dense_marks(axes[0], [x["dense_vs_limit"] for _, x in bound])  # type: ignore[misc]
+    if bound:
+        _dense_marks(axes[0], [x["dense_vs_limit"] for _, x in bound])  # type: ignore[misc]
     axes[0].set_title("layer / its bandwidth limit (lower is better; prefill: table)", fontsize=9)
     have = [(n, x) for n, x in zip(names, ratios, strict=True) if x["peer_over_layer"] is not None]
     if have:
@@ -520,13 +542,14 @@ def plot_peers(
             wrap=7,
         )
     axes[1].set_title("transformers' fastest / layer (higher is better)", fontsize=9)
-    shown += plots.ratio_bars(
-        axes[2],
-        names,
-        [x["vs_dense"] for x in ratios],
-        [targets_of(n)["vs_dense"] for n in names],  # type: ignore[misc]
-        wrap=7,
-    )
+    if results:
+        shown += plots.ratio_bars(
+            axes[2],
+            names,
+            [x["vs_dense"] for x in ratios],
+            [targets_of(n)["vs_dense"] for n in names],  # type: ignore[misc]
+            wrap=7,
+        )
     axes[2].set_title("layer / faster dense GEMM, equal FLOPs (lower: better)", fontsize=9)
     if quant:
         shown += plots.ratio_bars(
@@ -549,12 +572,16 @@ def plot_peers(
                 ys = [pk.median / pt.gemm.median for pk, pt in zip(pks, pts, strict=True)]
                 ax.plot(xs, ys, "s--", label="mm blocks, prepacked weights")
                 ax.legend(fontsize=8)
+            kps = [pt.gemm_prepacked for pt in pts if pt.gemm_prepacked is not None]
+            if len(kps) == len(pts):
+                ys = [pt.mm.median / kp.median for kp, pt in zip(kps, pts, strict=True)]
+                ax.plot(xs, ys, "s--", label="mm blocks / expert GEMM on prepacked weights")
+                ax.legend(fontsize=8)
             ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("rows per expert")
         else:
-            ax.set_axis_off()
-            ax.text(0.5, 0.5, "not run (--sections crossover)", ha="center", transform=ax.transAxes)
+            _not_run(ax, "crossover")
         ax.set_title(f"{fmt}: mm blocks / expert GEMM time (> 1: GEMM faster)", fontsize=9)
     for ax in axes:
         ax.set_ylabel("ratio")

@@ -103,3 +103,45 @@ def test_the_plot_marks_the_dense_gemms_over_the_limit(tmp_path: Path) -> None:
         moe_peers._dense_marks = real  # type: ignore[assignment]
     assert path.is_file() and path.stat().st_size > 0
     assert seen == [[48.0 / 24.0], [0.048 / 0.012]]  # bf16 vs its limit, fp8 vs its own
+
+
+def _point(fmt: str, gemm: float, mm: float, **prepacked: float) -> moe_peers.CrossoverPoint:
+    kw = {name: Samples([t]) for name, t in prepacked.items()}
+    return moe_peers.CrossoverPoint(fmt, 8, Samples([gemm]), Samples([mm]), **kw)
+
+
+def test_the_crossover_table_prints_the_prepacked_expert_gemm() -> None:
+    """With the k-order packing (`gemm_prepacked`): its time and mm / it, blank cells for a
+    format without it; with oneDNN's (`mm_prepacked`): it over the expert GEMM."""
+    buf = io.StringIO()
+    points = [_point("bf16", 0.010, 0.040, gemm_prepacked=0.005), _point("mxfp8", 0.010, 0.020)]
+    moe_peers.print_crossover(Console(file=buf, width=400), points, "test machine")
+    lines = {
+        line.split("│")[1].strip(): line for line in buf.getvalue().splitlines() if "│" in line
+    }
+    assert "mm / prepacked GEMM" in buf.getvalue()
+    cells = [c.strip() for c in lines["bf16"].split("│")[5:8]]
+    assert cells[0] == "4.00x" and cells[1].startswith("5.00 (") and cells[2] == "8.00x"
+    assert [c.strip() for c in lines["mxfp8"].split("│")[6:8]] == ["", ""]
+    buf = io.StringIO()
+    moe_peers.print_crossover(
+        Console(file=buf, width=400), [_point("bf16", 0.010, 0.040, mm_prepacked=0.02)], "m"
+    )
+    assert "prepacked / expert GEMM" in buf.getvalue() and "2.00x" in buf.getvalue()
+
+
+def test_a_crossover_only_plot_says_the_peers_did_not_run(tmp_path: Path) -> None:
+    texts: list[str] = []
+    real = moe_peers._not_run
+
+    def spy(ax: object, section: str) -> None:
+        texts.append(section)
+        real(ax, section)
+
+    moe_peers._not_run = spy  # type: ignore[assignment]
+    try:
+        points = [_point("bf16", 0.01, 0.04), _point("mxfp8", 0.01, 0.02)]
+        path = moe_peers.plot_peers([], [], points, "test", "test machine", tmp_path / "p.png")
+    finally:
+        moe_peers._not_run = real  # type: ignore[assignment]
+    assert path.is_file() and texts == ["peers"] * 4

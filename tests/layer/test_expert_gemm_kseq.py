@@ -1,4 +1,6 @@
-"""The expert GEMM's k-order bodies: AVX2 with activation rows in the lanes, and its scalar twin.
+"""The expert GEMM's k-order bodies: AVX2 with activation rows in the lanes, its scalar twin,
+and both on bf16 weights packed in blocks of 16 columns (`cpu_fused.pack_k16`: the AVX2 body
+with the columns in the lanes).
 
 The reference is the order's definition computed by torch: each output the fp32 sum of its
 products in increasing k, left to right from +0. A bf16 x bf16 product is exact in fp32 (8 + 8
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from moe_ep.backends.portable import cpu_fused
-from moe_ep.backends.portable.cpu_fused import ExpertGroups, StoredWeight
+from moe_ep.backends.portable.cpu_fused import ExpertGroups, PackedBf16, StoredWeight
 
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
 
@@ -65,11 +67,14 @@ def _run(
     vector: bool | cpu_fused.Body,
     out_dtype: torch.dtype,
     alpha: torch.Tensor | None,
+    packed: bool = False,
 ) -> torch.Tensor:
     n, k = int(w.shape[1]), int(w.shape[2])
     out = torch.full((groups.rows, n), float("nan"), dtype=out_dtype)
     scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, k))
-    stored = StoredWeight(w, "bf16")
+    stored: StoredWeight | PackedBf16 = StoredWeight(w, "bf16")
+    if packed:
+        stored = cpu_fused.pack_k16(stored)
     assert cpu_fused.expert_gemm(x, rows, groups, stored, out, scratch, alpha=alpha, vector=vector)
     return out
 
@@ -84,13 +89,19 @@ def _want(
     return torch.cat(parts)
 
 
-def _bodies() -> list[cpu_fused.Body]:
-    bodies: list[cpu_fused.Body] = ["kseq_scalar"]
+def _bodies(packed: bool = False) -> list[bool | cpu_fused.Body]:
+    """The bodies to test; on packed weights vector=True too (the k order at any rows)."""
+    bodies: list[bool | cpu_fused.Body] = ["kseq_scalar", *([True] if packed else [])]
     return [*bodies, "avx2kseq"] if _has_avx2() else bodies
 
 
-@pytest.mark.parametrize(("n", "k"), [(5, 1), (7, 2), (50, 19), (97, 300), (13, 1043), (6, 2048)])
-def test_every_body_matches_the_k_order_bit_for_bit(n: int, k: int) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize(
+    ("n", "k"), [(5, 1), (7, 2), (50, 19), (97, 300), (13, 1043), (6, 2048), (33, 64)]
+)
+def test_every_body_matches_the_k_order_bit_for_bit(n: int, k: int, packed: bool) -> None:
+    """Ragged groups (RAGGED: empty, 1-300 rows, tails of every row tile), N with and
+    without a partial block of 16 columns, K with and without a partial chunk of 16."""
     x, rows, w, alpha = _problem(RAGGED, n, k, seed=k)
     want = _want(x, rows, w, RAGGED, alpha)
     groups = _groups(RAGGED)
@@ -98,13 +109,13 @@ def test_every_body_matches_the_k_order_bit_for_bit(n: int, k: int) -> None:
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for vector in _bodies():
-                got = _run(x, rows, w, groups, vector, torch.float32, alpha)
+            for vector in _bodies(packed):
+                got = _run(x, rows, w, groups, vector, torch.float32, alpha, packed)
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (
                     f"{vector} at {threads} threads, fp32 out: "
                     f"{int((got != want).sum())} of {want.numel()} differ"
                 )
-                got16 = _run(x, rows, w, groups, vector, torch.bfloat16, alpha)
+                got16 = _run(x, rows, w, groups, vector, torch.bfloat16, alpha, packed)
                 assert torch.equal(got16.view(torch.int16), want.bfloat16().view(torch.int16))
     finally:
         torch.set_num_threads(before)
@@ -134,8 +145,9 @@ and a tie under fp32's smallest subnormal (2^-150). No product underflows with a
 the fma's -0 and torch's rounded product plus +0 part (the module docstring)."""
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("alpha_on", [False, True])
-def test_the_stores_round_special_values_as_torch(alpha_on: bool) -> None:
+def test_the_stores_round_special_values_as_torch(alpha_on: bool, packed: bool) -> None:
     """Each output's store (times alpha, then fp32 or bf16 by round-to-nearest-even, NaN
     quietened) equals torch's, for 16 x 16 products of special values: whole 8 x 8 blocks
     and, at N = 13, a partial one."""
@@ -153,10 +165,10 @@ def test_the_stores_round_special_values_as_torch(alpha_on: bool) -> None:
             want.isnan(), (bits >> 16) | 0x40, want.bfloat16().view(torch.int16).int()
         ).to(torch.int16)
         assert int(want.isnan().sum()) > 0 and int((want16 < 0).sum()) > 0
-        for vector in _bodies():
-            got = _run(x, torch.arange(32), w, groups, vector, torch.float32, alpha)
+        for vector in _bodies(packed):
+            got = _run(x, torch.arange(32), w, groups, vector, torch.float32, alpha, packed)
             assert torch.equal(got.view(torch.int32), bits), f"{vector} N={n}, fp32 out"
-            got16 = _run(x, torch.arange(32), w, groups, vector, torch.bfloat16, alpha)
+            got16 = _run(x, torch.arange(32), w, groups, vector, torch.bfloat16, alpha, packed)
             differ = int((got16.view(torch.int16) != want16).sum())
             assert differ == 0, f"{vector} N={n}, bf16 out: {differ} differ"
 
@@ -224,6 +236,39 @@ def test_other_kinds_and_missing_bodies_are_refused(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(cpu_fused, "vector_bodies", lambda: 0)
     with pytest.raises(ValueError, match="vector='avx2kseq': this build or CPU lacks"):
         cpu_fused.expert_gemm(x16, None, groups, bf16, out, scratch, vector="avx2kseq")
+
+
+def test_the_packed_layout_is_columns_in_blocks_of_16() -> None:
+    """Column 16b + j of expert e at `[e, b, :, j]`, in increasing k; the last block's
+    missing columns zero; the source untouched."""
+    w = torch.randn(3, 37, 5).bfloat16()
+    before = w.clone()
+    p = cpu_fused.pack_k16(StoredWeight(w, "bf16"))
+    assert tuple(p.codes.shape) == (3, 3, 5, 16) and (p.n, p.k) == (37, 5)
+    for e in range(3):
+        for col in range(48):
+            got = p.codes[e, col // 16, :, col % 16]
+            want = w[e, col] if col < 37 else torch.zeros(5, dtype=torch.bfloat16)
+            assert torch.equal(got, want), (e, col)
+    assert torch.equal(w, before)
+    assert p.nbytes(2) == 2 * 3 * 5 * 16 * 2
+
+
+def test_packed_weights_are_refused_outside_the_k_order() -> None:
+    groups, scratch = _groups([2]), torch.empty(cpu_fused.expert_gemm_scratch(2, 16))
+    out = torch.empty(2, 4)
+    packed = cpu_fused.pack_k16(StoredWeight(torch.ones(1, 4, 16, dtype=torch.bfloat16), "bf16"))
+    x16 = torch.ones(2, 16, dtype=torch.bfloat16)
+    for vector in (False, "avx2", "amx_scalar", "bf16dot_scalar"):
+        with pytest.raises(ValueError, match=r"PackedBf16 weights with the k-order bodies only"):
+            cpu_fused.expert_gemm(x16, None, groups, packed, out, scratch, vector=vector)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"PackedBf16 weights needs bf16 x, got torch.float32"):
+        cpu_fused.expert_gemm(x16.float(), None, groups, packed, out, scratch)
+    with pytest.raises(ValueError, match=r"pack_k16 packs bf16 weights, got e4m3"):
+        codes = torch.zeros(1, 4, 16, dtype=torch.uint8)
+        cpu_fused.pack_k16(StoredWeight(codes, "e4m3", torch.ones(1, 4, 1), "fp32", 16))
+    with pytest.raises(ValueError, match=r"contiguous bf16 \[E, 1, K, 16\] for n=4"):
+        PackedBf16(torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16), 4)
 
 
 def test_the_python_threshold_is_the_libraries() -> None:

@@ -1,6 +1,8 @@
 """`PortableConfig.cpu_prepacked_weights`: the bf16 `mm` blocks on oneDNN's prepacked weight
-layout give `torch.mm`'s bits (the forward's outputs unchanged), and the field is honoured
-or refused: never accepted and ignored."""
+layout give `torch.mm`'s bits (the forward's outputs unchanged); where torch has no oneDNN
+bf16 GEMMs (AVX2 CPUs) the expert GEMM reads weights packed for the k order (its bits: the
+unpacked default's for experts of `KSEQ_ROWS`+ rows); and the field is honoured or refused:
+never accepted and ignored."""
 
 from __future__ import annotations
 
@@ -23,6 +25,16 @@ from moe_ep.spawn import free_port
 needs_onednn = pytest.mark.skipif(
     not experts._onednn_bf16(),
     reason="torch has no oneDNN bf16 GEMMs on this CPU: nothing to prepack",
+)
+_CPU = torch.device("cpu")
+needs_prepacking = pytest.mark.skipif(
+    experts.prepack_host_unavailable(_CPU) is not None,
+    reason=f"no prepacking here: {experts.prepack_host_unavailable(_CPU)}",
+)
+needs_kpack = pytest.mark.skipif(
+    experts._onednn_bf16() or experts.prepack_host_unavailable(_CPU) is not None,
+    reason="the k-order packing applies where torch has no oneDNN bf16 GEMMs and the fused "
+    "library's AVX2 k order is the default (AVX2 without AVX-512F)",
 )
 
 
@@ -92,9 +104,13 @@ def test_mm_blocks_on_prepacked_weights_give_the_same_outputs(
     assert torch.equal(outs[0], outs[1])
 
 
-def _forward(prepacked: bool, h: int = 256, inter: int = 128) -> tuple[torch.Tensor, Any]:
+def _forward(
+    prepacked: bool, h: int = 256, inter: int = 128, e: int = 4, t: int = 96
+) -> tuple[torch.Tensor, Any]:
+    """A forward of t tokens, top-2 of e experts (t=96, e=4: 48 rows per expert on average,
+    every expert at least `KSEQ_ROWS`)."""
     g = torch.Generator().manual_seed(2)
-    e, t, k = 4, 96, 2
+    k = 2
     w13, w2 = _weights(e, h, inter, 3)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     x, w = torch.randn(t, h, generator=g).bfloat16(), torch.rand(t, k, generator=g)
@@ -108,12 +124,37 @@ def _forward(prepacked: bool, h: int = 256, inter: int = 128) -> tuple[torch.Ten
         layer.destroy()
 
 
-@needs_onednn
+@needs_prepacking
 def test_the_layer_with_prepacked_weights_gives_the_same_bits() -> None:
     off, (plain, _) = _forward(False)
     on, (packed, _) = _forward(True)
-    assert plain.packed13 is None and packed.packed13 is not None and len(packed.packed2) == 4
+    assert plain.packed13 is None and plain.kpack13 is None
+    if experts._onednn_bf16():
+        assert packed.packed13 is not None and len(packed.packed2) == 4
+    else:
+        assert packed.kpack13 is not None and packed.kpack2 is not None
+        assert packed.kpack13.n == 256 and packed.kpack2.n == 256  # 2I, H
     assert torch.equal(on, off)
+
+
+@needs_kpack
+def test_decode_on_k_order_packing_reads_the_packed_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Few rows per expert (16 tokens, top-2 of 16 experts): the expert GEMM reads the
+    packed weights (FC1 and FC2), the outputs within the oracle's bound."""
+    real, seen = cpu_fused.expert_gemm, []
+
+    def recorded(*args: Any, **kwargs: Any) -> bool:
+        seen.append(type(args[3]).__name__)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_fused, "expert_gemm", recorded)
+    out, (packed, ref) = _forward(True, h=512, inter=256, e=16, t=16)
+    assert packed.kpack13 is not None
+    assert seen and set(seen) == {"PackedBf16"}, seen
+    report = compare_to_oracle(out, ref)
+    assert report.ok, report
 
 
 @needs_onednn
@@ -158,10 +199,32 @@ def test_prepacking_is_refused_where_it_cannot_apply(monkeypatch: pytest.MonkeyP
     with pytest.raises(MoeEpUsageError, match=r"FC1 / FC2 weights are torch.float32 / torch.bfl"):
         _kernel("any_bf16_bf16_bf16_torch", cpu, fc1_output_high_precision=True)
     monkeypatch.setattr(experts, "_onednn_bf16", lambda: False)
-    with pytest.raises(MoeEpUsageError, match=r"cannot apply here: torch has no oneDNN bf16 GEMMs"):
+    monkeypatch.setattr(cpu_fused, "kseq_by_default", lambda: False)
+    with pytest.raises(
+        MoeEpUsageError,
+        match=r"cannot apply here: torch has no oneDNN bf16 GEMMs on this CPU and the fused CPU "
+        r"library's AVX2 k order is not its default here \(vector bodies 0x[0-9a-f]+: it needs "
+        r"AVX2 without AVX-512F\); leave it False",
+    ):
+        _kernel("any_bf16_bf16_bf16_torch", cpu)
+    monkeypatch.setattr(cpu_fused, "kseq_by_default", lambda: True)  # the k-order packing
+    monkeypatch.setattr(cpu_fused, "library", lambda: None)
+    with pytest.raises(
+        MoeEpUsageError, match=r"cannot apply here: the fused CPU library is not loaded"
+    ):
         _kernel("any_bf16_bf16_bf16_torch", cpu)
     plain = Bf16Recipe().prepare(MoEWeightPack(*_weights(1, 8, 8, 0)))
     assert "not the CPU" in str(experts.prepack_unavailable(plain, torch.device("meta")))
+
+
+@needs_kpack
+def test_k_order_packing_is_refused_with_no_expert_gemm() -> None:
+    with pytest.raises(
+        MoeEpUsageError,
+        match=r"cpu_prepacked_weights=True packs the weights for the CPU expert GEMM on this "
+        r"CPU \(torch has no oneDNN bf16 GEMMs here\), which expert_gemm_rows=0 never runs",
+    ):
+        _kernel("any_bf16_bf16_bf16_torch", _CPU, expert_gemm_rows=0)
 
 
 @pytest.mark.parametrize("bad", [1, "yes", None])

@@ -93,9 +93,14 @@ class PortableConfig(KernelConfig):
     tolerance), 1.04-1.5x faster per GEMM where measured, at the cost of a
     second copy of the bf16 expert weights. In-place changes to the weight tensors after
     construction are not seen by that copy (build the layer again, or `apply_placement`).
-    Needs the CPU, torch's oneDNN bf16 GEMMs and bf16 FC1 / FC2 weights (the bf16 format
-    without `fc1_output_high_precision`): refused at construction elsewhere. Not a `moe-ep
-    tune` knob (it trades memory)."""
+    Where torch has no oneDNN bf16 GEMMs but the fused library's default bf16 body is the
+    AVX2 k order (AVX2 CPUs without AVX-512F), the second copy is packed for the CPU expert
+    GEMM instead (`cpu_fused.pack_k16`): every expert at or under the crossover then sums in
+    the k order (experts of 1-12 rows: other bits than without it, within the oracle's
+    bound), measured 1.2-1.8x faster per expert GEMM and 1.4-1.55x per decode forward on
+    Zen 3; refused there with `expert_gemm_rows=0`. Needs the CPU, one of the two, and bf16
+    FC1 / FC2 weights (the bf16 format without `fc1_output_high_precision`): refused at
+    construction elsewhere. Not a `moe-ep tune` knob (it trades memory)."""
     topk_weight_before_fc2: InitVar[bool | None] = None
     """Deprecated alias of `apply_routing_weights_before_fc2` (warns; both with different
     values are refused)."""

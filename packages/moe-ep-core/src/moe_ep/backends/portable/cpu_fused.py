@@ -39,7 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
@@ -49,10 +49,12 @@ from moe_ep.errors import MoeEpUnavailableError
 __all__ = [
     "SOURCE",
     "ExpertGroups",
+    "PackedBf16",
     "StoredWeight",
     "combine",
     "expert_gemm",
     "library",
+    "pack_k16",
     "parallel_workers",
     "run_single_threaded",
     "status",
@@ -386,6 +388,8 @@ def combine(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out: torch.Tens
 Code = Literal["bf16", "e4m3", "e2m1"]
 Scale = Literal["fp32", "e8m0", "e4m3"]
 _CODE_KIND = {"bf16": 0, "e4m3": 1, "e2m1": 2}
+_PACKED_KIND = 3
+"""cpu_fused.c's EG_W_BF16_K16: `PackedBf16` weights."""
 _SCALE_KIND = {None: 0, "fp32": 1, "e8m0": 2, "e4m3": 3}
 _CODE_DTYPE = {"bf16": torch.bfloat16, "e4m3": torch.uint8, "e2m1": torch.uint8}
 _SCALE_DTYPE = {"fp32": torch.float32, "e8m0": torch.uint8, "e4m3": torch.uint8}
@@ -538,6 +542,66 @@ class StoredWeight:
         if self.scales is not None:
             per += self.scales[0].numel() * self.scales.element_size()
         return experts * per
+
+
+PACK_COLS = 16
+"""Output columns per block of `PackedBf16` (cpu_fused.c's EG_PCOLS)."""
+
+
+@dataclass(frozen=True)
+class PackedBf16:
+    """bf16 expert weights packed for the k order (`pack_k16`): `codes [E, ceil(N/16), K,
+    16]`, per expert blocks of 16 output columns, per block its K elements in increasing k,
+    each the 16 columns' values (column 16b + j at `[e, b, :, j]`; a last block's missing
+    columns zero). `expert_gemm` reads it with the k-order bodies only (`vector=True`: the
+    AVX2 one where the CPU has AVX2, else its scalar twin; "avx2kseq", "kseq_scalar"): the
+    bits of those bodies on the unpacked weights, at every row count (cpu_fused.c)."""
+
+    codes: torch.Tensor
+    n: int
+    code: ClassVar[Code] = "bf16"
+    scales: ClassVar[None] = None
+    scale: ClassVar[None] = None
+    block: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        c = self.codes
+        blocks = -(-self.n // PACK_COLS)
+        if (
+            c.dim() != 4
+            or c.dtype != torch.bfloat16
+            or not c.is_contiguous()
+            or (int(c.shape[1]), int(c.shape[3])) != (blocks, PACK_COLS)
+        ):
+            raise ValueError(
+                f"PackedBf16 codes must be contiguous bf16 [E, {blocks}, K, {PACK_COLS}] for "
+                f"n={self.n}, got {c.dtype} {tuple(c.shape)}"
+            )
+
+    @property
+    def k(self) -> int:
+        """Elements per output column (K)."""
+        return int(self.codes.shape[2])
+
+    def nbytes(self, experts: int = 1) -> int:
+        """Bytes `expert_gemm` reads for `experts` experts."""
+        return experts * self.codes[0].numel() * self.codes.element_size()
+
+
+def pack_k16(w: StoredWeight) -> PackedBf16:
+    """A copy of bf16 `w` in `PackedBf16`'s layout (one expert at a time: the only
+    temporary is the packed copy itself)."""
+    if w.code != "bf16":
+        raise ValueError(f"pack_k16 packs bf16 weights, got {w.code}")
+    e, n, k = (int(d) for d in w.codes.shape)
+    whole = n // PACK_COLS
+    codes = torch.zeros(e, -(-n // PACK_COLS), k, PACK_COLS, dtype=torch.bfloat16)
+    for i in range(e):
+        src = w.codes[i]
+        codes[i, :whole].copy_(src[: whole * PACK_COLS].view(whole, PACK_COLS, k).transpose(1, 2))
+        if n % PACK_COLS:
+            codes[i, whole, :, : n % PACK_COLS].copy_(src[whole * PACK_COLS :].t())
+    return PackedBf16(codes, n)
 
 
 @dataclass(frozen=True)
@@ -706,7 +770,7 @@ def expert_gemm(
     x: torch.Tensor,
     x_rows: torch.Tensor | None,
     groups: ExpertGroups,
-    w: StoredWeight,
+    w: StoredWeight | PackedBf16,
     out: torch.Tensor,
     scratch: torch.Tensor,
     *,
@@ -733,7 +797,9 @@ def expert_gemm(
     output one fp32 fma chain in increasing k): other orders, other bits (cpu_fused.c), bf16
     x and weights only, but for "amx" / "amx_scalar": fp32 x too (every value exact in bf16,
     else ValueError with nothing written) and codes whose values are exact in bf16 (e4m3
-    with e8m0 scales, e2m1 with e8m0 / e4m3 scales; fp32-scaled fp8 refused).
+    with e8m0 scales, e2m1 with e8m0 / e4m3 scales; fp32-scaled fp8 refused). `w` a
+    `PackedBf16` (bf16 x only): the k order at every row count, `vector` True (the AVX2 body
+    where the CPU has AVX2, else the twin), "avx2kseq" or "kseq_scalar" (others refused).
 
     x_scales: the block-scaled AMX order (fp8's `x @ w^T` from both operands' codes): x holds
     e4m3 codes (uint8 or float8_e4m3fn), `x_scales [R, K / x_block]` fp32 their scales (rows
@@ -749,9 +815,16 @@ def expert_gemm(
     lib = library()
     if lib is None or (x_scales is not None and not hasattr(lib, "moe_ep_expert_gemm_v3")):
         return False
+    packed = isinstance(w, PackedBf16)
+    if packed and (vector not in (True, "avx2kseq", "kseq_scalar") or x_scales is not None):
+        raise ValueError(
+            f"expert_gemm reads PackedBf16 weights with the k-order bodies only (vector True, "
+            f"'avx2kseq' or 'kseq_scalar', no x_scales), got vector={vector!r}"
+        )
     k, n = w.k, w.n
     q = groups.rows
     if x_scales is not None:
+        assert isinstance(w, StoredWeight)  # packed weights refused above
         _check_block_scaled(x, x_scales, x_block, w, vector)
         x = x.view(torch.uint8)
     elif x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or int(x.shape[1]) != k:
@@ -767,7 +840,9 @@ def expert_gemm(
             raise ValueError("expert_gemm row and group indices must be contiguous int64")
     if alpha is not None and (alpha.dtype != torch.float32 or not alpha.is_contiguous()):
         raise ValueError("expert_gemm alpha must be contiguous fp32")
-    body = _body_kind(vector)
+    body = _BODY_AUTO if packed and vector is True else _body_kind(vector)
+    if packed and x.dtype != torch.bfloat16:
+        raise ValueError(f"expert_gemm on PackedBf16 weights needs bf16 x, got {x.dtype}")
     if vector in _BF16_ONLY_BODIES and (x.dtype != torch.bfloat16 or w.code != "bf16"):
         raise ValueError(
             f"expert_gemm vector={vector!r} needs bf16 x and bf16 weights, got x {x.dtype} "
@@ -795,7 +870,7 @@ def expert_gemm(
         groups.out_row0.data_ptr(), None if path is None else path.data_ptr(),
         None if alpha is None else alpha.data_ptr(),
         w.codes.data_ptr(), w.codes.stride(0) * w.codes.element_size(),
-        w.codes.stride(1) * w.codes.element_size(), _CODE_KIND[w.code],
+        w.codes.stride(1) * w.codes.element_size(), _PACKED_KIND if packed else _CODE_KIND[w.code],
         None if s is None else s.data_ptr(),
         0 if s is None else s.stride(0) * s.element_size(),
         0 if s is None else s.stride(1) * s.element_size(),

@@ -80,7 +80,10 @@ EXPERT_GEMM_ROWS_BF16_KSEQ = 256
 `cpu_fused.KSEQ_ROWS` rows (AVX2 CPUs without AVX-512F; the `mm` blocks widen as above):
 measured (AMD EPYC AVX2, 4 experts H=2048 I=1024, `run_experts` both ways) at 2 threads the
 expert GEMM 2.3-2.7x faster at 8-16 rows, 1.78x at 32, 1.24-1.29x at 64-96, 1.03-1.08x at
-128-256, 0.89-0.96x from 384; at 1 thread 1.19x at 64, 0.84-1.00x at 128-256 (docs/layer.md)."""
+128-256, 0.89-0.96x from 384; at 1 thread 1.19x at 64, 0.84-1.00x at 128-256 (docs/layer.md).
+Kept with the weights packed for the k order (`cpu_prepacked_weights`; on Zen 3, 2 threads,
+the packed expert GEMM 1.17-1.23x faster than the `mm` blocks at 128-256 rows, 1.06x at
+512, 1.02x at 1024): packing then moves the bits of experts of 1-12 rows only."""
 EXPERT_GEMM_ROWS_BF16_ONEDNN = 16
 """The same where torch runs bf16 GEMMs on oneDNN's bf16 kernels and the CPU has no AMX
 (else `EXPERT_GEMM_ROWS_BF16_AMX`): measured on AMD EPYC with
@@ -146,11 +149,18 @@ at two, AMX kernels split them differently)."""
 
 def prepack_host_unavailable(device: torch.device) -> str | None:
     """Why `PortableConfig.cpu_prepacked_weights` cannot apply on `device` whatever the
-    weights, or None when it can (bf16 weights still needed: `prepack_unavailable`)."""
+    weights, or None when it can (bf16 weights still needed: `prepack_unavailable`): where
+    torch has oneDNN's bf16 GEMMs their blocked layout, else the expert GEMM's k order on
+    packed weights, which needs the fused library's AVX2 k-order body as the default
+    (`cpu_fused.kseq_by_default`: AVX2 and no AVX-512F)."""
     if device.type != "cpu":
         return f"the device is {device}, not the CPU"
-    if not _onednn_bf16():
-        return "torch has no oneDNN bf16 GEMMs on this CPU (its bf16 blocks run widened to fp32)"
+    if not _onednn_bf16() and not cpu_fused.kseq_by_default():
+        return (
+            "torch has no oneDNN bf16 GEMMs on this CPU and the fused CPU library's AVX2 k "
+            f"order is not its default here (vector bodies {cpu_fused.vector_bodies():#x}: "
+            "it needs AVX2 without AVX-512F)"
+        )
     return None
 
 
@@ -163,13 +173,24 @@ def prepack_unavailable(weights: PreparedWeights, device: torch.device) -> str |
     dtypes = (weights.w13t.dtype, weights.w2t.dtype)
     if dtypes != (torch.bfloat16, torch.bfloat16):
         return f"the FC1 / FC2 weights are {dtypes[0]} / {dtypes[1]}, not bf16"
+    if not _onednn_bf16():
+        return expert_gemm_unavailable(weights, device)
     return None
 
 
 def prepack(weights: PreparedWeights) -> PreparedWeights:
     """`weights` with each local expert's FC1 and FC2 weights also in oneDNN's blocked
-    layout (a copy: the `mm` blocks then skip oneDNN's reorder of the weight per call).
-    Check `prepack_unavailable` first."""
+    layout (a copy: the `mm` blocks then skip oneDNN's reorder of the weight per call), or,
+    where torch has no oneDNN bf16 GEMMs, packed for the expert GEMM's k order (a copy:
+    `cpu_fused.pack_k16`; every expert below the crossover then sums in the k order, 1.2-1.8x
+    faster than the unpacked bodies on an AVX2 CPU). Check `prepack_unavailable` first."""
+    if not _onednn_bf16():
+        assert weights.stored13 is not None and weights.stored2 is not None
+        return dataclasses.replace(
+            weights,
+            kpack13=cpu_fused.pack_k16(weights.stored13),
+            kpack2=cpu_fused.pack_k16(weights.stored2),
+        )
 
     def packed(wt: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # wt[e] is [K, N]: the GEMM's weight is its [N, K] K-major storage
@@ -355,6 +376,11 @@ def _run_expert_gemm(
     output's (`cpu_fused.quant_e4m3`, the recipe's requantization) instead of `requantize`."""
     s13, s2 = weights.stored13, weights.stored2
     assert s13 is not None and s2 is not None
+    # the prepacked copies (k order) where the default bodies run
+    p13: cpu_fused.StoredWeight | cpu_fused.PackedBf16 = s13
+    p2: cpu_fused.StoredWeight | cpu_fused.PackedBf16 = s2
+    if vector is True and weights.kpack13 is not None and weights.kpack2 is not None:
+        p13, p2 = weights.kpack13, weights.kpack2
     cdt = weights.w2t.dtype
     inter, k_most = s2.k, max(s13.k, s2.k)
     starts = list(itertools.accumulate((b for *_, b in runs), initial=0))
@@ -392,10 +418,10 @@ def _run_expert_gemm(
             hc, None, fc2, s2, y, xs, alpha=a2, vector="amx", x_scales=hs, x_block=blk
         )
         return
-    cpu_fused.expert_gemm(rows, x_rows, fc1, s13, gu, xs, alpha=a13, vector=vector)
+    cpu_fused.expert_gemm(rows, x_rows, fc1, p13, gu, xs, alpha=a13, vector=vector)
     # alpha13 above: the fp32 product _swiglu would take first
     _swiglu(gu, h, None, swiglu_clamp, requantize, ws, scale)
-    cpu_fused.expert_gemm(h, None, fc2, s2, y, xs, alpha=a2, vector=vector)
+    cpu_fused.expert_gemm(h, None, fc2, p2, y, xs, alpha=a2, vector=vector)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -169,6 +169,12 @@ class PortableTorchKernel(MegaKernel):
                     f"expert_gemm_rows={gemm_rows} needs the CPU expert GEMM, which cannot run "
                     f"here: {why}; leave it None (the default) or 0"
                 )
+        if gemm_rows == 0 and self.prepared.kpack13 is not None:
+            raise MoeEpUsageError(
+                "cpu_prepacked_weights=True packs the weights for the CPU expert GEMM on this "
+                "CPU (torch has no oneDNN bf16 GEMMs here), which expert_gemm_rows=0 never "
+                "runs: leave one of them at its default"
+            )
         self.expert_gemm_rows = (
             expert_gemm_rows(self.prepared, dev) if gemm_rows is None else gemm_rows
         )

@@ -39,7 +39,7 @@ import torch
 
 from moe_ep import quant
 from moe_ep.backends.portable import cpu_fused
-from moe_ep.backends.portable.cpu_fused import FakeQuant, Scale, StoredWeight
+from moe_ep.backends.portable.cpu_fused import FakeQuant, PackedBf16, Scale, StoredWeight
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEWeightPack
 
@@ -72,6 +72,8 @@ class PreparedWeights:
         from) for the expert GEMM of few rows (`cpu_fused.expert_gemm`); None elsewhere.
     packed13 / packed2: per local expert, FC1's / FC2's bf16 weights in oneDNN's blocked GEMM
         layout (`PortableConfig.cpu_prepacked_weights`, `experts.prepack`), or None.
+    kpack13 / kpack2: the same prepacking on CPUs without oneDNN's bf16 GEMMs: FC1's / FC2's
+        bf16 weights packed for the expert GEMM's k order (`cpu_fused.pack_k16`), or None.
     operands_exact_in_bf16: the recipe's `operands_exact_in_bf16` (its expert GEMM operands
         can take the AMX order where the CPU has AMX).
     """
@@ -84,6 +86,8 @@ class PreparedWeights:
     stored2: StoredWeight | None = None
     packed13: tuple[torch.Tensor, ...] | None = None
     packed2: tuple[torch.Tensor, ...] | None = None
+    kpack13: PackedBf16 | None = None
+    kpack2: PackedBf16 | None = None
     operands_exact_in_bf16: bool = False
 
 
