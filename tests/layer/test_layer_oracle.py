@@ -9,6 +9,7 @@ import pytest
 import torch
 from layer_cases import KERNELS, Case, from_wire, make_problem, token_split
 
+from moe_ep.backends.portable.experts import prepack_host_unavailable
 from moe_ep.oracle import OracleResult, compare_to_oracle, oracle_forward
 from moe_ep.spawn import spawn_local
 
@@ -30,7 +31,14 @@ EXTRA = [
         "bf16",
     ),
 ]
-JOBS = [(c, f) for c in CASES for f in KERNELS] + EXTRA
+PREPACKED = (
+    [(Case("random_prepacked", config=(("cpu_prepacked_weights", True),)), "bf16")]
+    if prepack_host_unavailable(torch.device("cpu")) is None
+    else []
+)
+"""bf16 on prepacked weights where this CPU prepacks (oneDNN's layout, or the expert GEMM's
+k order on AVX2 CPUs without oneDNN bf16 GEMMs: every expert in the k order)."""
+JOBS = [(c, f) for c in CASES for f in KERNELS] + EXTRA + PREPACKED
 WORLD_SIZES = (1, 2, 4)
 
 
@@ -90,7 +98,8 @@ def test_bf16_bit_identical_across_runs_and_world_sizes() -> None:
     for ws, r in runs.items():
         assert r["same_again"], f"EP{ws}: a second forward differed bitwise"
     ref = runs[1]["out"]
-    for case in [c for c in CASES if c.experts] + [EXTRA[2][0], EXTRA[3][0]]:
+    bf16_cases = [c for c in CASES if c.experts] + [EXTRA[2][0], EXTRA[3][0]]
+    for case in bf16_cases + [c for c, _ in PREPACKED]:
         key = f"{case.name}/bf16"
         for ws in WORLD_SIZES[1:]:
             assert torch.equal(runs[ws]["out"][key], ref[key]), f"{key}: EP{ws} != EP1"

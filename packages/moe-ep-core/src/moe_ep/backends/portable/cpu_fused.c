@@ -388,7 +388,7 @@ void moe_ep_omp_set_threads(int32_t n) {
  * Every output is one item's, so the split never changes a bit.
  */
 enum { EG_X_BF16 = 0, EG_X_F32 = 1, EG_X_E4M3 = 2 }; /* E4M3: codes, the block-scaled AMX order */
-enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2, EG_W_BF16_K16 = 3 }; /* K16: packed (eg_item_k16) */
+enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2, EG_W_BF16_K16 = 3 }; /* K16: eg_item_k16 */
 enum { EG_S_NONE = 0, EG_S_F32 = 1, EG_S_E8M0 = 2, EG_S_E4M3 = 3 };
 enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
 int32_t moe_ep_vector_bodies(void);
@@ -1166,6 +1166,14 @@ typedef struct {
     int64_t bytes;
 } eg_span; /* bytes [p, p + bytes) */
 
+/* Output element o (an index into a->out): sum v times alpha (where the call has alphas),
+ * stored as fp32 or rounded to bf16. */
+static inline void eg_put(const eg_args *a, int64_t o, float v, float alpha) {
+    v = a->alpha ? v * alpha : v;
+    if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
+    else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
+}
+
 /* ---------------------------------------------------------------------------------------
  * The bf16 dot-product bodies (EG_BODY_BF16DOT: AVX-512 BF16 `vdpbf16ps`; its scalar twin
  * EG_BODY_BF16DOT_SCALAR), for bf16 activations and bf16 weights only, in their own order:
@@ -1308,13 +1316,8 @@ static void eg_rows_dot(const eg_args *a, int64_t g, int64_t q0, int64_t rows, i
                     for (int n = 0; n < nr; n++)
                         sums[m * EG_NRD + n] = eg_dot_scalar(x + (r + m) * ldx, w_rows[n], a->k);
             for (int m = 0; m < mr; m++)
-                for (int n = 0; n < nr; n++) {
-                    const int64_t o = (orow0 + r + m) * a->ld_out + j + n;
-                    float v = sums[m * EG_NRD + n];
-                    v = a->alpha ? v * alpha : v;
-                    if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
-                    else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
-                }
+                for (int n = 0; n < nr; n++)
+                    eg_put(a, (orow0 + r + m) * a->ld_out + j + n, sums[m * EG_NRD + n], alpha);
         }
     }
 }
@@ -1526,13 +1529,9 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
             }
 #endif
             for (int64_t m = m0; m < m0 + mr; m++)
-                for (int64_t j = jb; j < n1 && j < jb + 8; j++) {
-                    const int64_t o = (out_row + m - m0) * a->ld_out + j;
-                    float v = acc[m / EG_KR][j - j0][m % EG_KR];
-                    v = a->alpha ? v * alpha : v;
-                    if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
-                    else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
-                }
+                for (int64_t j = jb; j < n1 && j < jb + 8; j++)
+                    eg_put(a, (out_row + m - m0) * a->ld_out + j, acc[m / EG_KR][j - j0][m % EG_KR],
+                           alpha);
         }
 }
 
@@ -1641,14 +1640,9 @@ static void eg_item_k16(const eg_args *a, int64_t g, int64_t block, int64_t b) {
             for (int64_t j = 0; j < nc; j++)
                 acc[m][eg_lane(j)] = eg_kseq_scalar(x + m * a->ldxs, p + j, EG_PCOLS, k);
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
-    for (int64_t m = 0; m < rows; m++) {
-        const int64_t o = (a->out_row0[g] + i0 + m) * a->ld_out + j0;
-        for (int64_t j = 0; j < nc; j++) {
-            const float v = a->alpha ? acc[m][eg_lane(j)] * alpha : acc[m][eg_lane(j)];
-            if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o + j] = v;
-            else ((uint16_t *)a->out)[o + j] = f32_to_bf16(v);
-        }
-    }
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t j = 0; j < nc; j++)
+            eg_put(a, (a->out_row0[g] + i0 + m) * a->ld_out + j0 + j, acc[m][eg_lane(j)], alpha);
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -1787,13 +1781,8 @@ static float eg_amx_scalar(const eg_args *a, int64_t q, const uint8_t *w_row, co
 static void eg_amx_store(const eg_args *a, const float *sums, int64_t out_row, int64_t mr,
                          int64_t j, int64_t nr, float alpha) {
     for (int64_t m = 0; m < mr; m++)
-        for (int64_t r = 0; r < nr; r++) {
-            const int64_t o = (out_row + m) * a->ld_out + j + r;
-            float v = sums[r * 16 + m];
-            v = a->alpha ? v * alpha : v;
-            if (a->out_kind == EG_OUT_F32) ((float *)a->out)[o] = v;
-            else ((uint16_t *)a->out)[o] = f32_to_bf16(v);
-        }
+        for (int64_t r = 0; r < nr; r++)
+            eg_put(a, (out_row + m) * a->ld_out + j + r, sums[r * 16 + m], alpha);
 }
 
 #if defined(MOE_EP_AVX2) && defined(__x86_64__) && defined(__linux__) &&                        \
@@ -2696,14 +2685,8 @@ static void eg_store_sums(const eg_args *a, const float *acc, int64_t ldacc, int
                           int nr, int64_t orow0, int64_t j, float alpha) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t orow = orow0 + r;
-        for (int n = 0; n < nr; n++) {
-            float v = eg_lane_sum(acc + r * ldacc + n * EG_LANES);
-            v = a->alpha ? v * alpha : v;
-            if (a->out_kind == EG_OUT_F32)
-                ((float *)a->out)[orow * a->ld_out + j + n] = v;
-            else
-                ((uint16_t *)a->out)[orow * a->ld_out + j + n] = f32_to_bf16(v);
-        }
+        for (int n = 0; n < nr; n++)
+            eg_put(a, orow * a->ld_out + j + n, eg_lane_sum(acc + r * ldacc + n * EG_LANES), alpha);
     }
 }
 
