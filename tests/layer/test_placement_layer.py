@@ -13,7 +13,7 @@ from layer_cases import Case, from_wire, make_problem, token_split
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEWeightPack
 from moe_ep.backends.portable.cpu_fused import KSEQ_ROWS
-from moe_ep.backends.portable.experts import ROW_BLOCK
+from moe_ep.backends.portable.experts import ROW_BLOCK, prepack_host_unavailable
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.oracle import compare_to_oracle, oracle_forward
 from moe_ep.placement import Placement
@@ -30,6 +30,12 @@ BIG = Case("pl_big", tokens=2700, routing="skewed", seed=12)
 # experts of 13-27 pairs: split over two replicas each holds fewer than the k order's
 # threshold (cpu_fused.KSEQ_ROWS), and must still sum in the order of the whole expert
 MID = Case("pl_mid", tokens=40, hidden=1024, inter=512, seed=13)  # sums long enough to show
+# the same on prepacked weights where this CPU prepacks (on AVX2 CPUs: every expert in the k
+# order on the packed copy, whatever its rows)
+MID_PACKED = [
+    Case("pl_mid_packed", tokens=40, hidden=1024, inter=512, seed=13,
+         config=(("cpu_prepacked_weights", True),))
+] if prepack_host_unavailable(torch.device("cpu")) is None else []  # fmt: skip
 WORLD_SIZES = (1, 2, 4)
 
 
@@ -54,8 +60,8 @@ def _placements(case: Case, world_size: int) -> dict[str, Placement]:
 def _jobs(world_size: int) -> list[tuple[str, Case, str, dict[str, Any] | None]]:
     formats = ("bf16", "fp8") if world_size == 2 else ("bf16",)
     jobs = []
-    for case in (SMALL, MID, BIG):
-        for fmt in formats:
+    for case in (SMALL, MID, BIG, *MID_PACKED):
+        for fmt in formats if case.config == () else ("bf16",):
             jobs.append((f"{case.name}/{fmt}/contiguous", case, fmt, None))
             for name, p in _placements(case, world_size).items():
                 jobs.append((f"{case.name}/{fmt}/{name}", case, fmt, p.to_json()))
