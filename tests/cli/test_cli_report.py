@@ -90,6 +90,29 @@ def test_info_reports_torch_and_device(capsys: pytest.CaptureFixture[str]) -> No
     assert "fused CPU epilogues" in out
 
 
+def test_info_says_what_cpu_prepacked_weights_does_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The expert GEMM's bodies (from the library's bits) and, per prepacking layout, what
+    `cpu_prepacked_weights=True` keeps, or why it is refused."""
+    from moe_ep.backends.portable import cpu_fused, experts
+    from moe_ep.cli.report import environment_report
+
+    if cpu_fused.library() is None:
+        assert environment_report()["CPU expert GEMM"].startswith("not available")
+        return
+    monkeypatch.setattr(cpu_fused, "vector_bodies", lambda: 1 | 4)
+    monkeypatch.setattr(experts, "prepack_layout", lambda device: "k16")
+    row = environment_report()["CPU expert GEMM"]
+    assert row.startswith("AVX-512F, AVX2; cpu_prepacked_weights=True packs a second copy")
+    assert "for the expert GEMM's k order" in row
+    monkeypatch.setattr(experts, "prepack_layout", lambda device: "onednn")
+    assert "in oneDNN's blocked layout" in environment_report()["CPU expert GEMM"]
+    monkeypatch.setattr(experts, "prepack_layout", lambda device: None)
+    monkeypatch.setattr(experts, "prepack_host_unavailable", lambda device: "no reason given")
+    monkeypatch.setattr(cpu_fused, "vector_bodies", lambda: 0)
+    row = environment_report()["CPU expert GEMM"]
+    assert row == "the scalar twin; cpu_prepacked_weights=True refused (no reason given)"
+
+
 def test_unknown_command_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as info:
         main(["frobnicate"])

@@ -190,6 +190,7 @@ def _kernel(name: str, device: torch.device, **fields: Any) -> Any:
 def test_prepacking_is_refused_where_it_cannot_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     monkeypatch.setattr(experts, "_onednn_bf16", lambda: True)  # the format decides
+    assert experts.prepack_layout(cpu) == "onednn"
     with pytest.raises(MoeEpUsageError) as info:
         _kernel("any_fp8_fp8_bf16_torch", cpu)
     assert str(info.value) == (
@@ -207,7 +208,9 @@ def test_prepacking_is_refused_where_it_cannot_apply(monkeypatch: pytest.MonkeyP
         r"AVX2 without AVX-512F\); leave it False",
     ):
         _kernel("any_bf16_bf16_bf16_torch", cpu)
+    assert experts.prepack_layout(cpu) is None
     monkeypatch.setattr(cpu_fused, "kseq_by_default", lambda: True)  # the k-order packing
+    assert experts.prepack_layout(cpu) == "k16"
     monkeypatch.setattr(cpu_fused, "library", lambda: None)
     with pytest.raises(
         MoeEpUsageError, match=r"cannot apply here: the fused CPU library is not loaded"

@@ -58,8 +58,35 @@ def environment_report() -> dict[str, str]:
         "moe-ep packages": "; ".join(installed),
         "resolved device": describe_device_resolution(),
         "fused CPU epilogues": f"{'in use' if fused else 'not in use'} ({fused_why})",
+        "CPU expert GEMM": _cpu_expert_gemm() if fused else "not available (no fused CPU library)",
         "tuning cache": _tuning_cache(),
     }
+
+
+_BODY_NAMES = ((16, "AMX"), (8, "AVX-512 BF16"), (4, "AVX-512F"), (1, "AVX2"))
+"""`cpu_fused.vector_bodies()` bits of the expert GEMM bodies, fastest first."""
+
+
+def _cpu_expert_gemm() -> str:
+    """The expert GEMM's vector bodies on this CPU and what `cpu_prepacked_weights` does."""
+    import torch
+
+    from moe_ep.backends.portable import cpu_fused, experts
+
+    bodies = cpu_fused.vector_bodies()
+    names = ", ".join(name for bit, name in _BODY_NAMES if bodies & bit) or "the scalar twin"
+    cpu = torch.device("cpu")
+    layout = experts.prepack_layout(cpu)
+    if layout == "k16":
+        packed = (
+            "packs a second copy of the bf16 expert weights for the expert GEMM's k order "
+            "(faster decode; docs/layer.md)"
+        )
+    elif layout == "onednn":
+        packed = "keeps a second copy of the bf16 expert weights in oneDNN's blocked layout"
+    else:
+        packed = f"refused ({experts.prepack_host_unavailable(cpu)})"
+    return f"{names}; cpu_prepacked_weights=True {packed}"
 
 
 def _tuning_cache() -> str:

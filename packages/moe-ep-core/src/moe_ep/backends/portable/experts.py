@@ -29,6 +29,7 @@ import functools
 import itertools
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,7 @@ __all__ = [
     "grouped_mm_applies",
     "prepack",
     "prepack_host_unavailable",
+    "prepack_layout",
     "prepack_unavailable",
     "run_experts",
 ]
@@ -147,6 +149,19 @@ matched at every shape tried at one intra-op thread (tests/layer/test_prepacked_
 at two, AMX kernels split them differently)."""
 
 
+PrepackLayout = Literal["onednn", "k16"]
+
+
+def prepack_layout(device: torch.device) -> PrepackLayout | None:
+    """What `PortableConfig.cpu_prepacked_weights` keeps on `device`: "onednn" (oneDNN's
+    blocked layout for the `mm` blocks, where torch has oneDNN's bf16 GEMMs), "k16" (the
+    expert GEMM's k order on `cpu_fused.pack_k16`'s layout), or None where it cannot apply
+    (`prepack_host_unavailable` says why)."""
+    if prepack_host_unavailable(device) is not None:
+        return None
+    return "onednn" if _onednn_bf16() else "k16"
+
+
 def prepack_host_unavailable(device: torch.device) -> str | None:
     """Why `PortableConfig.cpu_prepacked_weights` cannot apply on `device` whatever the
     weights, or None when it can (bf16 weights still needed: `prepack_unavailable`): where
@@ -173,7 +188,7 @@ def prepack_unavailable(weights: PreparedWeights, device: torch.device) -> str |
     dtypes = (weights.w13t.dtype, weights.w2t.dtype)
     if dtypes != (torch.bfloat16, torch.bfloat16):
         return f"the FC1 / FC2 weights are {dtypes[0]} / {dtypes[1]}, not bf16"
-    if not _onednn_bf16():
+    if prepack_layout(device) == "k16":
         return expert_gemm_unavailable(weights, device)
     return None
 
@@ -184,7 +199,7 @@ def prepack(weights: PreparedWeights) -> PreparedWeights:
     where torch has no oneDNN bf16 GEMMs, packed for the expert GEMM's k order (a copy:
     `cpu_fused.pack_k16`; every expert below the crossover then sums in the k order, 1.2-1.8x
     faster than the unpacked bodies on an AVX2 CPU). Check `prepack_unavailable` first."""
-    if not _onednn_bf16():
+    if not _onednn_bf16():  # prepack_layout: "k16"
         assert weights.stored13 is not None and weights.stored2 is not None
         return dataclasses.replace(
             weights,
