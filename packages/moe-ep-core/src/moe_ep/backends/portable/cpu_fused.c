@@ -1548,8 +1548,8 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * Every output is the k order's chain (x's elements times the weights' in increasing k, one
  * fma each, from +0), so the bits are those of the k-order body on the unpacked weights.
  * Work items: (group, EG_ROWS rows, one block of 16 columns). Measured on Zen 3 (AVX2, the
- * weights from DRAM, 64 experts N = K = 2048): 1.5-2x faster than the 16-lane body at 4-12
- * rows per expert (docs/layer.md). */
+ * weights from DRAM, 64 experts N = K = 2048): 1.6-1.8x faster than the 16-lane body at
+ * 4-12 rows per expert (docs/layer.md). */
 #define EG_PCOLS 16   /* output columns of one packed block (and of a work item) */
 #define EG_PMR 6      /* rows of the packed tile */
 #define EG_PKC 512    /* K elements per block when an item has several row tiles */
@@ -2962,7 +2962,8 @@ static void eg_amx_next(const eg_args *a, const int64_t *item_start, int64_t gro
  * group g (local expert e = g_expert[g]) and i < q_start[g + 1] - q_start[g], in the order
  * described above. row(q) = x_rows[q], or q when x_rows is NULL. w_e row j starts at byte
  * e * w_expert_bytes + j * w_row_bytes (bf16 elements, e4m3 bytes, or e2m1 pairs low nibble
- * first); its scale for elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of
+ * first; EG_W_BF16_K16: block b of 16 packed columns there instead of row j, eg_item_k16,
+ * bf16 x, no scales, the k-order bodies or auto only, else -3); its scale for elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of
  * s_kind values (s_block a multiple of 16). alpha may be NULL. g_rows: per group, the row
  * count that picks its body under auto (NULL: its own). xs: fp32 scratch of
  * q_start[groups] * (round_up(k, 16) + 16) elements. vector: the body (EG_BODY_*: 0 the scalar
@@ -3075,7 +3076,8 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
         a.s = NULL;
         a.s_kind = EG_S_NONE;
     }
-    const int transposed = (vector == EG_BODY_KSEQ || auto_kseq) && !packed16; /* the AVX2 k order */
+    /* the AVX2 k-order body on stored weights */
+    const int transposed = (vector == EG_BODY_KSEQ || auto_kseq) && !packed16;
     const int packed = vector == EG_BODY_AMX;                   /* the AMX body */
     item_start[0] = blk_start[0] = xt_start[0] = xv_start[0] = 0;
     for (int64_t g = 0; g < groups; g++) {
