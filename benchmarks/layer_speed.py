@@ -50,9 +50,11 @@ built from another cpu_fused.c (e.g. `git show 0f2f303:<its path> > old.c`), in 
 round robin: before / after a kernel change measured side by side under the same load.
 --cpu-prepacked-weights (with peers or crossover) also times the bf16 layer with
 `cpu_prepacked_weights=True` in the same round robin ("layer prepacked", reported; the
-judged ratios stay the default layer's), and the crossover's bf16 on the prepacked weights
-(the `mm` blocks where torch has oneDNN's bf16 GEMMs, else the expert GEMM's k order);
-refused where neither applies.
+judged ratios stay the default layer's), the quantized formats' layers too where they
+take it (on CPUs without oneDNN bf16 GEMMs: those whose dequantized weights are exact in
+bf16), and the crossover on the prepacked weights (bf16's `mm` blocks where torch has
+oneDNN's bf16 GEMMs, else the expert GEMM's k order, bf16 and mxfp8); refused where
+neither applies.
 """
 
 from __future__ import annotations
@@ -75,12 +77,12 @@ from rich.console import Console
 
 from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
 from moe_ep.backends.portable import comm, cpu_fused, experts
-from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
 from moe_ep.bench import limits, plots
 from moe_ep.bench.machine import this_machine
 from moe_ep.bench.progress import Steps
 from moe_ep.bench.tables import console, titled_table
 from moe_ep.bench.targets import Target, row_status, status
+from moe_ep.registry import get_kernel
 from moe_ep.spawn import free_port
 
 PREFILL = {"T": 4096, "H": 2048, "I": 1024, "E": 16, "k": 4}
@@ -143,14 +145,13 @@ def make_layer(
     kernel_name: str = "any_bf16_bf16_bf16_torch",
     prepacked: bool = False,
 ) -> MoEEpLayer:
-    """A world-size-1 layer on `p`'s weights; `prepacked`: bf16 with cpu_prepacked_weights."""
+    """A world-size-1 layer on `p`'s weights; `prepacked`: with cpu_prepacked_weights=True
+    (refused, with the reason, where the kernel or this CPU cannot prepack)."""
     boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
     fleet = FleetParams(shape["E"], shape["T"], shape["H"])
-    kernel: str | Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig = kernel_name
+    kernel: Any = kernel_name
     if prepacked:
-        if kernel_name != "any_bf16_bf16_bf16_torch":
-            raise ValueError(f"prepacked weights are bf16's, not {kernel_name}'s")
-        kernel = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=True)
+        kernel = get_kernel(kernel_name).config_cls(cpu_prepacked_weights=True)
     return MoEEpLayer(boot, fleet, MoEWeightPack(p["w13"], p["w2"]), kernel)
 
 
@@ -404,9 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cpu-prepacked-weights",
         action="store_true",
-        help="with --sections peers / crossover: also time the bf16 layer (and the crossover's "
-        "bf16 mm blocks, or its expert GEMM where torch has no oneDNN bf16 GEMMs) with "
-        "cpu_prepacked_weights=True, in the same round robin",
+        help="with --sections peers / crossover: also time the layers that take it (and the "
+        "crossover's bf16 mm blocks, or its expert GEMM where torch has no oneDNN bf16 GEMMs) "
+        "with cpu_prepacked_weights=True, in the same round robin",
     )
     add_plot_options(parser, OUT_DIR / "layer_speed.png")
     return parser
@@ -443,7 +444,9 @@ def run_peers(args: argparse.Namespace) -> None:
         steps.step("quantized formats at decode")
         if "peers" in args.sections:
             decode = moe_peers.PEER_SHAPES[moe_peers.DECODE_TARGETED]
-            quant = moe_peers.time_quantized(decode, args.reps, bw, problem, make_layer, baseline)
+            quant = moe_peers.time_quantized(
+                decode, args.reps, bw, problem, make_layer, baseline, args.cpu_prepacked_weights
+            )
         if "crossover" in args.sections:
             steps.step("crossover: expert GEMM vs mm blocks by rows per expert")
             points = moe_peers.crossover(args.reps, prepacked=args.cpu_prepacked_weights)

@@ -157,6 +157,7 @@ class QuantResult:
     limit_s: float
     weight_bytes: int
     baseline: Samples | None = None
+    prepacked: Samples | None = None
 
 
 def time_quantized(
@@ -166,10 +167,12 @@ def time_quantized(
     problem: Callable[[Shape], dict[str, torch.Tensor]],
     make_layer: Callable[..., object],
     baseline: ctypes.CDLL | None = None,
+    prepacked: bool = False,
 ) -> list[QuantResult]:
     """Each quantized portable format's layer at a decode shape, against the bytes its own
     stored weights (codes and scales) of the active experts take to read (and on the
-    `baseline` library too, in the same round robin)."""
+    `baseline` library too, and with `prepacked` once more with `cpu_prepacked_weights=True`
+    where the format takes it, in the same round robin)."""
     p = problem(shape)
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
     active = active_experts(p["ids"])
@@ -181,13 +184,20 @@ def time_quantized(
         fns: dict[str, Callable[[], object]] = {fmt: lambda layer=layer: layer(tensors)}  # type: ignore[operator]
         if baseline is not None:
             fns[BASELINE] = with_library(baseline, fns[fmt])
+        packs = prepacked and experts.prepack_unavailable(prepared, torch.device("cpu")) is None
+        packed = make_layer(p, shape, kernel_name, prepacked=True) if packs else None
+        if packed is not None:
+            fns[PREPACKED] = lambda packed=packed: packed(tensors)  # type: ignore[operator]
         times = round_robin(fns, reps)
         out.append(
             QuantResult(
-                fmt, times[fmt], active * per_expert / bw, active * per_expert, times.get(BASELINE)
+                fmt, times[fmt], active * per_expert / bw, active * per_expert,
+                times.get(BASELINE), times.get(PREPACKED),
             )
-        )
+        )  # fmt: skip
         layer.destroy()  # type: ignore[attr-defined]
+        if packed is not None:
+            packed.destroy()  # type: ignore[attr-defined]
     return out
 
 
@@ -216,7 +226,8 @@ def crossover(
     points = []
     for fmt, recipe in (("bf16", recipes.Bf16Recipe()), ("mxfp8", recipes.Mxfp8Recipe())):
         pw = recipe.prepare(pack)
-        pk = experts.prepack(pw) if prepacked and fmt == "bf16" else None
+        packs = prepacked and experts.prepack_unavailable(pw, torch.device("cpu")) is None
+        pk = experts.prepack(pw) if packs else None
         for m in CROSSOVER_ROWS:
             pairs = m * experts_n
             rows = torch.randn(pairs, h).to(pw.w2t.dtype)
@@ -397,6 +408,7 @@ def print_peers(
             out.print(f"{r.name}: {k} skipped: {why}")
     if quant:
         dense = quant_dense_vs_limit(results, quant)
+        qpacked = [PREPACKED, "layer/prepacked"] if any(q.prepacked for q in quant) else []
         qt = titled_table(
             "quantized portable formats at decode vs their own weight bytes",
             f"{DECODE_TARGETED} {shape_text(PEER_SHAPES[DECODE_TARGETED])}",
@@ -407,6 +419,7 @@ def print_peers(
                 "limit",
                 "layer",
                 *base,
+                *qpacked,
                 "layer/limit",
                 *(["dense/limit"] if dense else []),
                 "target",
@@ -416,19 +429,14 @@ def print_peers(
         for i, q in enumerate(quant):
             ratio = q.layer.median / q.limit_s
             judged = status(ratio, QUANT_VS_LIMIT)
-            b = q.baseline
+            layer = q.layer.median
             qt.add_row(
                 q.fmt,
                 f"{q.weight_bytes / 2**20:.0f} MiB",
                 f"{q.limit_s * 1e3:.1f} ms",
-                f"{q.layer.median * 1e3:.1f} ({q.layer.spread()})",
-                *(
-                    [f"{b.median * 1e3:.1f} ({b.spread()})", f"{b.median / q.layer.median:.2f}x"]
-                    if base and b is not None
-                    else ["", ""]
-                    if base
-                    else []
-                ),
+                f"{layer * 1e3:.1f} ({q.layer.spread()})",
+                *(_time_and_ratio(q.baseline, lambda t, m=layer: t.median / m) if base else []),
+                *(_time_and_ratio(q.prepacked, lambda t, m=layer: m / t.median) if qpacked else []),
                 f"{ratio:.2f}x",
                 *([f"{dense[i]:.2f}x"] if dense else []),
                 QUANT_VS_LIMIT.label(),
@@ -439,11 +447,13 @@ def print_peers(
         out.print(qt)
 
 
-def _time_and_ratio(t: Samples | None, ratio: Callable[[Samples], float]) -> list[str]:
+def _time_and_ratio(
+    t: Samples | None, ratio: Callable[[Samples], float], digits: int = 1
+) -> list[str]:
     """Two cells: `t`'s median (spread) in ms and `ratio(t)`, blank where `t` was not timed."""
     if t is None:
         return ["", ""]
-    return [f"{t.median * 1e3:.2f} ({t.spread()})", f"{ratio(t):.2f}x"]
+    return [f"{t.median * 1e3:.{digits}f} ({t.spread()})", f"{ratio(t):.2f}x"]
 
 
 def print_crossover(out: Console, points: list[CrossoverPoint], machine: str) -> None:
@@ -471,8 +481,16 @@ def print_crossover(out: Console, points: list[CrossoverPoint], machine: str) ->
             f"{gemm * 1e3:.2f} ({pt.gemm.spread()})",
             f"{mm * 1e3:.2f} ({pt.mm.spread()})",
             f"{mm / gemm:.2f}x",
-            *(_time_and_ratio(pt.mm_prepacked, lambda t, g=gemm: t.median / g) if packed else []),
-            *(_time_and_ratio(pt.gemm_prepacked, lambda t, m=mm: m / t.median) if kpacked else []),
+            *(
+                _time_and_ratio(pt.mm_prepacked, lambda t, g=gemm: t.median / g, 2)
+                if packed
+                else []
+            ),
+            *(
+                _time_and_ratio(pt.gemm_prepacked, lambda t, m=mm: m / t.median, 2)
+                if kpacked
+                else []
+            ),
         )
     out.print(table)
 

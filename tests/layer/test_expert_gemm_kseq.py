@@ -72,9 +72,7 @@ def _run(
     n, k = int(w.shape[1]), int(w.shape[2])
     out = torch.full((groups.rows, n), float("nan"), dtype=out_dtype)
     scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, k))
-    stored: StoredWeight | PackedBf16 = StoredWeight(w, "bf16")
-    if packed:
-        stored = cpu_fused.pack_k16(stored)
+    stored = cpu_fused.pack_k16(w) if packed else StoredWeight(w, "bf16")
     assert cpu_fused.expert_gemm(x, rows, groups, stored, out, scratch, alpha=alpha, vector=vector)
     return out
 
@@ -240,10 +238,11 @@ def test_other_kinds_and_missing_bodies_are_refused(monkeypatch: pytest.MonkeyPa
 
 def test_the_packed_layout_is_columns_in_blocks_of_16() -> None:
     """Column 16b + j of expert e at `[e, b, :, j]`, in increasing k; the last block's
-    missing columns zero; the source untouched."""
+    missing columns zero; the source untouched; fp32 values exact in bf16 (strided, as the
+    prepared weights' views) pack to the same bits, an inexact one is refused."""
     w = torch.randn(3, 37, 5).bfloat16()
     before = w.clone()
-    p = cpu_fused.pack_k16(StoredWeight(w, "bf16"))
+    p = cpu_fused.pack_k16(w)
     assert tuple(p.codes.shape) == (3, 3, 5, 16) and (p.n, p.k) == (37, 5)
     for e in range(3):
         for col in range(48):
@@ -252,23 +251,68 @@ def test_the_packed_layout_is_columns_in_blocks_of_16() -> None:
             assert torch.equal(got, want), (e, col)
     assert torch.equal(w, before)
     assert p.nbytes(2) == 2 * 3 * 5 * 16 * 2
+    wide = w.float().transpose(1, 2).contiguous().transpose(1, 2)  # [E, N, K], K strided
+    assert torch.equal(cpu_fused.pack_k16(wide).codes, p.codes)
+    wide[1, 20, 3] += 2.0**-12 * float(wide[1, 20, 3].abs())  # past bf16's 8 bits
+    with pytest.raises(ValueError, match=r"pack_k16: weight \[1, 20, 3\] = .* is not exact"):
+        cpu_fused.pack_k16(wide)
 
 
 def test_packed_weights_are_refused_outside_the_k_order() -> None:
     groups, scratch = _groups([2]), torch.empty(cpu_fused.expert_gemm_scratch(2, 16))
     out = torch.empty(2, 4)
-    packed = cpu_fused.pack_k16(StoredWeight(torch.ones(1, 4, 16, dtype=torch.bfloat16), "bf16"))
+    packed = cpu_fused.pack_k16(torch.ones(1, 4, 16, dtype=torch.bfloat16))
     x16 = torch.ones(2, 16, dtype=torch.bfloat16)
     for vector in (False, "avx2", "amx_scalar", "bf16dot_scalar"):
         with pytest.raises(ValueError, match=r"PackedBf16 weights with the k-order bodies only"):
             cpu_fused.expert_gemm(x16, None, groups, packed, out, scratch, vector=vector)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"PackedBf16 weights needs bf16 x, got torch.float32"):
-        cpu_fused.expert_gemm(x16.float(), None, groups, packed, out, scratch)
-    with pytest.raises(ValueError, match=r"pack_k16 packs bf16 weights, got e4m3"):
-        codes = torch.zeros(1, 4, 16, dtype=torch.uint8)
-        cpu_fused.pack_k16(StoredWeight(codes, "e4m3", torch.ones(1, 4, 1), "fp32", 16))
+    with pytest.raises(
+        ValueError, match=r"expert_gemm x must be \[R, 16\] bf16 / fp32, got torch.uint8"
+    ):
+        cpu_fused.expert_gemm(x16.view(torch.uint8), None, groups, packed, out, scratch)
+    with pytest.raises(
+        ValueError, match=r"pack_k16 packs bf16 / fp32 \[E, N, K\] weights, got torch.uint8"
+    ):
+        cpu_fused.pack_k16(torch.zeros(1, 4, 16, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"contiguous bf16 \[E, 1, K, 16\] for n=4"):
         PackedBf16(torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16), 4)
+
+
+def reference_kseq_fp32_x(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The k order for fp32 `x [Q, K]` and bf16 `w [N, K]`: one rounding per step of
+    `acc + x_k w_k` (the fma), emulated in float64, where the product is exact (24 + 8
+    significant bits) and, with these data's magnitudes, so is the sum before it is rounded
+    to fp32."""
+    xd, wd = x.double(), w.double()
+    acc = torch.zeros(int(x.shape[0]), int(w.shape[0]))
+    for e in range(int(x.shape[1])):
+        acc = (acc.double() + xd[:, e : e + 1] * wd[:, e]).float()
+    return acc
+
+
+def test_packed_weights_take_fp32_x_in_the_k_order() -> None:
+    """fp32 activations (the quantized formats' compute dtype) on packed weights: every
+    body gives the k order's fma chain, bit for bit; a mul then an add (two roundings) would
+    differ on these data."""
+    counts = [0, 1, 5, 8, 13, 40]
+    g = torch.Generator().manual_seed(9)
+    n, k = 21, 77
+    w = torch.randn(len(counts), n, k, generator=g).bfloat16()
+    x = torch.randn(sum(counts), k, generator=g)
+    rows = torch.arange(sum(counts))
+    groups = _groups(counts)
+    want = torch.cat(
+        [reference_kseq_fp32_x(x[groups.q_start[e] : groups.q_start[e + 1]], w[e]) for e in
+         range(len(counts))]
+    )  # fmt: skip
+    two = torch.cat(
+        [reference_kseq(x[groups.q_start[e] : groups.q_start[e + 1]], w[e]) for e in
+         range(len(counts))]
+    )  # fmt: skip
+    assert not torch.equal(two, want)
+    for vector in _bodies(packed=True):
+        got = _run(x, rows, w, groups, vector, torch.float32, None, packed=True)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), vector
 
 
 def test_the_python_threshold_is_the_libraries() -> None:

@@ -220,6 +220,88 @@ def test_prepacking_is_refused_where_it_cannot_apply(monkeypatch: pytest.MonkeyP
     assert "not the CPU" in str(experts.prepack_unavailable(plain, torch.device("meta")))
 
 
+QUANTIZED = {
+    "any_mxfp8_mxfp8_bf16_torch": "mxfp8",
+    "any_nvfp4_nvfp4_bf16_torch": "nvfp4",
+    "any_fp8_fp4_bf16_torch": "fp8_fp4",
+    "any_fp8_mxfp4_bf16_torch": "fp8_mxfp4",
+    "any_fp8_nvfp4_bf16_torch": "fp8_nvfp4",
+    "any_mxfp8_mxfp4_bf16_torch": "mxfp8_mxfp4",
+}
+"""The quantized formats whose dequantized weights are exact in bf16 (by `cpu_fused.
+exact_in_bf16` of their stored codes and scales); fp8's fp32 block scales are not."""
+
+
+@needs_kpack
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_quantized_formats_exact_in_bf16_run_on_the_packed_copy(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their dequantized weights packed in bf16 (the same values): a decode shape reads the
+    packed copy for both GEMMs (fp32 activations) and stays within the format's oracle."""
+    real, seen = cpu_fused.expert_gemm, []
+
+    def recorded(*args: Any, **kwargs: Any) -> bool:
+        seen.append((type(args[3]).__name__, args[0].dtype))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_fused, "expert_gemm", recorded)
+    g = torch.Generator().manual_seed(4)
+    e, t, k, h, inter = 16, 16, 2, 512, 256
+    w13, w2 = _weights(e, h, inter, 7)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    x, w = torch.randn(t, h, generator=g).bfloat16(), torch.rand(t, k, generator=g)
+    cls: Any = get_kernel(name)
+    boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
+    config = cls.config_cls(cpu_prepacked_weights=True)
+    layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), config)
+    try:
+        prepared = layer._kernel.prepared  # type: ignore[attr-defined]
+        assert prepared.kpack13 is not None and prepared.kpack2 is not None
+        assert torch.equal(prepared.kpack13.codes[3, 1, :, 5].float(), prepared.w13t[3, :, 21])
+        out = layer(MoEEpTensors(x, ids, w))
+    finally:
+        layer.destroy()
+    assert seen and set(seen) == {("PackedBf16", torch.float32)}, seen
+    report = compare_to_oracle(out, oracle_forward(x, ids, w, w13, w2, fmt=QUANTIZED[name]))
+    assert report.ok, report
+
+
+@needs_kpack
+def test_bf16_with_fc1_kept_in_fp32_runs_on_the_packed_copy() -> None:
+    """`fc1_output_high_precision` (fp32 w13t, the bf16 values): the packed copy holds them,
+    FC1 writes fp32, and the forward is within the oracle with the same option."""
+    g = torch.Generator().manual_seed(5)
+    e, t, k, h, inter = 16, 16, 2, 512, 256
+    w13, w2 = _weights(e, h, inter, 8)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    x, w = torch.randn(t, h, generator=g).bfloat16(), torch.rand(t, k, generator=g)
+    config = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(
+        cpu_prepacked_weights=True, fc1_output_high_precision=True
+    )
+    boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
+    layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), config)
+    try:
+        assert layer._kernel.prepared.kpack13 is not None  # type: ignore[attr-defined]
+        out = layer(MoEEpTensors(x, ids, w))
+    finally:
+        layer.destroy()
+    ref = oracle_forward(x, ids, w, w13, w2, fc1_output_high_precision=True)
+    report = compare_to_oracle(out, ref)
+    assert report.ok, report
+
+
+@needs_kpack
+def test_fp8_weights_are_refused_for_the_k_order_packing() -> None:
+    with pytest.raises(
+        MoeEpUsageError,
+        match=r"cpu_prepacked_weights=True cannot apply here: the FC1 weights are e4m3 codes "
+        r"with fp32 scales, whose values are not exact in bf16 \(the packed copy is bf16\); "
+        r"leave it False",
+    ):
+        _kernel("any_fp8_fp8_bf16_torch", _CPU)
+
+
 @needs_kpack
 def test_k_order_packing_is_refused_with_no_expert_gemm() -> None:
     with pytest.raises(

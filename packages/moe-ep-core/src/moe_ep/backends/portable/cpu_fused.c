@@ -1546,8 +1546,9 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * rows x 16 columns (12 ymm accumulators) run over the whole of K, or, with more rows than
  * one tile, over K blocks of EG_PKC elements whose weights stay in L1 for the later tiles.
  * Every output is the k order's chain (x's elements times the weights' in increasing k, one
- * fma each, from +0), so the bits are those of the k-order body on the unpacked weights.
- * Work items: (group, EG_ROWS rows, one block of 16 columns). Measured on Zen 3 (AVX2, the
+ * fma each, from +0), so the bits are those of the k-order body on the unpacked weights
+ * (bf16 x); fp32 x (the quantized formats' activations, on weights whose values are exact
+ * in bf16) takes the same chain, one rounding per fma. Work items: (group, EG_ROWS rows, one block of 16 columns). Measured on Zen 3 (AVX2, the
  * weights from DRAM, 64 experts N = K = 2048): 1.6-1.8x faster than the 16-lane body at
  * 4-12 rows per expert (docs/layer.md). */
 #define EG_PCOLS 16   /* output columns of one packed block (and of a work item) */
@@ -2963,7 +2964,7 @@ static void eg_amx_next(const eg_args *a, const int64_t *item_start, int64_t gro
  * described above. row(q) = x_rows[q], or q when x_rows is NULL. w_e row j starts at byte
  * e * w_expert_bytes + j * w_row_bytes (bf16 elements, e4m3 bytes, or e2m1 pairs low nibble
  * first; EG_W_BF16_K16: block b of 16 packed columns there instead of row j, eg_item_k16,
- * bf16 x, no scales, the k-order bodies or auto only, else -3); its scale for elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of
+ * bf16 or fp32 x, no scales, the k-order bodies or auto only, else -3); its scale for elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of
  * s_kind values (s_block a multiple of 16). alpha may be NULL. g_rows: per group, the row
  * count that picks its body under auto (NULL: its own). xs: fp32 scratch of
  * q_start[groups] * (round_up(k, 16) + 16) elements. vector: the body (EG_BODY_*: 0 the scalar
@@ -3004,15 +3005,15 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
                (both && (s_block <= 0 || s_block % EG_DOT || k % s_block ||
                          (x_block % s_block && s_block % x_block)))))
         return -3;
-    /* packed bf16 weights: the k order only (eg_item_k16), bf16 x; auto: its AVX2 body
-     * where the CPU has AVX2, else the twin */
+    /* packed bf16 weights: the k order only (eg_item_k16), bf16 or fp32 x; auto: its AVX2
+     * body where the CPU has AVX2, else the twin */
     const int packed16 = w_kind == EG_W_BF16_K16;
     if (packed16) {
-        if (x_kind != EG_X_BF16 || bs || s_kind != EG_S_NONE) return -3;
+        if (x_kind == EG_X_E4M3 || bs || s_kind != EG_S_NONE) return -3;
         if (vector == EG_BODY_AUTO) vector = bodies & 1 ? EG_BODY_KSEQ : EG_BODY_KSEQ_SCALAR;
         else if (vector != EG_BODY_KSEQ && vector != EG_BODY_KSEQ_SCALAR) return -3;
     }
-    const int bf16_only = x_kind == EG_X_BF16 && (w_kind == EG_W_BF16 || packed16);
+    const int bf16_only = (x_kind == EG_X_BF16 && w_kind == EG_W_BF16) || packed16;
     /* auto on bf16 with AMX: the AMX body for every group (1-2-row ones too: measured 1.15x
      * faster than the AVX2 body at 1 row per expert, weights from DRAM, 8 experts, K = 2048
      * / 1024, 2 threads) */

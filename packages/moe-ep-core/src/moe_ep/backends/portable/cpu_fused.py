@@ -52,6 +52,7 @@ __all__ = [
     "PackedBf16",
     "StoredWeight",
     "combine",
+    "exact_in_bf16",
     "expert_gemm",
     "library",
     "pack_k16",
@@ -555,7 +556,8 @@ class PackedBf16:
     each the 16 columns' values (column 16b + j at `[e, b, :, j]`; a last block's missing
     columns zero). `expert_gemm` reads it with the k-order bodies only (`vector=True`: the
     AVX2 one where the CPU has AVX2, else its scalar twin; "avx2kseq", "kseq_scalar"): the
-    bits of those bodies on the unpacked weights, at every row count (cpu_fused.c)."""
+    bits of those bodies on the unpacked weights, at every row count, for bf16 x; fp32 x
+    too, in the same chain of fma's (cpu_fused.c)."""
 
     codes: torch.Tensor
     n: int
@@ -588,20 +590,36 @@ class PackedBf16:
         return experts * self.codes[0].numel() * self.codes.element_size()
 
 
-def pack_k16(w: StoredWeight) -> PackedBf16:
-    """A copy of bf16 `w` in `PackedBf16`'s layout (one expert at a time: the only
-    temporary is the packed copy itself)."""
-    if w.code != "bf16":
-        raise ValueError(f"pack_k16 packs bf16 weights, got {w.code}")
-    e, n, k = (int(d) for d in w.codes.shape)
+def pack_k16(w: torch.Tensor) -> PackedBf16:
+    """A bf16 copy of the weights `w [E, N, K]` (bf16, or fp32 whose values are exact in
+    bf16: a quantized format's dequantized weights) in `PackedBf16`'s layout, one expert at
+    a time (the temporaries are one expert's). ValueError where an fp32 value is not
+    exact in bf16 (nothing is rounded silently)."""
+    if w.dim() != 3 or w.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"pack_k16 packs bf16 / fp32 [E, N, K] weights, got {w.dtype} {w.shape}")
+    e, n, k = (int(d) for d in w.shape)
     whole = n // PACK_COLS
     codes = torch.zeros(e, -(-n // PACK_COLS), k, PACK_COLS, dtype=torch.bfloat16)
     for i in range(e):
-        src = w.codes[i]
+        src = w[i].to(torch.bfloat16)
+        if w.dtype != torch.bfloat16:
+            inexact = (src.float() != w[i]) & ~w[i].isnan()
+            if bool(inexact.any()):
+                at = [int(v) for v in inexact.nonzero()[0]]
+                raise ValueError(
+                    f"pack_k16: weight [{i}, {at[0]}, {at[1]}] = {float(w[i, at[0], at[1]])!r} "
+                    "is not exact in bf16 (the packed copy would round it)"
+                )
         codes[i, :whole].copy_(src[: whole * PACK_COLS].view(whole, PACK_COLS, k).transpose(1, 2))
         if n % PACK_COLS:
             codes[i, whole, :, : n % PACK_COLS].copy_(src[whole * PACK_COLS :].t())
     return PackedBf16(codes, n)
+
+
+def exact_in_bf16(w: StoredWeight) -> bool:
+    """Whether every value of `w` (code times scale) is exact in bf16: bf16, or codes and
+    scales the AMX order takes (e4m3 with e8m0 or none, e2m1 with e8m0 / e4m3 or none)."""
+    return (w.code, w.scale) in _AMX_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -798,8 +816,9 @@ def expert_gemm(
     x and weights only, but for "amx" / "amx_scalar": fp32 x too (every value exact in bf16,
     else ValueError with nothing written) and codes whose values are exact in bf16 (e4m3
     with e8m0 scales, e2m1 with e8m0 / e4m3 scales; fp32-scaled fp8 refused). `w` a
-    `PackedBf16` (bf16 x only): the k order at every row count, `vector` True (the AVX2 body
-    where the CPU has AVX2, else the twin), "avx2kseq" or "kseq_scalar" (others refused).
+    `PackedBf16` (bf16 or fp32 x): the k order at every row count, `vector` True (the AVX2
+    body where the CPU has AVX2, else the twin), "avx2kseq" or "kseq_scalar" (others
+    refused).
 
     x_scales: the block-scaled AMX order (fp8's `x @ w^T` from both operands' codes): x holds
     e4m3 codes (uint8 or float8_e4m3fn), `x_scales [R, K / x_block]` fp32 their scales (rows
@@ -841,9 +860,11 @@ def expert_gemm(
     if alpha is not None and (alpha.dtype != torch.float32 or not alpha.is_contiguous()):
         raise ValueError("expert_gemm alpha must be contiguous fp32")
     body = _BODY_AUTO if packed and vector is True else _body_kind(vector)
-    if packed and x.dtype != torch.bfloat16:
-        raise ValueError(f"expert_gemm on PackedBf16 weights needs bf16 x, got {x.dtype}")
-    if vector in _BF16_ONLY_BODIES and (x.dtype != torch.bfloat16 or w.code != "bf16"):
+    if (
+        vector in _BF16_ONLY_BODIES
+        and not packed
+        and (x.dtype != torch.bfloat16 or w.code != "bf16")
+    ):
         raise ValueError(
             f"expert_gemm vector={vector!r} needs bf16 x and bf16 weights, got x {x.dtype} "
             f"and weights {w.code}"

@@ -185,26 +185,36 @@ def prepack_unavailable(weights: PreparedWeights, device: torch.device) -> str |
     why = prepack_host_unavailable(device)
     if why is not None:
         return why
+    if prepack_layout(device) == "k16":  # a bf16 copy of the weights the expert GEMM reads
+        why = expert_gemm_unavailable(weights, device)
+        if why is not None:
+            return why
+        for name, s in (("FC1", weights.stored13), ("FC2", weights.stored2)):
+            if s is not None and not cpu_fused.exact_in_bf16(s):
+                return (
+                    f"the {name} weights are {s.code} codes with {s.scale} scales, whose values "
+                    "are not exact in bf16 (the packed copy is bf16)"
+                )
+        return None
     dtypes = (weights.w13t.dtype, weights.w2t.dtype)
     if dtypes != (torch.bfloat16, torch.bfloat16):
         return f"the FC1 / FC2 weights are {dtypes[0]} / {dtypes[1]}, not bf16"
-    if prepack_layout(device) == "k16":
-        return expert_gemm_unavailable(weights, device)
     return None
 
 
 def prepack(weights: PreparedWeights) -> PreparedWeights:
     """`weights` with each local expert's FC1 and FC2 weights also in oneDNN's blocked
     layout (a copy: the `mm` blocks then skip oneDNN's reorder of the weight per call), or,
-    where torch has no oneDNN bf16 GEMMs, packed for the expert GEMM's k order (a copy:
-    `cpu_fused.pack_k16`; every expert below the crossover then sums in the k order, 1.2-1.8x
-    faster than the unpacked bodies on an AVX2 CPU). Check `prepack_unavailable` first."""
-    if not _onednn_bf16():  # prepack_layout: "k16"
-        assert weights.stored13 is not None and weights.stored2 is not None
+    where torch has no oneDNN bf16 GEMMs, the weights' values (bf16, or a quantized format's
+    dequantized weights where they are exact in bf16) packed in bf16 for the expert GEMM's
+    k order (a copy: `cpu_fused.pack_k16`; every expert at or under the crossover then sums
+    in the k order, 1.2-1.8x faster than the unpacked bodies on an AVX2 CPU). Check
+    `prepack_unavailable` first."""
+    if not _onednn_bf16():  # prepack_layout: "k16"; w13t / w2t are [E, K, N] views
         return dataclasses.replace(
             weights,
-            kpack13=cpu_fused.pack_k16(weights.stored13),
-            kpack2=cpu_fused.pack_k16(weights.stored2),
+            kpack13=cpu_fused.pack_k16(weights.w13t.transpose(1, 2)),
+            kpack2=cpu_fused.pack_k16(weights.w2t.transpose(1, 2)),
         )
 
     def packed(wt: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -333,6 +343,8 @@ def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
         return 0
     assert weights.stored13 is not None
     amx = cpu_fused.amx_by_default()
+    if weights.kpack13 is not None:  # every format on the packed bf16 copy: bf16's crossover
+        return EXPERT_GEMM_ROWS_BF16_KSEQ
     if weights.stored13.code != "bf16":
         return EXPERT_GEMM_ROWS_FP32_AMX_CPU if amx else EXPERT_GEMM_ROWS_FP32
     if amx:
