@@ -79,8 +79,9 @@ def _cpu_expert_gemm() -> str:
     layout = experts.prepack_layout(cpu)
     if layout == "k16":
         packed = (
-            "packs a second copy of the bf16 expert weights for the expert GEMM's k order "
-            "(faster decode; docs/layer.md)"
+            "packs a bf16 copy of the expert weights (bf16, and the quantized formats whose "
+            "values are exact in bf16) for the expert GEMM's k order (faster decode; "
+            "docs/layer.md)"
         )
     elif layout == "onednn":
         packed = "keeps a second copy of the bf16 expert weights in oneDNN's blocked layout"

@@ -94,13 +94,17 @@ class PortableConfig(KernelConfig):
     second copy of the bf16 expert weights. In-place changes to the weight tensors after
     construction are not seen by that copy (build the layer again, or `apply_placement`).
     Where torch has no oneDNN bf16 GEMMs but the fused library's default bf16 body is the
-    AVX2 k order (AVX2 CPUs without AVX-512F), the second copy is packed for the CPU expert
-    GEMM instead (`cpu_fused.pack_k16`): every expert at or under the crossover then sums in
-    the k order (experts of 1-12 rows: other bits than without it, within the oracle's
-    bound), measured 1.2-1.8x faster per expert GEMM and 1.4-1.55x per decode forward on
-    Zen 3; refused there with `expert_gemm_rows=0`. Needs the CPU, one of the two, and bf16
-    FC1 / FC2 weights (the bf16 format without `fc1_output_high_precision`): refused at
-    construction elsewhere. Not a `moe-ep tune` knob (it trades memory)."""
+    AVX2 k order (AVX2 CPUs without AVX-512F), the second copy is a bf16 copy of the expert
+    weights' values packed for the CPU expert GEMM instead (`cpu_fused.pack_k16`), for bf16
+    (with `fc1_output_high_precision` too) and for the quantized formats whose dequantized
+    weights are exact in bf16 (all but fp8, whose fp32 block scales are not: refused): every
+    expert at or under the crossover (`expert_gemm_rows`; the quantized formats then take
+    bf16's, 256) then sums in the k order (other bits than without it for the experts that
+    change order, within the oracle's bound), measured 1.2-1.8x faster per bf16 expert GEMM
+    and 1.5-1.7x per bf16 decode forward, about 2x per quantized one, on Zen 3; refused
+    there with `expert_gemm_rows=0`. Needs the CPU and one of the two, and for oneDNN's
+    layout bf16 FC1 / FC2 weights (the bf16 format without `fc1_output_high_precision`):
+    refused at construction elsewhere. Not a `moe-ep tune` knob (it trades memory)."""
     topk_weight_before_fc2: InitVar[bool | None] = None
     """Deprecated alias of `apply_routing_weights_before_fc2` (warns; both with different
     values are refused)."""
