@@ -102,7 +102,7 @@ def test_info_says_what_cpu_prepacked_weights_does_here(monkeypatch: pytest.Monk
     monkeypatch.setattr(cpu_fused, "vector_bodies", lambda: 1 | 4)
     monkeypatch.setattr(experts, "prepack_layout", lambda device: "k16")
     row = environment_report()["CPU expert GEMM"]
-    assert row.startswith("AVX-512F, AVX2; cpu_prepacked_weights=True packs a bf16 copy")
+    assert row.startswith("avx2, avx512, avx2kseq; cpu_prepacked_weights=True packs a bf16 copy")
     assert "for the expert GEMM's k order" in row
     monkeypatch.setattr(experts, "prepack_layout", lambda device: "onednn")
     assert "in oneDNN's blocked layout" in environment_report()["CPU expert GEMM"]
@@ -110,7 +110,7 @@ def test_info_says_what_cpu_prepacked_weights_does_here(monkeypatch: pytest.Monk
     monkeypatch.setattr(experts, "prepack_host_unavailable", lambda device: "no reason given")
     monkeypatch.setattr(cpu_fused, "vector_bodies", lambda: 0)
     row = environment_report()["CPU expert GEMM"]
-    assert row == "the scalar twin; cpu_prepacked_weights=True refused (no reason given)"
+    assert row == "the scalar twins only; cpu_prepacked_weights=True refused (no reason given)"
 
 
 def test_unknown_command_is_a_usage_error() -> None:

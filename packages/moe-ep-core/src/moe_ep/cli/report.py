@@ -63,18 +63,14 @@ def environment_report() -> dict[str, str]:
     }
 
 
-_BODY_NAMES = ((16, "AMX"), (8, "AVX-512 BF16"), (4, "AVX-512F"), (1, "AVX2"))
-"""`cpu_fused.vector_bodies()` bits of the expert GEMM bodies, fastest first."""
-
-
 def _cpu_expert_gemm() -> str:
-    """The expert GEMM's vector bodies on this CPU and what `cpu_prepacked_weights` does."""
+    """The expert GEMM's vector bodies on this CPU (`expert_gemm`'s `vector` names) and what
+    `cpu_prepacked_weights` does."""
     import torch
 
     from moe_ep.backends.portable import cpu_fused, experts
 
-    bodies = cpu_fused.vector_bodies()
-    names = ", ".join(name for bit, name in _BODY_NAMES if bodies & bit) or "the scalar twin"
+    names = ", ".join(cpu_fused.runnable_bodies()) or "the scalar twins only"
     cpu = torch.device("cpu")
     layout = experts.prepack_layout(cpu)
     if layout == "k16":

@@ -616,7 +616,7 @@ def pack_k16(w: torch.Tensor) -> PackedBf16:
     return PackedBf16(codes, n)
 
 
-def exact_in_bf16(w: StoredWeight) -> bool:
+def exact_in_bf16(w: StoredWeight | PackedBf16) -> bool:
     """Whether every value of `w` (code times scale) is exact in bf16: bf16, or codes and
     scales the AMX order takes (e4m3 with e8m0 or none, e2m1 with e8m0 / e4m3 or none)."""
     return (w.code, w.scale) in _AMX_WEIGHTS
@@ -675,6 +675,13 @@ def vector_bodies() -> int:
     state. 0 without the library."""
     lib = library()
     return 0 if lib is None else int(lib.moe_ep_vector_bodies())
+
+
+def runnable_bodies() -> list[Body]:
+    """The vector bodies (`expert_gemm`'s `vector` names) this build and CPU run, from
+    `vector_bodies()`; the scalar twins, which run anywhere, are not listed."""
+    bodies = vector_bodies()
+    return [name for name, bit in _BODY_BIT.items() if bit and bodies & bit]
 
 
 _BODY_AUTO = 3
@@ -738,7 +745,7 @@ _X_KIND = {torch.bfloat16: 0, torch.float32: 1, torch.uint8: 2}
 def block_scaled_weights(w: StoredWeight) -> bool:
     """Whether `expert_gemm`'s block-scaled order takes these weights: e4m3 codes with fp32
     scales, or weights exact in bf16 (the AMX order's)."""
-    return (w.code, w.scale) == ("e4m3", "fp32") or (w.code, w.scale) in _AMX_WEIGHTS
+    return (w.code, w.scale) == ("e4m3", "fp32") or exact_in_bf16(w)
 
 
 def _check_block_scaled(
@@ -869,7 +876,7 @@ def expert_gemm(
             f"expert_gemm vector={vector!r} needs bf16 x and bf16 weights, got x {x.dtype} "
             f"and weights {w.code}"
         )
-    if vector in _AMX_BODIES and (w.code, w.scale) not in _AMX_WEIGHTS and x_scales is None:
+    if vector in _AMX_BODIES and not exact_in_bf16(w) and x_scales is None:
         raise ValueError(
             f"expert_gemm vector={vector!r} needs weights exact in bf16 (bf16, e4m3 with e8m0 "
             f"or no scales, e2m1 with e8m0 / e4m3 or no scales), got {w.code} with {w.scale} "

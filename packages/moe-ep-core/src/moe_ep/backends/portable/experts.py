@@ -182,10 +182,10 @@ def prepack_host_unavailable(device: torch.device) -> str | None:
 def prepack_unavailable(weights: PreparedWeights, device: torch.device) -> str | None:
     """Why `PortableConfig.cpu_prepacked_weights` cannot apply to these weights here, or
     None when it can."""
-    why = prepack_host_unavailable(device)
-    if why is not None:
-        return why
-    if prepack_layout(device) == "k16":  # a bf16 copy of the weights the expert GEMM reads
+    layout = prepack_layout(device)
+    if layout is None:
+        return prepack_host_unavailable(device)
+    if layout == "k16":  # a bf16 copy of the weights the expert GEMM reads
         why = expert_gemm_unavailable(weights, device)
         if why is not None:
             return why
@@ -342,9 +342,9 @@ def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
     if expert_gemm_unavailable(weights, device) is not None:
         return 0
     assert weights.stored13 is not None
-    amx = cpu_fused.amx_by_default()
     if weights.kpack13 is not None:  # every format on the packed bf16 copy: bf16's crossover
         return EXPERT_GEMM_ROWS_BF16_KSEQ
+    amx = cpu_fused.amx_by_default()
     if weights.stored13.code != "bf16":
         return EXPERT_GEMM_ROWS_FP32_AMX_CPU if amx else EXPERT_GEMM_ROWS_FP32
     if amx:
