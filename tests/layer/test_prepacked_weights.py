@@ -105,21 +105,31 @@ def test_mm_blocks_on_prepacked_weights_give_the_same_outputs(
 
 
 def _forward(
-    prepacked: bool, h: int = 256, inter: int = 128, e: int = 4, t: int = 96
+    prepacked: bool,
+    h: int = 256,
+    inter: int = 128,
+    e: int = 4,
+    t: int = 96,
+    kernel: str = "any_bf16_bf16_bf16_torch",
+    fmt: str = "bf16",
+    **fields: Any,
 ) -> tuple[torch.Tensor, Any]:
     """A forward of t tokens, top-2 of e experts (t=96, e=4: 48 rows per expert on average,
-    every expert at least `KSEQ_ROWS`)."""
+    every expert at least `KSEQ_ROWS`) on `kernel` with config `fields`; its prepared
+    weights and the oracle of format `fmt` with the same `fields` (those it takes)."""
     g = torch.Generator().manual_seed(2)
     k = 2
     w13, w2 = _weights(e, h, inter, 3)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     x, w = torch.randn(t, h, generator=g).bfloat16(), torch.rand(t, k, generator=g)
-    config = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=prepacked)
+    cls: Any = get_kernel(kernel)
+    config = cls.config_cls(cpu_prepacked_weights=prepacked, **fields)
     boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
     layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), config)
     try:
         out = layer(MoEEpTensors(x, ids, w)).clone()
-        return out, (layer._kernel.prepared, oracle_forward(x, ids, w, w13, w2))  # type: ignore[attr-defined]
+        ref = oracle_forward(x, ids, w, w13, w2, fmt=fmt, **fields)
+        return out, (layer._kernel.prepared, ref)  # type: ignore[attr-defined]
     finally:
         layer.destroy()
 
@@ -246,24 +256,13 @@ def test_quantized_formats_exact_in_bf16_run_on_the_packed_copy(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cpu_fused, "expert_gemm", recorded)
-    g = torch.Generator().manual_seed(4)
-    e, t, k, h, inter = 16, 16, 2, 512, 256
-    w13, w2 = _weights(e, h, inter, 7)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    x, w = torch.randn(t, h, generator=g).bfloat16(), torch.rand(t, k, generator=g)
-    cls: Any = get_kernel(name)
-    boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
-    config = cls.config_cls(cpu_prepacked_weights=True)
-    layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), config)
-    try:
-        prepared = layer._kernel.prepared  # type: ignore[attr-defined]
-        assert prepared.kpack13 is not None and prepared.kpack2 is not None
-        assert torch.equal(prepared.kpack13.codes[3, 1, :, 5].float(), prepared.w13t[3, :, 21])
-        out = layer(MoEEpTensors(x, ids, w))
-    finally:
-        layer.destroy()
+    out, (prepared, ref) = _forward(
+        True, h=512, inter=256, e=16, t=16, kernel=name, fmt=QUANTIZED[name]
+    )
+    assert prepared.kpack13 is not None and prepared.kpack2 is not None
+    assert torch.equal(prepared.kpack13.codes[3, 1, :, 5].float(), prepared.w13t[3, :, 21])
     assert seen and set(seen) == {("PackedBf16", torch.float32)}, seen
-    report = compare_to_oracle(out, oracle_forward(x, ids, w, w13, w2, fmt=QUANTIZED[name]))
+    report = compare_to_oracle(out, ref)
     assert report.ok, report
 
 
@@ -271,22 +270,10 @@ def test_quantized_formats_exact_in_bf16_run_on_the_packed_copy(
 def test_bf16_with_fc1_kept_in_fp32_runs_on_the_packed_copy() -> None:
     """`fc1_output_high_precision` (fp32 w13t, the bf16 values): the packed copy holds them,
     FC1 writes fp32, and the forward is within the oracle with the same option."""
-    g = torch.Generator().manual_seed(5)
-    e, t, k, h, inter = 16, 16, 2, 512, 256
-    w13, w2 = _weights(e, h, inter, 8)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    x, w = torch.randn(t, h, generator=g).bfloat16(), torch.rand(t, k, generator=g)
-    config = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(
-        cpu_prepacked_weights=True, fc1_output_high_precision=True
+    out, (prepared, ref) = _forward(
+        True, h=512, inter=256, e=16, t=16, fc1_output_high_precision=True
     )
-    boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
-    layer = MoEEpLayer(boot, FleetParams(e, t, h), MoEWeightPack(w13, w2), config)
-    try:
-        assert layer._kernel.prepared.kpack13 is not None  # type: ignore[attr-defined]
-        out = layer(MoEEpTensors(x, ids, w))
-    finally:
-        layer.destroy()
-    ref = oracle_forward(x, ids, w, w13, w2, fc1_output_high_precision=True)
+    assert prepared.kpack13 is not None
     report = compare_to_oracle(out, ref)
     assert report.ok, report
 
