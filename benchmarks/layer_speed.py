@@ -50,9 +50,10 @@ built from another cpu_fused.c (e.g. `git show 0f2f303:<its path> > old.c`), in 
 round robin: before / after a kernel change measured side by side under the same load.
 --cpu-prepacked-weights (with peers or crossover) also times the bf16 layer with
 `cpu_prepacked_weights=True` in the same round robin ("layer prepacked", reported; the
-judged ratios stay the default layer's), the quantized formats' layers too where they
-take it (on CPUs without oneDNN bf16 GEMMs: those whose dequantized weights are exact in
-bf16), and the crossover on the prepacked weights (bf16's `mm` blocks where torch has
+judged ratios stay the default layer's), the quantized formats' layers with
+`cpu_prepacked_weights=False` where their default packs ("layer unpacked": on CPUs
+without oneDNN bf16 GEMMs, those whose dequantized weights are exact in bf16), and the
+crossover on the prepacked weights (bf16's `mm` blocks where torch has
 oneDNN's bf16 GEMMs, else the expert GEMM's k order, bf16 and mxfp8); refused where
 neither applies.
 """
@@ -143,15 +144,16 @@ def make_layer(
     p: dict[str, torch.Tensor],
     shape: dict[str, int],
     kernel_name: str = "any_bf16_bf16_bf16_torch",
-    prepacked: bool = False,
+    prepacked: bool | None = None,
 ) -> MoEEpLayer:
-    """A world-size-1 layer on `p`'s weights; `prepacked`: with cpu_prepacked_weights=True
-    (refused, with the reason, where the kernel or this CPU cannot prepack)."""
+    """A world-size-1 layer on `p`'s weights with `cpu_prepacked_weights=prepacked` (None:
+    the default; True refused, with the reason, where the kernel or this CPU cannot
+    prepack)."""
     boot = BootstrapConfig(1, 0, init_method=f"tcp://127.0.0.1:{free_port()}")
     fleet = FleetParams(shape["E"], shape["T"], shape["H"])
     kernel: Any = kernel_name
-    if prepacked:
-        kernel = get_kernel(kernel_name).config_cls(cpu_prepacked_weights=True)
+    if prepacked is not None:
+        kernel = get_kernel(kernel_name).config_cls(cpu_prepacked_weights=prepacked)
     return MoEEpLayer(boot, fleet, MoEWeightPack(p["w13"], p["w2"]), kernel)
 
 

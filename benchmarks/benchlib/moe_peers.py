@@ -157,7 +157,13 @@ class QuantResult:
     limit_s: float
     weight_bytes: int
     baseline: Samples | None = None
-    prepacked: Samples | None = None
+    unpacked: Samples | None = None
+    """The layer with `cpu_prepacked_weights=False`, where the default packs its weights."""
+
+
+UNPACKED = "layer unpacked"
+"""A quantized layer with `cpu_prepacked_weights=False` (timed only with
+--cpu-prepacked-weights, where the default packs)."""
 
 
 def time_quantized(
@@ -171,8 +177,9 @@ def time_quantized(
 ) -> list[QuantResult]:
     """Each quantized portable format's layer at a decode shape, against the bytes its own
     stored weights (codes and scales) of the active experts take to read (and on the
-    `baseline` library too, and with `prepacked` once more with `cpu_prepacked_weights=True`
-    where the format takes it, in the same round robin)."""
+    `baseline` library too, and with `prepacked` once more with `cpu_prepacked_weights=False`
+    where the default packs the format's weights (`experts.packs_by_default`), in the same
+    round robin)."""
     p = problem(shape)
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
     active = active_experts(p["ids"])
@@ -184,20 +191,20 @@ def time_quantized(
         fns: dict[str, Callable[[], object]] = {fmt: lambda layer=layer: layer(tensors)}  # type: ignore[operator]
         if baseline is not None:
             fns[BASELINE] = with_library(baseline, fns[fmt])
-        packs = prepacked and experts.prepack_unavailable(prepared, torch.device("cpu")) is None
-        packed = make_layer(p, shape, kernel_name, prepacked=True) if packs else None
-        if packed is not None:
-            fns[PREPACKED] = lambda packed=packed: packed(tensors)  # type: ignore[operator]
+        unpack = prepacked and prepared.kpack13 is not None  # the default packed it
+        other = make_layer(p, shape, kernel_name, False) if unpack else None
+        if other is not None:
+            fns[UNPACKED] = lambda other=other: other(tensors)  # type: ignore[operator]
         times = round_robin(fns, reps)
         out.append(
             QuantResult(
                 fmt, times[fmt], active * per_expert / bw, active * per_expert,
-                times.get(BASELINE), times.get(PREPACKED),
+                times.get(BASELINE), times.get(UNPACKED),
             )
         )  # fmt: skip
         layer.destroy()  # type: ignore[attr-defined]
-        if packed is not None:
-            packed.destroy()  # type: ignore[attr-defined]
+        if other is not None:
+            other.destroy()  # type: ignore[attr-defined]
     return out
 
 
@@ -408,7 +415,7 @@ def print_peers(
             out.print(f"{r.name}: {k} skipped: {why}")
     if quant:
         dense = quant_dense_vs_limit(results, quant)
-        qpacked = [PREPACKED, "layer/prepacked"] if any(q.prepacked for q in quant) else []
+        qpacked = [UNPACKED, "unpacked/layer"] if any(q.unpacked for q in quant) else []
         qt = titled_table(
             "quantized portable formats at decode vs their own weight bytes",
             f"{DECODE_TARGETED} {shape_text(PEER_SHAPES[DECODE_TARGETED])}",
@@ -436,7 +443,7 @@ def print_peers(
                 f"{q.limit_s * 1e3:.1f} ms",
                 f"{layer * 1e3:.1f} ({q.layer.spread()})",
                 *(_time_and_ratio(q.baseline, lambda t, m=layer: t.median / m) if base else []),
-                *(_time_and_ratio(q.prepacked, lambda t, m=layer: m / t.median) if qpacked else []),
+                *(_time_and_ratio(q.unpacked, lambda t, m=layer: t.median / m) if qpacked else []),
                 f"{ratio:.2f}x",
                 *([f"{dense[i]:.2f}x"] if dense else []),
                 QUANT_VS_LIMIT.label(),

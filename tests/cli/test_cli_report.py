@@ -102,7 +102,9 @@ def test_info_says_what_cpu_prepacked_weights_does_here(monkeypatch: pytest.Monk
     monkeypatch.setattr(cpu_fused, "vector_bodies", lambda: 1 | 4)
     monkeypatch.setattr(experts, "prepack_layout", lambda device: "k16")
     row = environment_report()["CPU expert GEMM"]
-    assert row.startswith("avx2, avx512, avx2kseq; cpu_prepacked_weights=True packs a bf16 copy")
+    assert row.startswith(
+        "avx2, avx512, avx2kseq; cpu_prepacked_weights=True packs the expert weights in bf16"
+    )
     assert "for the expert GEMM's k order" in row
     monkeypatch.setattr(experts, "prepack_layout", lambda device: "onednn")
     assert "in oneDNN's blocked layout" in environment_report()["CPU expert GEMM"]

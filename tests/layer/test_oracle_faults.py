@@ -114,7 +114,10 @@ class Run:
         experts run the `mm` path on them (the CPU expert GEMM of few rows reads the stored
         codes instead; tests/layer/test_expert_gemm.py holds it bit-equal to this path)."""
         kernel = self.layer()._kernel
-        changed = dataclasses.replace(change(kernel.prepared), stored13=None, stored2=None)
+        prepared = kernel.prepared
+        if prepared.w13t is None:  # packed for the k order (the default there): the values
+            prepared = kernel.recipe.prepare(MoEWeightPack(self.p["w13"], self.p["w2"]))
+        changed = dataclasses.replace(change(prepared), stored13=None, stored2=None)
         self.mp.setattr(kernel, "prepared", changed)
 
 
@@ -394,7 +397,7 @@ def _fc1_variation(compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
         run.mp.setattr(experts, "expert_gemm_rows", lambda w, d: 0)  # the `_mm` path only
         run.mp.setattr(experts, "amx_for_quantized", lambda w, d: False)
         run.mp.setattr(experts, "block_scaled_operands", lambda *args: None)
-        return run.forward()
+        return run.forward(config={"cpu_prepacked_weights": False})  # `_mm` on [N, K] weights
 
     variation.counts = {"changed": 0, "differs": 0}  # type: ignore[attr-defined]
     return variation

@@ -105,7 +105,7 @@ def test_mm_blocks_on_prepacked_weights_give_the_same_outputs(
 
 
 def _forward(
-    prepacked: bool,
+    prepacked: bool | None,
     h: int = 256,
     inter: int = 128,
     e: int = 4,
@@ -205,7 +205,7 @@ def test_prepacking_is_refused_where_it_cannot_apply(monkeypatch: pytest.MonkeyP
         _kernel("any_fp8_fp8_bf16_torch", cpu)
     assert str(info.value) == (
         "cpu_prepacked_weights=True cannot apply here: the FC1 / FC2 weights are "
-        "torch.float32 / torch.float32, not bf16; leave it False"
+        "torch.float32 / torch.float32, not bf16; leave it None or False"
     )
     with pytest.raises(MoeEpUsageError, match=r"FC1 / FC2 weights are torch.float32 / torch.bfl"):
         _kernel("any_bf16_bf16_bf16_torch", cpu, fc1_output_high_precision=True)
@@ -215,7 +215,7 @@ def test_prepacking_is_refused_where_it_cannot_apply(monkeypatch: pytest.MonkeyP
         MoeEpUsageError,
         match=r"cannot apply here: torch has no oneDNN bf16 GEMMs on this CPU and the fused CPU "
         r"library's AVX2 k order is not its default here \(vector bodies 0x[0-9a-f]+: it needs "
-        r"AVX2 without AVX-512F\); leave it False",
+        r"AVX2 without AVX-512F\); leave it None or False",
     ):
         _kernel("any_bf16_bf16_bf16_torch", cpu)
     assert experts.prepack_layout(cpu) is None
@@ -256,14 +256,103 @@ def test_quantized_formats_exact_in_bf16_run_on_the_packed_copy(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(cpu_fused, "expert_gemm", recorded)
-    out, (prepared, ref) = _forward(
-        True, h=512, inter=256, e=16, t=16, kernel=name, fmt=QUANTIZED[name]
-    )
+    shape = {"h": 512, "inter": 256, "e": 16, "t": 16, "kernel": name, "fmt": QUANTIZED[name]}
+    out, (prepared, ref) = _forward(None, **shape)  # type: ignore[arg-type]
     assert prepared.kpack13 is not None and prepared.kpack2 is not None
-    assert torch.equal(prepared.kpack13.codes[3, 1, :, 5].float(), prepared.w13t[3, :, 21])
+    assert prepared.w13t is None and prepared.w2t is None  # replaced by the packed copy
     assert seen and set(seen) == {("PackedBf16", torch.float32)}, seen
     report = compare_to_oracle(out, ref)
     assert report.ok, report
+    _, (plain, _) = _forward(False, **shape)  # type: ignore[arg-type]
+    assert plain.kpack13 is None and plain.w13t.dtype == torch.float32
+    assert torch.equal(prepared.kpack13.codes[3, 1, :, 5].float(), plain.w13t[3, :, 21])
+    assert torch.equal(prepared.kpack2.codes[2, 3, :, 0].float(), plain.w2t[2, :, 48])
+
+
+def _held_bytes(prepared: Any, given: tuple[torch.Tensor, ...]) -> int:
+    """Bytes of the distinct storages a `PreparedWeights` holds, not counting the caller's
+    tensors `given` (bf16 weights are kept as views of them where they are not packed)."""
+    theirs = {t.untyped_storage().data_ptr() for t in given}
+    seen: dict[int, int] = {}
+    for value in vars(prepared).values():
+        for t in [value, *(getattr(value, f, None) for f in ("codes", "scales"))]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in theirs:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@needs_kpack
+@pytest.mark.parametrize(
+    ("kernel", "fields", "packs"),
+    [
+        ("any_mxfp8_mxfp8_bf16_torch", {}, True),
+        ("any_nvfp4_nvfp4_bf16_torch", {}, True),
+        ("any_bf16_bf16_bf16_torch", {"fc1_output_high_precision": True}, True),
+        ("any_bf16_bf16_bf16_torch", {}, False),  # a second copy of the caller's weights
+        ("any_fp8_fp8_bf16_torch", {}, False),  # not exact in bf16: not refused by default
+        ("any_mxfp8_mxfp8_bf16_torch", {"expert_gemm_rows": 0}, False),  # nothing would read it
+    ],
+)
+def test_the_default_packs_where_that_takes_less_memory(
+    kernel: str, fields: dict[str, Any], packs: bool
+) -> None:
+    """`cpu_prepacked_weights=None` packs (the copy replacing the layer's own weights) where
+    those held an fp32 FC1, and then holds fewer bytes than `False`; elsewhere it is False."""
+    cls: Any = get_kernel(kernel)
+    held = {}
+    for pack in (None, False):
+        w13, w2 = _weights(4, 256, 128, 0)
+        k = cls(
+            config=cls.config_cls(cpu_prepacked_weights=pack, **fields),
+            fleet=FleetParams(4, 8, 256),
+            runtime=SimpleNamespace(world_size=1, rank=0, device=_CPU),
+            weights=MoEWeightPack(w13, w2),
+        )
+        p = k.prepared
+        assert (p.kpack13 is not None) == (packs and pack is None)
+        assert (p.w13t is None) == (packs and pack is None)
+        held[pack] = _held_bytes(p, (w13, w2))
+    if packs:  # bf16 with FC1 in fp32: 2 x 3 against 4 x 2 bytes per FC2 weight
+        assert held[None] <= 0.75 * held[False], held
+    else:
+        assert held[None] == held[False]
+
+
+@needs_kpack
+@pytest.mark.parametrize(
+    ("fmt", "h", "inter"), [("bf16", 264, 76), ("bf16", 2048, 768), ("mxfp8", 256, 160)]
+)
+def test_mm_blocks_on_the_packed_copy_give_the_unpacked_bits(fmt: str, h: int, inter: int) -> None:
+    """Every expert through the `mm` blocks (`gemm_rows=0`; ragged: empty, 1, 2, 17, 300
+    rows): read from the packed copy alone (`_mm_k16`, partial 16-column blocks where N is
+    not a multiple of 16), the same bits as from the unpacked weights."""
+    e = 5
+    w13, w2 = _weights(e, h, inter, 7)
+    recipe: Any = (
+        Bf16Recipe()
+        if fmt == "bf16"
+        else get_kernel("any_mxfp8_mxfp8_bf16_torch").make_recipe(
+            get_kernel("any_mxfp8_mxfp8_bf16_torch").config_cls()
+        )
+    )
+    plain = recipe.prepare(MoEWeightPack(w13, w2))
+    packed = experts.prepack(plain)
+    assert packed.w13t is None and packed.kpack13 is not None
+    g = torch.Generator().manual_seed(8)
+    counts = [0, 1, 2, 17, 300]
+    cdt = plain.compute_dtype
+    rows = torch.randn(320, h, generator=g).to(cdt)
+    src_row = torch.randint(0, 320, (sum(counts),), generator=g)
+    requant = None if recipe.requantize_is_rounding else recipe.requantize_into
+    outs = []
+    for weights in (plain, packed):
+        y = torch.empty(sum(counts), h, dtype=torch.bfloat16)
+        experts.run_experts(
+            rows, src_row, counts, weights, requant, None, y, Workspace(), gemm_rows=0
+        )
+        outs.append(y)
+    assert outs[0].abs().sum() > 0
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_kpack
@@ -284,7 +373,7 @@ def test_fp8_weights_are_refused_for_the_k_order_packing() -> None:
         MoeEpUsageError,
         match=r"cpu_prepacked_weights=True cannot apply here: the FC1 weights are e4m3 codes "
         r"with fp32 scales, whose values are not exact in bf16 \(the packed copy is bf16\); "
-        r"leave it False",
+        r"leave it None or False",
     ):
         _kernel("any_fp8_fp8_bf16_torch", _CPU)
 
@@ -299,7 +388,7 @@ def test_k_order_packing_is_refused_with_no_expert_gemm() -> None:
         _kernel("any_bf16_bf16_bf16_torch", _CPU, expert_gemm_rows=0)
 
 
-@pytest.mark.parametrize("bad", [1, "yes", None])
+@pytest.mark.parametrize("bad", [1, "yes", 0.0])
 def test_prepacking_field_refuses_non_bools(bad: object) -> None:
     with pytest.raises(MoeEpUsageError, match="cpu_prepacked_weights"):
         Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=bad)  # type: ignore[arg-type]

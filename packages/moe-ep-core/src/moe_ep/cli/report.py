@@ -75,8 +75,9 @@ def _cpu_expert_gemm() -> str:
     layout = experts.prepack_layout(cpu)
     if layout == "k16":
         packed = (
-            "packs a bf16 copy of the expert weights (bf16, and the quantized formats whose "
-            "values are exact in bf16) for the expert GEMM's k order (faster decode; "
+            "packs the expert weights in bf16 (bf16, and the quantized formats whose values "
+            "are exact in bf16) for the expert GEMM's k order in place of the layer's own "
+            "(faster decode; the default for those quantized formats, half their memory; "
             "docs/layer.md)"
         )
     elif layout == "onednn":

@@ -8,8 +8,9 @@ afterwards. So the portable experts path crossover (`PortableConfig.expert_gemm_
 an explicit field, not a knob: the CPU expert GEMM and the `mm` blocks sum in different
 orders (`tests/tune/test_portable_knobs.py` shows the bits differ), and the GEMM row block
 (`experts.ROW_BLOCK`) stays a constant: it sets the GEMMs' M, and where oneDNN runs bf16
-GEMMs nothing shows that another M gives the same bits. `cpu_prepacked_weights` gives the
-same bits but costs a copy of the weights: a memory choice, not a knob. The
+GEMMs nothing shows that another M gives the same bits. `cpu_prepacked_weights` trades
+memory (oneDNN's layout: a copy of the weights, the same bits; the k order's: other bits
+for some experts): a memory and explicit choice, not a knob. The
 portable dispatch has no chunk size to tune: each direction is one uneven
 `all_to_all_single` (`comm.exchange`). `tests/cli/test_cli_tune.py` checks every declared
 field exists on its config class.

@@ -167,6 +167,7 @@ class CaptureSafeForward:
         bounds = torch.arange(1, self.e_local + 1, device=dev)
         offs = torch.searchsorted(sorted_key, bounds).to(torch.int32)
         xs = recv_x.index_select(0, torch.div(order, sub, rounding_mode="floor"))
+        assert weights.w13t is not None and weights.w2t is not None  # never packed (configs)
         gu = torch._grouped_mm(xs, weights.w13t, offs=offs)
         hh = self.workspace.get("cs_h", (int(gu.shape[0]), int(gu.shape[1]) // 2), gu.dtype, dev)
         scale = None

@@ -83,28 +83,39 @@ class PortableConfig(KernelConfig):
     (`experts.amx_for_quantized`); an explicit value sends them to the two paths above.
     Needs the CPU and the fused library for values > 0 (refused elsewhere) and the default
     forward (refused with `capture_safe`)."""
-    cpu_prepacked_weights: bool = False
-    """True: the bf16 experts' weights are also kept in oneDNN's blocked GEMM layout
-    (`torch.ops.mkldnn._reorder_linear_weight`, once at construction), so the `mm` blocks
+    cpu_prepacked_weights: bool | None = None
+    """Whether the CPU experts keep their weights in a layout packed at construction. None
+    (the default): only where that takes less memory than not packing (below); True: pack
+    (refused where it cannot apply); False: never.
+
+    Where torch has oneDNN's bf16 GEMMs: the bf16 experts' weights are also kept in oneDNN's
+    blocked GEMM layout (`torch.ops.mkldnn._reorder_linear_weight`), so the `mm` blocks
     (experts above the crossover) skip oneDNN's per-call weight reorder: the same bits
     where each block runs one intra-op thread (tested against `torch.mm`; so the layer runs
     them with the fused CPU library; with `MOE_EP_CPU_FUSED=0` at 2+ threads oneDNN's AMX
     kernels can split the two GEMMs differently: other bits, within the oracle's
-    tolerance), 1.04-1.5x faster per GEMM where measured, at the cost of a
-    second copy of the bf16 expert weights. In-place changes to the weight tensors after
-    construction are not seen by that copy (build the layer again, or `apply_placement`).
+    tolerance), 1.04-1.5x faster per GEMM where measured, at the cost of a second copy of
+    the bf16 expert weights; bf16 FC1 / FC2 weights only (the bf16 format without
+    `fc1_output_high_precision`); never by default.
+
     Where torch has no oneDNN bf16 GEMMs but the fused library's default bf16 body is the
-    AVX2 k order (AVX2 CPUs without AVX-512F), the second copy is a bf16 copy of the expert
-    weights' values packed for the CPU expert GEMM instead (`cpu_fused.pack_k16`), for bf16
-    (with `fc1_output_high_precision` too) and for the quantized formats whose dequantized
-    weights are exact in bf16 (all but fp8, whose fp32 block scales are not: refused): every
-    expert at or under the crossover (`expert_gemm_rows`; the quantized formats then take
-    bf16's, 256) then sums in the k order (other bits than without it for the experts that
-    change order, within the oracle's bound), measured 1.2-1.8x faster per bf16 expert GEMM
-    and 1.5-1.7x per bf16 decode forward, about 2x per quantized one, on Zen 3; refused
-    there with `expert_gemm_rows=0`. Needs the CPU and one of the two, and for oneDNN's
-    layout bf16 FC1 / FC2 weights (the bf16 format without `fc1_output_high_precision`):
-    refused at construction elsewhere. Not a `moe-ep tune` knob (it trades memory)."""
+    AVX2 k order (AVX2 CPUs without AVX-512F): the expert weights' values in bf16 packed
+    for the CPU expert GEMM's k order instead (`cpu_fused.pack_k16`), for bf16 (with
+    `fc1_output_high_precision` too) and for the quantized formats whose dequantized weights
+    are exact in bf16 (all but fp8, whose fp32 block scales are not: refused); the packed
+    copy replaces the layer's own `[N, K]` weights (the `mm` blocks widen from it), so the
+    layer holds no reference to bf16 weights it was given (memory is saved once the caller
+    drops them too) and needs 2 bytes per weight where the quantized formats kept 4 (fp32
+    dequantized values): there it is the default (None) for the formats that kept fp32
+    weights (the quantized ones, bf16 with `fc1_output_high_precision`). Every expert at or
+    under the crossover (`expert_gemm_rows`; the quantized formats then take bf16's, 256)
+    sums in the k order (other bits than without it for the experts that change order,
+    within the oracle's bound), measured 1.2-1.8x faster per bf16 expert GEMM and 1.5-1.7x
+    per bf16 decode forward, about 2x per quantized one, on Zen 3; refused there with
+    `expert_gemm_rows=0` (None then does not pack). In-place changes to the weight tensors
+    after construction are not seen by a packed copy (build the layer again, or
+    `apply_placement`). Needs the CPU and one of the two: True is refused at construction
+    elsewhere, None packs nothing. Not a `moe-ep tune` knob (it trades memory)."""
     topk_weight_before_fc2: InitVar[bool | None] = None
     """Deprecated alias of `apply_routing_weights_before_fc2` (warns; both with different
     values are refused)."""
@@ -114,11 +125,12 @@ class PortableConfig(KernelConfig):
             check_positive_float("swiglu_clamp", self.swiglu_clamp)
         check_bool("dedup", self.dedup)
         check_bool("capture_safe", self.capture_safe)
-        check_bool("cpu_prepacked_weights", self.cpu_prepacked_weights)
+        if self.cpu_prepacked_weights is not None:
+            check_bool("cpu_prepacked_weights", self.cpu_prepacked_weights)
         if self.cpu_prepacked_weights and self.capture_safe:
             raise MoeEpUsageError(
                 "cpu_prepacked_weights=True is not read by the capture-safe forward (it runs "
-                "torch._grouped_mm only): leave it False with capture_safe=True"
+                "torch._grouped_mm only): leave it None or False with capture_safe=True"
             )
         cores = usable_cpus()
         n = self.cpu_threads

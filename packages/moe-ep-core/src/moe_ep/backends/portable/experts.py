@@ -54,6 +54,7 @@ __all__ = [
     "expert_gemm_rows",
     "expert_gemm_unavailable",
     "grouped_mm_applies",
+    "packs_by_default",
     "prepack",
     "prepack_host_unavailable",
     "prepack_layout",
@@ -196,10 +197,25 @@ def prepack_unavailable(weights: PreparedWeights, device: torch.device) -> str |
                     "are not exact in bf16 (the packed copy is bf16)"
                 )
         return None
-    dtypes = (weights.w13t.dtype, weights.w2t.dtype)
+    dtypes = (weights.fc1_dtype, weights.compute_dtype)
     if dtypes != (torch.bfloat16, torch.bfloat16):
         return f"the FC1 / FC2 weights are {dtypes[0]} / {dtypes[1]}, not bf16"
     return None
+
+
+def packs_by_default(weights: PreparedWeights, device: torch.device, gemm_rows: int | None) -> bool:
+    """Whether `PortableConfig.cpu_prepacked_weights=None` packs these weights here: where
+    the packed copy is the k order's (`prepack_layout` "k16"), which replaces the layer's
+    own weights, and those hold an fp32 FC1 (the quantized formats' dequantized values,
+    bf16's with `fc1_output_high_precision`: at least 4 bytes per FC1 weight, where the
+    packed FC1 and FC2 together take 2 per weight, FC1 being twice FC2), the expert GEMM
+    runs (`gemm_rows` not 0) and nothing refuses it (`prepack_unavailable`)."""
+    return (
+        gemm_rows != 0
+        and weights.fc1_dtype == torch.float32
+        and prepack_layout(device) == "k16"
+        and prepack_unavailable(weights, device) is None
+    )
 
 
 def prepack(weights: PreparedWeights) -> PreparedWeights:
@@ -207,21 +223,25 @@ def prepack(weights: PreparedWeights) -> PreparedWeights:
     layout (a copy: the `mm` blocks then skip oneDNN's reorder of the weight per call), or,
     where torch has no oneDNN bf16 GEMMs, the weights' values (bf16, or a quantized format's
     dequantized weights where they are exact in bf16) packed in bf16 for the expert GEMM's
-    k order (a copy: `cpu_fused.pack_k16`; every expert at or under the crossover then sums
-    in the k order, 1.2-1.8x faster than the unpacked bodies on an AVX2 CPU). Check
-    `prepack_unavailable` first."""
+    k order instead of `w13t` / `w2t` (`cpu_fused.pack_k16`; every expert at or under the
+    crossover then sums in the k order, 1.2-1.8x faster than the unpacked bodies on an AVX2
+    CPU, the `mm` blocks widen from it, `_mm_k16`). Check `prepack_unavailable` first."""
+    w13t, w2t = weights.w13t, weights.w2t
+    assert w13t is not None and w2t is not None, "prepack: the weights are packed already"
     if not _onednn_bf16():  # prepack_layout: "k16"; w13t / w2t are [E, K, N] views
-        return dataclasses.replace(
+        return dataclasses.replace(  # the copy replaces them: the `mm` blocks widen from it
             weights,
-            kpack13=cpu_fused.pack_k16(weights.w13t.transpose(1, 2)),
-            kpack2=cpu_fused.pack_k16(weights.w2t.transpose(1, 2)),
+            w13t=None,
+            w2t=None,
+            kpack13=cpu_fused.pack_k16(w13t.transpose(1, 2)),
+            kpack2=cpu_fused.pack_k16(w2t.transpose(1, 2)),
         )
 
     def packed(wt: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # wt[e] is [K, N]: the GEMM's weight is its [N, K] K-major storage
         return tuple(torch.ops.mkldnn._reorder_linear_weight(w.t(), ROW_BLOCK) for w in wt)
 
-    return dataclasses.replace(weights, packed13=packed(weights.w13t), packed2=packed(weights.w2t))
+    return dataclasses.replace(weights, packed13=packed(w13t), packed2=packed(w2t))
 
 
 def _mm_packed(a: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
@@ -231,39 +251,88 @@ def _mm_packed(a: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None
 
 def _block_mm(
     a: torch.Tensor,
-    wt: torch.Tensor,
-    packed: tuple[torch.Tensor, ...] | None,
+    weights: PreparedWeights,
+    fc: Literal[1, 2],
+    e: int,
+    out: torch.Tensor,
+    ws: Workspace,
+) -> None:
+    """`out = a @ w[e]` for FC1's or FC2's weights `w`: on expert e's prepacked weight
+    (oneDNN's layout) from `PACKED_MIN_ROWS` rows, on the k order's copy where it replaces
+    the weights (`_mm_k16`), else `_mm`."""
+    wt, packed, kpack = (
+        (weights.w13t, weights.packed13, weights.kpack13)
+        if fc == 1
+        else (weights.w2t, weights.packed2, weights.kpack2)
+    )
+    name = f"fc{fc}_t"
+    if wt is None:
+        assert kpack is not None
+        _mm_k16(a, kpack, e, out, ws, name)
+    elif packed is not None and int(a.shape[0]) >= PACKED_MIN_ROWS:
+        _mm_packed(a, packed[e], out)
+    else:
+        _mm(a, wt[e], out, ws, name)
+
+
+def _mm_k16(
+    a: torch.Tensor,
+    kpack: cpu_fused.PackedBf16,
     e: int,
     out: torch.Tensor,
     ws: Workspace,
     name: str,
 ) -> None:
-    """`out = a @ wt[e]`: on expert e's prepacked weight (`packed`, or None) from
-    `PACKED_MIN_ROWS` rows, else `_mm`."""
-    if packed is not None and int(a.shape[0]) >= PACKED_MIN_ROWS:
-        _mm_packed(a, packed[e], out)
-    else:
-        _mm(a, wt[e], out, ws, name)
+    """`out [b, N] = a [b, K] @ w_e^T` from expert e's weights packed for the k order alone
+    (`cpu_fused.pack_k16`'s layout), as `_mm_widened`: its column blocks widened from the
+    packed 16-column blocks, so the same fp32 GEMMs on the same values (the same bits as
+    the unpacked weights' `mm` blocks, tested)."""
+    blocks, cols, k = kpack.codes[e], cpu_fused.PACK_COLS, int(a.shape[1])
+
+    def fill(j: int, m: int, w32: torch.Tensor) -> None:
+        c = -(-m // cols)  # whole blocks: w32 has room for the last one's missing columns
+        w32[: c * cols].view(c, cols, k).copy_(blocks[j // cols : j // cols + c].transpose(1, 2))
+
+    _mm_column_blocks(a, kpack.n, fill, out, ws, name)
 
 
 def _mm_widened(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ws: Workspace, name: str
 ) -> None:
     """`_mm` for bf16 `a` and `w` on a CPU where torch has no oneDNN bf16 GEMMs (its bf16
-    fallback is 4-5x slower than its fp32 GEMM there): `a` and `WIDEN_COLS` output columns of
-    `w` at a time widened to fp32 (exact) into cache-sized buffers, fp32 `mm`, each block
-    rounded into `out` (RNE): fp32 accumulation of exact bf16 products, as the bf16 GEMM."""
-    b, k, n = int(a.shape[0]), int(a.shape[1]), int(w.shape[1])
-    nb = min(n, WIDEN_COLS)
-    a32 = ws.get(f"{name}_a32", (b, k), torch.float32, a.device)
-    w32 = ws.get(f"{name}_w32", (nb, k), torch.float32, a.device)
-    o32 = ws.get(f"{name}_o32", (b * nb,), torch.float32, a.device)
-    a32.copy_(a)
+    fallback is 4-5x slower than its fp32 GEMM there): `_mm_column_blocks` on `w`'s
+    columns: fp32 accumulation of exact bf16 products, as the bf16 GEMM."""
     rows = w.t()  # [N, K], K-major: a block of columns is a block of contiguous rows
+
+    def fill(j: int, m: int, w32: torch.Tensor) -> None:
+        w32[:m].copy_(rows[j : j + m])
+
+    _mm_column_blocks(a, int(w.shape[1]), fill, out, ws, name)
+
+
+def _mm_column_blocks(
+    a: torch.Tensor,
+    n: int,
+    fill: Callable[[int, int, torch.Tensor], None],
+    out: torch.Tensor,
+    ws: Workspace,
+    name: str,
+) -> None:
+    """`out [b, n] = a [b, K] @ W^T`: `a` widened to fp32 where bf16 (exact), and `WIDEN_COLS`
+    output columns of W at a time widened by `fill(j, m, w32)` (W's rows j to j + m, fp32
+    K-major, into `w32`'s first m rows; it may write up to the next multiple of 16) into a
+    cache-sized buffer, fp32 `mm`, each block rounded into `out` (RNE where bf16)."""
+    b, k = int(a.shape[0]), int(a.shape[1])
+    nb = min(n, WIDEN_COLS)
+    a32 = a if a.dtype == torch.float32 else ws.get(f"{name}_a32", (b, k), torch.float32, a.device)
+    if a32 is not a:
+        a32.copy_(a)
+    w32 = ws.get(f"{name}_w32", (-(-nb // 16) * 16, k), torch.float32, a.device)
+    o32 = ws.get(f"{name}_o32", (b * nb,), torch.float32, a.device)
     for j in range(0, n, nb):
         m = min(nb, n - j)
         o = o32[: b * m].view(b, m)
-        w32[:m].copy_(rows[j : j + m])
+        fill(j, m, w32)
         torch.mm(a32, w32[:m].t(), out=o)
         out[:, j : j + m].copy_(o)
 
@@ -408,7 +477,7 @@ def _run_expert_gemm(
     p2: cpu_fused.StoredWeight | cpu_fused.PackedBf16 = s2
     if vector is True and weights.kpack13 is not None and weights.kpack2 is not None:
         p13, p2 = weights.kpack13, weights.kpack2
-    cdt = weights.w2t.dtype
+    cdt = weights.compute_dtype
     inter, k_most = s2.k, max(s13.k, s2.k)
     starts = list(itertools.accumulate((b for *_, b in runs), initial=0))
     q = starts[-1]
@@ -421,7 +490,7 @@ def _run_expert_gemm(
     q_start, expert, first, path_rows, lens = cols[0], *cols[1:, :-1]
     pair = torch.arange(q, dtype=torch.int64) + torch.repeat_interleave(first - q_start[:-1], lens)
     xs = ws.get("eg_scratch", cpu_fused.expert_gemm_scratch(q, k_most), torch.float32, rows.device)
-    gu = ws.get("eg_gu", (q, 2 * inter), weights.w13t.dtype, rows.device)  # fp32: kept
+    gu = ws.get("eg_gu", (q, 2 * inter), weights.fc1_dtype, rows.device)  # fp32: kept
     h = ws.get("eg_h", (q, inter), cdt, rows.device)
     a13 = None if weights.alpha13 is None else weights.alpha13[expert].contiguous()
     a2 = None if weights.alpha2 is None else weights.alpha2[expert].contiguous()
@@ -516,8 +585,8 @@ def grouped_mm_applies(weights: PreparedWeights, device: torch.device) -> bool:
     I multiples of 8, and 16-byte aligned weights); otherwise the per-expert loop runs."""
     return (
         device.type == "cuda"
-        and weights.w2t.dtype == torch.bfloat16
-        and weights.w13t.dtype == torch.bfloat16
+        and weights.compute_dtype == torch.bfloat16
+        and weights.fc1_dtype == torch.bfloat16
         and weights.alpha13 is None
         and weights.alpha2 is None
         and _grouped_mm_operands_ok(weights)
@@ -525,9 +594,9 @@ def grouped_mm_applies(weights: PreparedWeights, device: torch.device) -> bool:
 
 
 def _grouped_mm_operands_ok(weights: PreparedWeights) -> bool:
-    hidden, inter = int(weights.w2t.shape[2]), int(weights.w2t.shape[1])
-    aligned = all(w.data_ptr() % 16 == 0 for w in (weights.w13t, weights.w2t))
-    return hidden % 8 == 0 and inter % 8 == 0 and aligned
+    dense = (weights.w13t, weights.w2t)
+    aligned = all(w is not None and w.data_ptr() % 16 == 0 for w in dense)
+    return weights.hidden % 8 == 0 and weights.inter % 8 == 0 and aligned
 
 
 def _run_grouped(
@@ -544,6 +613,7 @@ def _run_grouped(
     """`run_experts` as two `torch._grouped_mm` calls (int32 group end offsets)."""
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(rows.device)
     xs = rows.index_select(0, src_row)
+    assert weights.w13t is not None and weights.w2t is not None  # grouped_mm_applies
     gu = torch._grouped_mm(xs, weights.w13t, offs=offs)
     h = torch.empty(gu.shape[0], gu.shape[1] // 2, dtype=gu.dtype, device=gu.device)
     _swiglu(gu, h, None, swiglu_clamp, requantize, ws, pair_scale)
@@ -680,10 +750,9 @@ def _run_blocks(
     pair_scale: torch.Tensor | None = None,
 ) -> None:
     """gather -> FC1 -> SwiGLU -> FC2 for each (expert, first pair, rows) task, into y."""
-    hidden = int(weights.w2t.shape[2])
-    inter = int(weights.w2t.shape[1])
-    cdt, dev = weights.w2t.dtype, rows.device
-    fc1_dtype = weights.w13t.dtype  # fp32 with bf16 activations: FC1's output kept in fp32
+    hidden, inter = weights.hidden, weights.inter
+    cdt, dev = weights.compute_dtype, rows.device
+    fc1_dtype = weights.fc1_dtype  # fp32 with bf16 activations: FC1's output kept in fp32
     alpha13 = None if weights.alpha13 is None else weights.alpha13.tolist()
     alpha2 = None if weights.alpha2 is None else weights.alpha2.tolist()
     direct = cdt == torch.bfloat16 and alpha2 is None  # FC2 writes y's bf16 rows itself
@@ -696,15 +765,15 @@ def _run_blocks(
         xe, gu, h = xe_buf[:b], gu_buf[:b], h_buf[:b]
         torch.index_select(rows, 0, src_row[s : s + b], out=xe)
         x1 = xe if x1_buf is None else x1_buf[:b].copy_(xe)  # exact: bf16 into fp32
-        _block_mm(x1, weights.w13t, weights.packed13, e, gu, ws, "fc1_t")
+        _block_mm(x1, weights, 1, e, gu, ws)
         a13 = None if alpha13 is None else alpha13[e]
         scale = None if pair_scale is None else pair_scale[s : s + b]
         _swiglu(gu, h, a13, swiglu_clamp, requantize, ws, scale)
         if y_buf is None:
-            _block_mm(h, weights.w2t, weights.packed2, e, y[s : s + b], ws, "fc2_t")
+            _block_mm(h, weights, 2, e, y[s : s + b], ws)
         else:
             ye = y_buf[:b]
-            _block_mm(h, weights.w2t, weights.packed2, e, ye, ws, "fc2_t")
+            _block_mm(h, weights, 2, e, ye, ws)
             if alpha2 is not None:  # the product in fp32, then rounded to bf16
                 ye = ye.mul_(alpha2[e]) if cdt == torch.float32 else ye.float() * alpha2[e]
             y[s : s + b].copy_(ye)
@@ -746,8 +815,8 @@ class TorchExperts:
         d, ws, recipe = dispatched, self.workspace, self.recipe
         dev = d.rows.device
         order = torch.sort(d.pair_expert, stable=True).indices
-        counts = torch.bincount(d.pair_expert, minlength=int(weights.w13t.shape[0])).tolist()
-        shape = (int(order.numel()), int(weights.w2t.shape[2]))
+        counts = torch.bincount(d.pair_expert, minlength=weights.num_experts).tolist()
+        shape = (int(order.numel()), weights.hidden)
         y_sorted = ws.get("y_sorted", shape, torch.bfloat16, dev)
         run_experts(
             d.rows,

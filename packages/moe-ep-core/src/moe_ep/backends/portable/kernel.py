@@ -28,6 +28,7 @@ from moe_ep.backends.portable.experts import (
     _grouped_mm_operands_ok,
     expert_gemm_rows,
     expert_gemm_unavailable,
+    packs_by_default,
     prepack,
     prepack_unavailable,
 )
@@ -154,14 +155,18 @@ class PortableTorchKernel(MegaKernel):
             )
         self.prepared = self.recipe.prepare(weights.to(dev))
         """The weights the experts read at each forward."""
-        if self.pconfig.cpu_prepacked_weights:
+        gemm_rows = self.pconfig.expert_gemm_rows
+        pack = self.pconfig.cpu_prepacked_weights
+        if pack is None:
+            pack = packs_by_default(self.prepared, dev, gemm_rows)
+        elif pack:
             why = prepack_unavailable(self.prepared, dev)
             if why is not None:
                 raise MoeEpUsageError(
-                    f"cpu_prepacked_weights=True cannot apply here: {why}; leave it False"
+                    f"cpu_prepacked_weights=True cannot apply here: {why}; leave it None or False"
                 )
+        if pack:
             self.prepared = prepack(self.prepared)
-        gemm_rows = self.pconfig.expert_gemm_rows
         if gemm_rows:
             why = expert_gemm_unavailable(self.prepared, dev)
             if why is not None:

@@ -65,7 +65,8 @@ class PreparedWeights:
     w13t: `[E_local, H, 2I]` compute dtype (gate columns first), a transposed view of K-major
         `[E_local, 2I, H]` storage; fp32 (the bf16 values, exact) when the FC1 output is
         kept in fp32 (`Bf16Recipe(fc1_output_high_precision=True)`): FC1 then runs in fp32.
-    w2t: `[E_local, I, H]` compute dtype, likewise.
+        None where `kpack13` replaces it (the `mm` blocks then widen from that copy).
+    w2t: `[E_local, I, H]` compute dtype, likewise (None where `kpack2` replaces it).
     alpha13 / alpha2: `[E_local]` fp32 per-expert GEMM epilogue factors, or None.
     stored13 / stored2: on CPU, the same weights in their stored width (bf16: w13t's own
         storage; quantized formats: the codes and block scales the dequantized values came
@@ -76,10 +77,12 @@ class PreparedWeights:
         bf16 weights packed for the expert GEMM's k order (`cpu_fused.pack_k16`), or None.
     operands_exact_in_bf16: the recipe's `operands_exact_in_bf16` (its expert GEMM operands
         can take the AMX order where the CPU has AMX).
+    dense_dtypes: w13t's and w2t's dtypes (`fc1_dtype`, `compute_dtype`), kept where the
+        packed copies replace them; taken from them when not given.
     """
 
-    w13t: torch.Tensor
-    w2t: torch.Tensor
+    w13t: torch.Tensor | None
+    w2t: torch.Tensor | None
     alpha13: torch.Tensor | None = None
     alpha2: torch.Tensor | None = None
     stored13: StoredWeight | None = None
@@ -89,6 +92,48 @@ class PreparedWeights:
     kpack13: PackedBf16 | None = None
     kpack2: PackedBf16 | None = None
     operands_exact_in_bf16: bool = False
+    dense_dtypes: tuple[torch.dtype, torch.dtype] | None = None
+
+    def __post_init__(self) -> None:
+        for dense, packed, name in ((self.w13t, self.kpack13, "13"), (self.w2t, self.kpack2, "2")):
+            if dense is None and packed is None:
+                raise ValueError(f"PreparedWeights needs w{name}t or kpack{name}")
+        if self.dense_dtypes is None:
+            if self.w13t is None or self.w2t is None:
+                raise ValueError("PreparedWeights needs dense_dtypes without w13t and w2t")
+            object.__setattr__(self, "dense_dtypes", (self.w13t.dtype, self.w2t.dtype))
+
+    @property
+    def fc1_dtype(self) -> torch.dtype:
+        """w13t's dtype: FC1's output (fp32 where kept in fp32)."""
+        assert self.dense_dtypes is not None
+        return self.dense_dtypes[0]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """w2t's dtype: the activations' and FC2's."""
+        assert self.dense_dtypes is not None
+        return self.dense_dtypes[1]
+
+    @property
+    def num_experts(self) -> int:
+        """E_local."""
+        return int(self.w2t.shape[0] if self.w2t is not None else self._kpack(2).codes.shape[0])
+
+    @property
+    def hidden(self) -> int:
+        """H: FC1's K and FC2's N."""
+        return int(self.w2t.shape[2]) if self.w2t is not None else self._kpack(2).n
+
+    @property
+    def inter(self) -> int:
+        """I: FC2's K."""
+        return int(self.w2t.shape[1] if self.w2t is not None else self._kpack(2).codes.shape[2])
+
+    def _kpack(self, fc: int) -> PackedBf16:
+        p = self.kpack13 if fc == 1 else self.kpack2
+        assert p is not None
+        return p
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
