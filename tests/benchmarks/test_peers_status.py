@@ -145,3 +145,22 @@ def test_a_crossover_only_plot_says_the_peers_did_not_run(tmp_path: Path) -> Non
     finally:
         moe_peers._not_run = real  # type: ignore[assignment]
     assert path.is_file() and texts == ["peers"] * 4
+
+
+def test_the_quantized_table_prints_the_unpacked_layer() -> None:
+    """With --cpu-prepacked-weights, a format whose default packs its weights is timed with
+    `cpu_prepacked_weights=False` too: its time and unpacked / layer; a blank cell for a
+    format without it (fp8)."""
+    r = _result(100.0, 300.0, 48.0, 24.0)
+    quant = [
+        moe_peers.QuantResult("mxfp8", Samples([0.05]), 0.012, 400 << 20, unpacked=Samples([0.11])),
+        moe_peers.QuantResult("fp8", Samples([0.14]), 0.012, 400 << 20),
+    ]
+    buf = io.StringIO()
+    moe_peers.print_peers(Console(file=buf, width=400), [r], quant, 33e9, "test machine", 1)
+    text = buf.getvalue()
+    assert "layer unpacked" in text and "unpacked/layer" in text
+    mxfp8 = next(line for line in text.splitlines() if "mxfp8" in line)
+    assert "110.0" in mxfp8 and "2.20x" in mxfp8
+    fp8 = next(line for line in text.splitlines() if "│ fp8 " in line)
+    assert "140.0" in fp8 and "2.20x" not in fp8
