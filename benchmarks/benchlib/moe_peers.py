@@ -187,7 +187,9 @@ def time_quantized(
     for fmt, kernel_name in QUANT_KERNELS.items():
         layer = make_layer(p, shape, kernel_name)
         prepared = layer._kernel.prepared  # type: ignore[attr-defined]
-        per_expert = prepared.stored13.nbytes() + prepared.stored2.nbytes()
+        one = MoEWeightPack(p["w13"][:1], p["w2"][:1])  # the format's stored form of an expert
+        stored = layer._kernel.recipe.prepare(one)  # type: ignore[attr-defined]
+        per_expert = stored.stored13.nbytes() + stored.stored2.nbytes()
         fns: dict[str, Callable[[], object]] = {fmt: lambda layer=layer: layer(tensors)}  # type: ignore[operator]
         if baseline is not None:
             fns[BASELINE] = with_library(baseline, fns[fmt])

@@ -259,7 +259,8 @@ def test_quantized_formats_exact_in_bf16_run_on_the_packed_copy(
     shape = {"h": 512, "inter": 256, "e": 16, "t": 16, "kernel": name, "fmt": QUANTIZED[name]}
     out, (prepared, ref) = _forward(None, **shape)  # type: ignore[arg-type]
     assert prepared.kpack13 is not None and prepared.kpack2 is not None
-    assert prepared.w13t is None and prepared.w2t is None  # replaced by the packed copy
+    assert prepared.w13t is None and prepared.w2t is None  # replaced by the packed copy,
+    assert prepared.stored13 is None and prepared.stored2 is None  # the codes too
     assert seen and set(seen) == {("PackedBf16", torch.float32)}, seen
     report = compare_to_oracle(out, ref)
     assert report.ok, report

@@ -77,7 +77,7 @@ def _cpu_expert_gemm() -> str:
         packed = (
             "packs the expert weights in bf16 (bf16, and the quantized formats whose values "
             "are exact in bf16) for the expert GEMM's k order in place of the layer's own "
-            "(faster decode; the default for those quantized formats: 0.6x their memory; "
+            "(faster decode; the default for those quantized formats: 0.4x their memory; "
             "docs/layer.md)"
         )
     elif layout == "onednn":

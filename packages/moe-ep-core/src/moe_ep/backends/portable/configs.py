@@ -103,10 +103,11 @@ class PortableConfig(KernelConfig):
     for the CPU expert GEMM's k order instead (`cpu_fused.pack_k16`), for bf16 (with
     `fc1_output_high_precision` too) and for the quantized formats whose dequantized weights
     are exact in bf16 (all but fp8, whose fp32 block scales are not: refused); the packed
-    copy replaces the layer's own `[N, K]` weights (the `mm` blocks widen from it), so the
-    layer holds no reference to bf16 weights it was given (memory is saved once the caller
-    drops them too) and needs 2 bytes per weight where the quantized formats kept 4 (fp32
-    dequantized values): there it is the default (None) for the formats that kept fp32
+    copy replaces the layer's own `[N, K]` weights and codes (the `mm` blocks widen from
+    it), so the layer holds no reference to bf16 weights it was given (memory is saved once
+    the caller drops them too) and needs 2 bytes per weight where the quantized formats kept
+    4.5-5 (fp32 dequantized values and codes): there it is the default (None) for the
+    formats that kept fp32
     weights (the quantized ones, bf16 with `fc1_output_high_precision`). Every expert at or
     under the crossover (`expert_gemm_rows`; the quantized formats then take bf16's, 256)
     sums in the k order (other bits than without it for the experts that change order,

@@ -233,6 +233,8 @@ def prepack(weights: PreparedWeights) -> PreparedWeights:
             weights,
             w13t=None,
             w2t=None,
+            stored13=None,
+            stored2=None,
             kpack13=cpu_fused.pack_k16(w13t.transpose(1, 2)),
             kpack2=cpu_fused.pack_k16(w2t.transpose(1, 2)),
         )
@@ -395,7 +397,8 @@ def expert_gemm_unavailable(weights: PreparedWeights, device: torch.device) -> s
     """Why the CPU expert GEMM cannot run on these weights here, or None when it can."""
     if device.type != "cpu":
         return f"the device is {device}, not the CPU"
-    if weights.stored13 is None or weights.stored2 is None:
+    packed = weights.kpack13 is not None and weights.kpack2 is not None
+    if not packed and (weights.stored13 is None or weights.stored2 is None):
         return "the prepared weights have no stored (CPU) form"
     if cpu_fused.library() is None:
         return f"the fused CPU library is not loaded ({cpu_fused.status()[1]})"
@@ -410,9 +413,9 @@ def expert_gemm_rows(weights: PreparedWeights, device: torch.device) -> int:
     `PortableConfig.expert_gemm_rows` replaces it."""
     if expert_gemm_unavailable(weights, device) is not None:
         return 0
-    assert weights.stored13 is not None
     if weights.kpack13 is not None:  # every format on the packed bf16 copy: bf16's crossover
         return EXPERT_GEMM_ROWS_BF16_KSEQ
+    assert weights.stored13 is not None
     amx = cpu_fused.amx_by_default()
     if weights.stored13.code != "bf16":
         return EXPERT_GEMM_ROWS_FP32_AMX_CPU if amx else EXPERT_GEMM_ROWS_FP32
@@ -471,14 +474,14 @@ def _run_expert_gemm(
     both GEMMs in the block-scaled AMX order, FC1 on the rows' codes, FC2 on the SwiGLU
     output's (`cpu_fused.quant_e4m3`, the recipe's requantization) instead of `requantize`."""
     s13, s2 = weights.stored13, weights.stored2
-    assert s13 is not None and s2 is not None
-    # the prepacked copies (k order) where the default bodies run
-    p13: cpu_fused.StoredWeight | cpu_fused.PackedBf16 = s13
-    p2: cpu_fused.StoredWeight | cpu_fused.PackedBf16 = s2
+    # the prepacked copies (k order) where the default bodies run (they replace s13 / s2)
+    p13: cpu_fused.StoredWeight | cpu_fused.PackedBf16 | None = s13
+    p2: cpu_fused.StoredWeight | cpu_fused.PackedBf16 | None = s2
     if vector is True and weights.kpack13 is not None and weights.kpack2 is not None:
         p13, p2 = weights.kpack13, weights.kpack2
+    assert p13 is not None and p2 is not None  # packed weights: vector is True
     cdt = weights.compute_dtype
-    inter, k_most = s2.k, max(s13.k, s2.k)
+    inter, k_most = p2.k, max(p13.k, p2.k)
     starts = list(itertools.accumulate((b for *_, b in runs), initial=0))
     q = starts[-1]
     # the runs' columns as one tensor (one small op per forward, not one per column)
@@ -499,6 +502,7 @@ def _run_expert_gemm(
     fc2 = cpu_fused.ExpertGroups(q_start, expert, first, path_rows)
     scale = None if pair_scale is None else pair_scale[pair]
     if codes is not None:
+        assert s13 is not None and s2 is not None  # block_scaled_operands
         x = codes.rows
         cpu_fused.expert_gemm(
             x.codes, x_rows, fc1, s13, gu, xs, alpha=a13, vector="amx", x_scales=x.scales,

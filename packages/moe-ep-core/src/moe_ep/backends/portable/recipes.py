@@ -70,7 +70,8 @@ class PreparedWeights:
     alpha13 / alpha2: `[E_local]` fp32 per-expert GEMM epilogue factors, or None.
     stored13 / stored2: on CPU, the same weights in their stored width (bf16: w13t's own
         storage; quantized formats: the codes and block scales the dequantized values came
-        from) for the expert GEMM of few rows (`cpu_fused.expert_gemm`); None elsewhere.
+        from) for the expert GEMM of few rows (`cpu_fused.expert_gemm`); None elsewhere and
+        where `kpack13` / `kpack2` replace them.
     packed13 / packed2: per local expert, FC1's / FC2's bf16 weights in oneDNN's blocked GEMM
         layout (`PortableConfig.cpu_prepacked_weights`, `experts.prepack`), or None.
     kpack13 / kpack2: the same prepacking on CPUs without oneDNN's bf16 GEMMs: FC1's / FC2's
