@@ -391,7 +391,7 @@ def test_k_order_packing_is_refused_with_no_expert_gemm() -> None:
 
 @pytest.mark.parametrize("bad", [1, "yes", 0.0])
 def test_prepacking_field_refuses_non_bools(bad: object) -> None:
-    with pytest.raises(MoeEpUsageError, match="cpu_prepacked_weights"):
+    with pytest.raises(MoeEpUsageError, match=r"cpu_prepacked_weights must be None or a bool, got"):
         Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=bad)  # type: ignore[arg-type]
 
 

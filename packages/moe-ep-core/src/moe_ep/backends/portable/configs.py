@@ -126,8 +126,10 @@ class PortableConfig(KernelConfig):
             check_positive_float("swiglu_clamp", self.swiglu_clamp)
         check_bool("dedup", self.dedup)
         check_bool("capture_safe", self.capture_safe)
-        if self.cpu_prepacked_weights is not None:
-            check_bool("cpu_prepacked_weights", self.cpu_prepacked_weights)
+        if not (self.cpu_prepacked_weights is None or isinstance(self.cpu_prepacked_weights, bool)):
+            raise MoeEpUsageError(
+                f"cpu_prepacked_weights must be None or a bool, got {self.cpu_prepacked_weights!r}"
+            )
         if self.cpu_prepacked_weights and self.capture_safe:
             raise MoeEpUsageError(
                 "cpu_prepacked_weights=True is not read by the capture-safe forward (it runs "
