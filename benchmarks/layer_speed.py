@@ -407,9 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cpu-prepacked-weights",
         action="store_true",
-        help="with --sections peers / crossover: also time the layers that take it (and the "
-        "crossover's bf16 mm blocks, or its expert GEMM where torch has no oneDNN bf16 GEMMs) "
-        "with cpu_prepacked_weights=True, in the same round robin",
+        help="with --sections peers / crossover: also time the bf16 layer (and the crossover's "
+        "bf16 mm blocks, or its expert GEMM where torch has no oneDNN bf16 GEMMs) with "
+        "cpu_prepacked_weights=True, and the quantized layers whose default packs with "
+        "cpu_prepacked_weights=False, in the same round robin",
     )
     add_plot_options(parser, OUT_DIR / "layer_speed.png")
     return parser

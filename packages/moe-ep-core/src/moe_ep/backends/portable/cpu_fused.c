@@ -1548,9 +1548,9 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * Every output is the k order's chain (x's elements times the weights' in increasing k, one
  * fma each, from +0), so the bits are those of the k-order body on the unpacked weights
  * (bf16 x); fp32 x (the quantized formats' activations, on weights whose values are exact
- * in bf16) takes the same chain, one rounding per fma. Work items: (group, EG_ROWS rows, one block of 16 columns). Measured on Zen 3 (AVX2, the
- * weights from DRAM, 64 experts N = K = 2048): 1.6-1.8x faster than the 16-lane body at
- * 4-12 rows per expert (docs/layer.md). */
+ * in bf16) takes the same chain, one rounding per fma. Work items: (group, EG_ROWS rows, one
+ * block of 16 columns). Measured on Zen 3 (AVX2, the weights from DRAM, 64 experts N = K =
+ * 2048): 1.6-1.8x faster than the 16-lane body at 4-12 rows per expert (docs/layer.md). */
 #define EG_PCOLS 16   /* output columns of one packed block (and of a work item) */
 #define EG_PMR 6      /* rows of the packed tile */
 #define EG_PKC 512    /* K elements per block when an item has several row tiles */
@@ -2964,8 +2964,9 @@ static void eg_amx_next(const eg_args *a, const int64_t *item_start, int64_t gro
  * described above. row(q) = x_rows[q], or q when x_rows is NULL. w_e row j starts at byte
  * e * w_expert_bytes + j * w_row_bytes (bf16 elements, e4m3 bytes, or e2m1 pairs low nibble
  * first; EG_W_BF16_K16: block b of 16 packed columns there instead of row j, eg_item_k16,
- * bf16 or fp32 x, no scales, the k-order bodies or auto only, else -3); its scale for elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of
- * s_kind values (s_block a multiple of 16). alpha may be NULL. g_rows: per group, the row
+ * bf16 or fp32 x, no scales, the k-order bodies or auto only, else -3); its scale for
+ * elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of s_kind values (s_block a
+ * multiple of 16). alpha may be NULL. g_rows: per group, the row
  * count that picks its body under auto (NULL: its own). xs: fp32 scratch of
  * q_start[groups] * (round_up(k, 16) + 16) elements. vector: the body (EG_BODY_*: 0 the scalar
  * twin, 1 AVX2, 2 AVX-512F, 3 auto: for bf16 x and weights the AMX body where the CPU has

@@ -119,22 +119,23 @@ class PreparedWeights:
     @property
     def num_experts(self) -> int:
         """E_local."""
-        return int(self.w2t.shape[0] if self.w2t is not None else self._kpack(2).codes.shape[0])
+        return int(self.w2t.shape[0] if self.w2t is not None else self._kpack2.codes.shape[0])
 
     @property
     def hidden(self) -> int:
         """H: FC1's K and FC2's N."""
-        return int(self.w2t.shape[2]) if self.w2t is not None else self._kpack(2).n
+        return int(self.w2t.shape[2]) if self.w2t is not None else self._kpack2.n
 
     @property
     def inter(self) -> int:
         """I: FC2's K."""
-        return int(self.w2t.shape[1] if self.w2t is not None else self._kpack(2).codes.shape[2])
+        return int(self.w2t.shape[1]) if self.w2t is not None else self._kpack2.k
 
-    def _kpack(self, fc: int) -> PackedBf16:
-        p = self.kpack13 if fc == 1 else self.kpack2
-        assert p is not None
-        return p
+    @property
+    def _kpack2(self) -> PackedBf16:
+        """FC2's packed copy, where it replaces w2t (`__post_init__` checks one is set)."""
+        assert self.kpack2 is not None
+        return self.kpack2
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
