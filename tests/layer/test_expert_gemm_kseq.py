@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moe_ep.backends.portable import cpu_fused
-from moe_ep.backends.portable.cpu_fused import ExpertGroups, PackedBf16, StoredWeight
+from moe_ep.backends.portable.cpu_fused import ExpertGroups, PackedK16, StoredWeight
 
 pytestmark = pytest.mark.skipif(cpu_fused.library() is None, reason="no fused CPU library")
 
@@ -264,7 +264,7 @@ def test_packed_weights_are_refused_outside_the_k_order() -> None:
     packed = cpu_fused.pack_k16(torch.ones(1, 4, 16, dtype=torch.bfloat16))
     x16 = torch.ones(2, 16, dtype=torch.bfloat16)
     for vector in (False, "avx2", "amx_scalar", "bf16dot_scalar"):
-        with pytest.raises(ValueError, match=r"PackedBf16 weights with the k-order bodies only"):
+        with pytest.raises(ValueError, match=r"PackedK16 weights with the k-order bodies only"):
             cpu_fused.expert_gemm(x16, None, groups, packed, out, scratch, vector=vector)  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match=r"expert_gemm x must be \[R, 16\] bf16 / fp32, got torch.uint8"
@@ -275,7 +275,7 @@ def test_packed_weights_are_refused_outside_the_k_order() -> None:
     ):
         cpu_fused.pack_k16(torch.zeros(1, 4, 16, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"contiguous bf16 \[E, 1, K, 16\] for n=4"):
-        PackedBf16(torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16), 4)
+        PackedK16(torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16), 4)
 
 
 def reference_kseq_fp32_x(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,7 @@ def test_decode_on_k_order_packing_reads_the_packed_weights(
     monkeypatch.setattr(cpu_fused, "expert_gemm", recorded)
     out, (packed, ref) = _forward(True, h=512, inter=256, e=16, t=16)
     assert packed.kpack13 is not None
-    assert seen and set(seen) == {"PackedBf16"}, seen
+    assert seen and set(seen) == {"PackedK16"}, seen
     report = compare_to_oracle(out, ref)
     assert report.ok, report
 
@@ -261,7 +261,7 @@ def test_quantized_formats_exact_in_bf16_run_on_the_packed_copy(
     assert prepared.kpack13 is not None and prepared.kpack2 is not None
     assert prepared.w13t is None and prepared.w2t is None  # replaced by the packed copy,
     assert prepared.stored13 is None and prepared.stored2 is None  # the codes too
-    assert seen and set(seen) == {("PackedBf16", torch.float32)}, seen
+    assert seen and set(seen) == {("PackedK16", torch.float32)}, seen
     report = compare_to_oracle(out, ref)
     assert report.ok, report
     _, (plain, _) = _forward(False, **shape)  # type: ignore[arg-type]

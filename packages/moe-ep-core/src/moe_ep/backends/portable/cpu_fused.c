@@ -388,7 +388,8 @@ void moe_ep_omp_set_threads(int32_t n) {
  * Every output is one item's, so the split never changes a bit.
  */
 enum { EG_X_BF16 = 0, EG_X_F32 = 1, EG_X_E4M3 = 2 }; /* E4M3: codes, the block-scaled AMX order */
-enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2, EG_W_BF16_K16 = 3 }; /* K16: eg_item_k16 */
+enum { EG_W_BF16 = 0, EG_W_E4M3 = 1, EG_W_E2M1 = 2, EG_W_BF16_K16 = 3, EG_W_E4M3_K16 = 4 };
+/* the K16 kinds: eg_item_k16 */
 enum { EG_S_NONE = 0, EG_S_F32 = 1, EG_S_E8M0 = 2, EG_S_E4M3 = 3 };
 enum { EG_OUT_BF16 = 0, EG_OUT_F32 = 1 };
 int32_t moe_ep_vector_bodies(void);
@@ -1536,21 +1537,26 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
 }
 
 /* ---------------------------------------------------------------------------------------
- * The k order on packed bf16 weights (w_kind EG_W_BF16_K16; EG_BODY_KSEQ, its twin
- * EG_BODY_KSEQ_SCALAR, or EG_BODY_AUTO: the first where the CPU has AVX2): each expert's
- * weights in blocks of 16 output columns, w_row_bytes apart, per block its K elements in
- * increasing k, each the 16 columns' bf16 values (column 16b + j at position j; a last
- * block's missing columns zero). The columns are the lanes and x is broadcast: per element
- * one 32-byte load gives the block's 16 weights (the even columns by a shift, the odd by a
- * mask), and each x row's element, broadcast once, feeds two fma's; tiles of up to EG_PMR
- * rows x 16 columns (12 ymm accumulators) run over the whole of K, or, with more rows than
- * one tile, over K blocks of EG_PKC elements whose weights stay in L1 for the later tiles.
- * Every output is the k order's chain (x's elements times the weights' in increasing k, one
- * fma each, from +0), so the bits are those of the k-order body on the unpacked weights
- * (bf16 x); fp32 x (the quantized formats' activations, on weights whose values are exact
- * in bf16) takes the same chain, one rounding per fma. Work items: (group, EG_ROWS rows, one
- * block of 16 columns). Measured on Zen 3 (AVX2, the weights from DRAM, 64 experts N = K =
- * 2048): 1.6-1.8x faster than the 16-lane body at 4-12 rows per expert (docs/layer.md). */
+ * The k order on packed weights (w_kind EG_W_BF16_K16 or EG_W_E4M3_K16; EG_BODY_KSEQ, its
+ * twin EG_BODY_KSEQ_SCALAR, or EG_BODY_AUTO: the first where the CPU has AVX2): each
+ * expert's weights in blocks of 16 output columns, w_row_bytes apart, per block its K
+ * elements in increasing k, each the 16 columns' values (column 16b + j at position j; a
+ * last block's missing columns zero): bf16 values, or e4m3fn codes (EG_W_E4M3_K16, NaN-free)
+ * with fp32 scales per block of s_block elements of k, each the 16 columns' scales (s_row_bytes
+ * apart per column block, |s| < 2^8, finite), the weight being code * scale, one fp32
+ * product (the recipes' dequantize; the packer checks both conditions). The columns are
+ * the lanes and x is broadcast: per element one load gives the block's 16 weights (bf16: the
+ * even columns by a shift, the odd by a mask; codes: eg_decode_e4m3_fast_avx2's short decode,
+ * its product by the scale folded with 2^120), and each x row's element, broadcast once,
+ * feeds two fma's; tiles of up to EG_PMR rows x 16 columns (12 ymm accumulators) run over
+ * the whole of K, or, with more rows than one tile, over K blocks of EG_PKC elements whose
+ * weights stay in L1 for the later tiles. Every output is the k order's chain (x's elements
+ * times the weights' in increasing k, one fma each, from +0), so the bits are those of the
+ * k-order body on the unpacked weights (bf16 x); fp32 x (the quantized formats'
+ * activations, on weights whose values are exact in bf16 or codes) takes the same chain,
+ * one rounding per fma. Work items: (group, EG_ROWS rows, one block of 16 columns).
+ * Measured on Zen 3 (AVX2, the weights from DRAM, 64 experts N = K = 2048): 1.6-1.8x faster
+ * than the 16-lane body at 4-12 rows per expert (docs/layer.md). */
 #define EG_PCOLS 16   /* output columns of one packed block (and of a work item) */
 #define EG_PMR 6      /* rows of the packed tile */
 #define EG_PKC 512    /* K elements per block when an item has several row tiles */
@@ -1559,27 +1565,62 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
 #endif
 
 #ifdef MOE_EP_AVX2
+/* The two scale registers of a packed e4m3 block's scale row sc (16 columns in order): the
+ * even columns' and the odd ones', each times 2^120 (eg_decode_e4m3_fast_avx2's factor). */
+static inline __attribute__((always_inline)) void eg_k16_scales(const float *sc, __m256 *ce,
+                                                                __m256 *co) {
+    const __m256 lo = _mm256_loadu_ps(sc), hi = _mm256_loadu_ps(sc + 8);
+    const __m256 f = _mm256_set1_ps(1.329227995784916e36f); /* 2^120 */
+    const __m256 e = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
+    const __m256 o = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+    *ce = _mm256_mul_ps(_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xd8)), f);
+    *co = _mm256_mul_ps(_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xd8)), f);
+}
+
+/* Element e's 16 weights of a packed block p (bytes; kind EG_W_BF16_K16 or EG_W_E4M3_K16, a
+ * constant at each call): the even columns' in *we, the odd ones' in *wo. */
+static inline __attribute__((always_inline)) void eg_k16_weights(int32_t kind, const uint8_t *p,
+                                                                 int64_t e, __m256 ce, __m256 co,
+                                                                 __m256 *we, __m256 *wo) {
+    if (kind == EG_W_BF16_K16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + e * EG_PCOLS * 2));
+        *we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        *wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        const __m256i d = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + e * EG_PCOLS)));
+        const __m256i keep = _mm256_set1_epi32((int)0x87f00000u);
+        const __m256i ev = _mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 24), 4), keep);
+        const __m256i od = _mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(d, 16), 4), keep);
+        *we = _mm256_mul_ps(_mm256_castsi256_ps(ev), ce);
+        *wo = _mm256_mul_ps(_mm256_castsi256_ps(od), co);
+    }
+}
+
 /* acc[r][eg_lane(j)] (r < R rows of x, ldx apart, fp32 in lane order; column j of the
- * block p) carried on over elements [e0, e1) of the k order, e0 a multiple of 16. */
-#define EG_K16_TILE(R)                                                                         \
-    static void eg_k16_tile_##R(const float *x, int64_t ldx, const uint16_t *p, int64_t e0,    \
-                                int64_t e1, float *acc, int64_t ahead) {                      \
-        __m256 ae[R], ao[R];                                                                   \
-        const __m256i high = _mm256_set1_epi32((int)0xffff0000u);                              \
+ * block p, weight kind KIND; codes: scale rows sc, one per sblock elements) carried on over
+ * elements [e0, e1) of the k order, e0 a multiple of 16. */
+#define EG_K16_TILE(R, KIND, NAME)                                                             \
+    static void NAME##_##R(const float *x, int64_t ldx, const uint8_t *p, const float *sc,     \
+                           int64_t sblock, int64_t e0, int64_t e1, float *acc, int64_t ahead) { \
+        __m256 ae[R], ao[R], ce = _mm256_setzero_ps(), co = ce, we, wo;                        \
+        const int64_t esize = KIND == EG_W_BF16_K16 ? 2 * EG_PCOLS : EG_PCOLS;                 \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
             ae[r] = _mm256_loadu_ps(acc + r * EG_PCOLS);                                       \
             ao[r] = _mm256_loadu_ps(acc + r * EG_PCOLS + 8);                                   \
         }                                                                                      \
-        int64_t e = e0;                                                                        \
+        int64_t e = e0, snext = e0; /* codes: the next element whose scales load */           \
+        const float *scp = KIND == EG_W_BF16_K16 ? sc : sc + (e0 / sblock - 1) * EG_PCOLS;     \
         for (; e < e1; e++) { /* whole chunks 16 at a time, x's lane order unrolled */         \
+            if (KIND != EG_W_BF16_K16 && e == snext) {                                         \
+                scp += EG_PCOLS;                                                               \
+                eg_k16_scales(scp, &ce, &co);                                                  \
+                snext = e == e0 ? (e0 / sblock + 1) * sblock : snext + sblock;                 \
+            }                                                                                  \
             if ((e & 15) == 0 && e + 16 <= e1) {                                               \
                 _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) {                        \
                     if (ahead && (j & 1) == 0)                                                 \
-                        _mm_prefetch((const char *)(p + (e + j) * EG_PCOLS) + ahead, _MM_HINT_T0); \
-                    const __m256i v =                                                          \
-                        _mm256_loadu_si256((const __m256i *)(p + (e + j) * EG_PCOLS));         \
-                    const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));           \
-                    const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));          \
+                        _mm_prefetch((const char *)(p + (e + j) * esize) + ahead, _MM_HINT_T0); \
+                    eg_k16_weights(KIND, p, e + j, ce, co, &we, &wo);                          \
                     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                      \
                         const __m256 b = _mm256_broadcast_ss(x + r * ldx + e + eg_lane(j));    \
                         ae[r] = _mm256_fmadd_ps(b, we, ae[r]);                                 \
@@ -1589,9 +1630,7 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
                 e += 15;                                                                       \
                 continue;                                                                      \
             }                                                                                  \
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(p + e * EG_PCOLS));         \
-            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                   \
-            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));                  \
+            eg_k16_weights(KIND, p, e, ce, co, &we, &wo);                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
                 const __m256 b = _mm256_broadcast_ss(x + r * ldx + (e & ~15) + eg_lane(e & 15)); \
                 ae[r] = _mm256_fmadd_ps(b, we, ae[r]);                                         \
@@ -1603,14 +1642,32 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
             _mm256_storeu_ps(acc + r * EG_PCOLS + 8, ao[r]);                                   \
         }                                                                                      \
     }
-EG_K16_TILE(1) EG_K16_TILE(2) EG_K16_TILE(3) EG_K16_TILE(4) EG_K16_TILE(5) EG_K16_TILE(6)
+#define EG_K16_TILES(KIND, NAME)                                                               \
+    EG_K16_TILE(1, KIND, NAME) EG_K16_TILE(2, KIND, NAME) EG_K16_TILE(3, KIND, NAME)           \
+    EG_K16_TILE(4, KIND, NAME) EG_K16_TILE(5, KIND, NAME) EG_K16_TILE(6, KIND, NAME)
+EG_K16_TILES(EG_W_BF16_K16, eg_k16_tile)
+EG_K16_TILES(EG_W_E4M3_K16, eg_k16q_tile)
+#undef EG_K16_TILES
 #undef EG_K16_TILE
-typedef void (*eg_k16_tile_fn)(const float *, int64_t, const uint16_t *, int64_t, int64_t,
-                               float *, int64_t);
-static const eg_k16_tile_fn eg_k16_tiles[EG_PMR + 1] = {
-    NULL, eg_k16_tile_1, eg_k16_tile_2, eg_k16_tile_3, eg_k16_tile_4, eg_k16_tile_5,
-    eg_k16_tile_6};
+typedef void (*eg_k16_tile_fn)(const float *, int64_t, const uint8_t *, const float *, int64_t,
+                               int64_t, int64_t, float *, int64_t);
+static const eg_k16_tile_fn eg_k16_tiles[2][EG_PMR + 1] = {
+    {NULL, eg_k16_tile_1, eg_k16_tile_2, eg_k16_tile_3, eg_k16_tile_4, eg_k16_tile_5,
+     eg_k16_tile_6},
+    {NULL, eg_k16q_tile_1, eg_k16q_tile_2, eg_k16q_tile_3, eg_k16q_tile_4, eg_k16q_tile_5,
+     eg_k16q_tile_6}};
 #endif
+
+/* One output of the k order from an fp32 scratch row in lane order and packed e4m3 codes
+ * c[e * EG_PCOLS] with their scales sc[(e / sblock) * EG_PCOLS] (one column of a block). */
+static float eg_k16q_scalar(const float *xs_row, const uint8_t *c, const float *sc,
+                            int64_t sblock, int64_t k) {
+    float acc = 0.0f;
+    for (int64_t e = 0; e < k; e++)
+        acc = __builtin_fmaf(eg_lane_elem(xs_row, e),
+                             e4m3_value[c[e * EG_PCOLS]] * sc[e / sblock * EG_PCOLS], acc);
+    return acc;
+}
 
 /* One packed work item: rows [block * EG_ROWS, +EG_ROWS) of group g times the 16 columns of
  * packed block b. */
@@ -1618,8 +1675,11 @@ static void eg_item_k16(const eg_args *a, int64_t g, int64_t block, int64_t b) {
     const int64_t i0 = block * EG_ROWS, n_rows = a->q_start[g + 1] - a->q_start[g];
     const int64_t rows = n_rows - i0 < EG_ROWS ? n_rows - i0 : EG_ROWS, k = a->k;
     const int64_t j0 = b * EG_PCOLS, nc = a->n - j0 < EG_PCOLS ? a->n - j0 : EG_PCOLS;
-    const uint16_t *p =
-        (const uint16_t *)(a->w + a->g_expert[g] * a->w_expert_bytes + b * a->w_row_bytes);
+    const uint8_t *p = a->w + a->g_expert[g] * a->w_expert_bytes + b * a->w_row_bytes;
+    const int codes = a->w_kind == EG_W_E4M3_K16;
+    const float *sc = codes ? (const float *)(a->s + a->g_expert[g] * a->s_expert_bytes +
+                                              b * a->s_row_bytes)
+                            : NULL;
     const float *x = a->xs + (a->q_start[g] + i0) * a->ldxs;
     float acc[EG_ROWS][EG_PCOLS]; /* column j of row m at acc[m][eg_lane(j)] */
 #ifdef MOE_EP_AVX2
@@ -1631,19 +1691,43 @@ static void eg_item_k16(const eg_args *a, int64_t g, int64_t block, int64_t b) {
             const int64_t k1 = kc + step < k ? kc + step : k;
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t r0 = rows * t / tiles, r1 = rows * (t + 1) / tiles;
-                eg_k16_tiles[r1 - r0](x + r0 * a->ldxs, a->ldxs, p, kc, k1, acc[r0],
-                                      t == 0 ? EG_PPF : 0);
+                eg_k16_tiles[codes][r1 - r0](x + r0 * a->ldxs, a->ldxs, p, sc, a->s_block, kc,
+                                             k1, acc[r0], t == 0 ? EG_PPF : 0);
             }
         }
     } else
 #endif
         for (int64_t m = 0; m < rows; m++)
             for (int64_t j = 0; j < nc; j++)
-                acc[m][eg_lane(j)] = eg_kseq_scalar(x + m * a->ldxs, p + j, EG_PCOLS, k);
+                acc[m][eg_lane(j)] =
+                    codes ? eg_k16q_scalar(x + m * a->ldxs, p + j, sc + j, a->s_block, k)
+                          : eg_kseq_scalar(x + m * a->ldxs, (const uint16_t *)p + j, EG_PCOLS, k);
     const float alpha = a->alpha ? a->alpha[g] : 1.0f;
     for (int64_t m = 0; m < rows; m++)
         for (int64_t j = 0; j < nc; j++)
             eg_put(a, (a->out_row0[g] + i0 + m) * a->ld_out + j0 + j, acc[m][eg_lane(j)], alpha);
+}
+
+/* Rows [0, cols) of dst (fp32, ld_dst apart, k elements each) = the packed e4m3 columns
+ * [0, cols) (column 16b + j of block b: codes p + b * ld_p, element e at byte 16 e + j;
+ * scales sc + b * ld_sc floats, block kb's at 16 kb + j): code * scale, one fp32 product
+ * each (eg_item_k16's weights, the recipes' dequantize), for the `mm` blocks of experts
+ * above the crossover (_mm_k16). */
+void moe_ep_widen_k16(const uint8_t *p, int64_t ld_p, const float *sc, int64_t ld_sc,
+                      int64_t s_block, int64_t cols, int64_t k, float *dst, int64_t ld_dst,
+                      int32_t threads) {
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && cols > 16)
+    for (int64_t c = 0; c < cols; c++) {
+        const uint8_t *col = p + c / EG_PCOLS * ld_p + c % EG_PCOLS;
+        const float *s = sc + c / EG_PCOLS * ld_sc + c % EG_PCOLS;
+        float *out = dst + c * ld_dst;
+        for (int64_t kb = 0; kb * s_block < k; kb++) {
+            const float scale = s[kb * EG_PCOLS];
+            const int64_t e1 = (kb + 1) * s_block < k ? (kb + 1) * s_block : k;
+            for (int64_t e = kb * s_block; e < e1; e++) out[e] = e4m3_value[col[e * EG_PCOLS]] * scale;
+        }
+    }
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -2963,8 +3047,9 @@ static void eg_amx_next(const eg_args *a, const int64_t *item_start, int64_t gro
  * group g (local expert e = g_expert[g]) and i < q_start[g + 1] - q_start[g], in the order
  * described above. row(q) = x_rows[q], or q when x_rows is NULL. w_e row j starts at byte
  * e * w_expert_bytes + j * w_row_bytes (bf16 elements, e4m3 bytes, or e2m1 pairs low nibble
- * first; EG_W_BF16_K16: block b of 16 packed columns there instead of row j, eg_item_k16,
- * bf16 or fp32 x, no scales, the k-order bodies or auto only, else -3); its scale for
+ * first; EG_W_BF16_K16 / EG_W_E4M3_K16: block b of 16 packed columns there instead of row
+ * j, eg_item_k16, bf16 or fp32 x, the codes' scales block b's s_row_bytes row, the k-order
+ * bodies or auto only, else -3); its scale for
  * elements [b * s_block, (b + 1) * s_block) at s_row_bytes rows of s_kind values (s_block a
  * multiple of 16). alpha may be NULL. g_rows: per group, the row
  * count that picks its body under auto (NULL: its own). xs: fp32 scratch of
@@ -3006,11 +3091,16 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
                (both && (s_block <= 0 || s_block % EG_DOT || k % s_block ||
                          (x_block % s_block && s_block % x_block)))))
         return -3;
-    /* packed bf16 weights: the k order only (eg_item_k16), bf16 or fp32 x; auto: its AVX2
-     * body where the CPU has AVX2, else the twin */
-    const int packed16 = w_kind == EG_W_BF16_K16;
+    /* packed weights: the k order only (eg_item_k16), bf16 or fp32 x (bf16 values: no
+     * scales; e4m3 codes: fp32 scales per s_block elements, a multiple of 16 dividing k);
+     * auto: its AVX2 body where the CPU has AVX2, else the twin */
+    const int packed16 = w_kind == EG_W_BF16_K16 || w_kind == EG_W_E4M3_K16;
     if (packed16) {
-        if (x_kind == EG_X_E4M3 || bs || s_kind != EG_S_NONE) return -3;
+        if (x_kind == EG_X_E4M3 || bs) return -3;
+        if (w_kind == EG_W_BF16_K16 ? s_kind != EG_S_NONE
+                                    : s_kind != EG_S_F32 || s == NULL || s_block <= 0 ||
+                                          s_block % EG_PCOLS || k % s_block)
+            return -3;
         if (vector == EG_BODY_AUTO) vector = bodies & 1 ? EG_BODY_KSEQ : EG_BODY_KSEQ_SCALAR;
         else if (vector != EG_BODY_KSEQ && vector != EG_BODY_KSEQ_SCALAR) return -3;
     }

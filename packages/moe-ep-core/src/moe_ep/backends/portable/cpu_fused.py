@@ -39,23 +39,26 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
 from moe_ep import cache_trust, env
 from moe_ep.errors import MoeEpUnavailableError
+from moe_ep.quant import e8m0_to_float32
 
 __all__ = [
     "SOURCE",
     "ExpertGroups",
-    "PackedBf16",
+    "PackedK16",
     "StoredWeight",
+    "codes_unpackable",
     "combine",
     "exact_in_bf16",
     "expert_gemm",
     "library",
     "pack_k16",
+    "pack_k16_codes",
     "parallel_workers",
     "run_single_threaded",
     "status",
@@ -144,6 +147,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
         ],
         _i32,
     ),
+    # p, ld_p, sc, ld_sc, s_block, cols, k, dst, ld_dst, threads
+    "moe_ep_widen_k16": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _i32], None),
     "moe_ep_vector_bodies": ([], _i32),
     "moe_ep_omp_max_threads": ([], _i32),
     "moe_ep_omp_set_threads": ([_i32], None),
@@ -152,7 +157,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
 rebuilt (a cached one) or refused (a fresh build)."""
 
 NEWER_THAN_BASELINES = frozenset(
-    {"moe_ep_fake_quant", "moe_ep_quant_e4m3", "moe_ep_expert_gemm_v3"}
+    {"moe_ep_fake_quant", "moe_ep_quant_e4m3", "moe_ep_expert_gemm_v3", "moe_ep_widen_k16"}
 )
 """Functions an older `cpu_fused.c` (a benchmark's `--baseline-kernel`) may lack: on such a
 library their callers run the eager code, as that commit did (`benchlib.baseline_kernel`)."""
@@ -389,8 +394,8 @@ def combine(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, out: torch.Tens
 Code = Literal["bf16", "e4m3", "e2m1"]
 Scale = Literal["fp32", "e8m0", "e4m3"]
 _CODE_KIND = {"bf16": 0, "e4m3": 1, "e2m1": 2}
-_PACKED_KIND = 3
-"""cpu_fused.c's EG_W_BF16_K16: `PackedBf16` weights."""
+_PACKED_KIND = {"bf16": 3, "e4m3": 4}
+"""cpu_fused.c's EG_W_BF16_K16 / EG_W_E4M3_K16: `PackedK16` weights by code."""
 _SCALE_KIND = {None: 0, "fp32": 1, "e8m0": 2, "e4m3": 3}
 _CODE_DTYPE = {"bf16": torch.bfloat16, "e4m3": torch.uint8, "e2m1": torch.uint8}
 _SCALE_DTYPE = {"fp32": torch.float32, "e8m0": torch.uint8, "e4m3": torch.uint8}
@@ -546,39 +551,64 @@ class StoredWeight:
 
 
 PACK_COLS = 16
-"""Output columns per block of `PackedBf16` (cpu_fused.c's EG_PCOLS)."""
+"""Output columns per block of `PackedK16` (cpu_fused.c's EG_PCOLS)."""
+
+PACKED_SCALE_LIMIT = 256.0
+"""`pack_k16_codes` takes scales of magnitude below this (cpu_fused.c's short e4m3 decode
+folds 2^120 into the scale, which must stay finite)."""
 
 
 @dataclass(frozen=True)
-class PackedBf16:
-    """bf16 expert weights packed for the k order (`pack_k16`): `codes [E, ceil(N/16), K,
-    16]`, per expert blocks of 16 output columns, per block its K elements in increasing k,
-    each the 16 columns' values (column 16b + j at `[e, b, :, j]`; a last block's missing
-    columns zero). `expert_gemm` reads it with the k-order bodies only (`vector=True`: the
-    AVX2 one where the CPU has AVX2, else its scalar twin; "avx2kseq", "kseq_scalar"): the
-    bits of those bodies on the unpacked weights, at every row count, for bf16 x; fp32 x
-    too, in the same chain of fma's (cpu_fused.c)."""
+class PackedK16:
+    """Expert weights packed for the k order (`pack_k16`, `pack_k16_codes`): `codes [E,
+    ceil(N/16), K, 16]`, per expert blocks of 16 output columns, per block its K elements in
+    increasing k, each the 16 columns' values (column 16b + j at `[e, b, :, j]`; a last
+    block's missing columns zero): bf16 values, or uint8 e4m3fn codes (NaN-free) with
+    `scales [E, ceil(N/16), K/block, 16]` fp32 (|s| < `PACKED_SCALE_LIMIT`), the weight
+    being `code * scale`, one fp32 product (the recipes' dequantize). `expert_gemm` reads it
+    with the k-order bodies only (`vector=True`: the AVX2 one where the CPU has AVX2, else
+    its scalar twin; "avx2kseq", "kseq_scalar"): for bf16 values the bits of those bodies on
+    the unpacked weights, at every row count, for bf16 x; fp32 x too, in the same chain of
+    fma's, and codes in that chain on their dequantized values (cpu_fused.c)."""
 
     codes: torch.Tensor
     n: int
-    code: ClassVar[Code] = "bf16"
-    scales: ClassVar[None] = None
-    scale: ClassVar[None] = None
-    block: ClassVar[int] = 0
+    scales: torch.Tensor | None = None
+    block: int = 0
 
     def __post_init__(self) -> None:
-        c = self.codes
+        c, s = self.codes, self.scales
         blocks = -(-self.n // PACK_COLS)
         if (
             c.dim() != 4
-            or c.dtype != torch.bfloat16
+            or c.dtype not in (torch.bfloat16, torch.uint8)
             or not c.is_contiguous()
             or (int(c.shape[1]), int(c.shape[3])) != (blocks, PACK_COLS)
         ):
             raise ValueError(
-                f"PackedBf16 codes must be contiguous bf16 [E, {blocks}, K, {PACK_COLS}] for "
-                f"n={self.n}, got {c.dtype} {tuple(c.shape)}"
+                f"PackedK16 codes must be contiguous bf16 / uint8 [E, {blocks}, K, {PACK_COLS}] "
+                f"for n={self.n}, got {c.dtype} {tuple(c.shape)}"
             )
+        if (s is None) != (c.dtype == torch.bfloat16):
+            raise ValueError("PackedK16 takes scales with uint8 e4m3 codes and with them only")
+        if s is not None:
+            nb = self.k // self.block if self.block > 0 and self.block % 16 == 0 else -1
+            want = (*c.shape[:2], nb, PACK_COLS)
+            if s.dtype != torch.float32 or not s.is_contiguous() or tuple(s.shape) != want:
+                raise ValueError(
+                    f"PackedK16 scales must be contiguous fp32 {list(want)} (block "
+                    f"{self.block}, a multiple of 16 dividing K), got {s.dtype} {tuple(s.shape)}"
+                )
+
+    @property
+    def code(self) -> Code:
+        """ "bf16" (values) or "e4m3" (codes with `scales`)."""
+        return "bf16" if self.codes.dtype == torch.bfloat16 else "e4m3"
+
+    @property
+    def scale(self) -> Scale | None:
+        """The scales' kind: "fp32", or None for bf16 values."""
+        return None if self.scales is None else "fp32"
 
     @property
     def k(self) -> int:
@@ -586,37 +616,98 @@ class PackedBf16:
         return int(self.codes.shape[2])
 
     def nbytes(self, experts: int = 1) -> int:
-        """Bytes `expert_gemm` reads for `experts` experts."""
-        return experts * self.codes[0].numel() * self.codes.element_size()
+        """Bytes `expert_gemm` reads for `experts` experts (codes and scales)."""
+        per = self.codes[0].numel() * self.codes.element_size()
+        if self.scales is not None:
+            per += self.scales[0].numel() * 4
+        return experts * per
+
+    def widen(self, e: int, j: int, m: int, dst: torch.Tensor) -> None:
+        """`dst[:m] = W[j : j + m]` in fp32 (`dst` K-contiguous rows, room for whole blocks):
+        expert e's columns j to j + m (j a multiple of 16) as their values: bf16 widened
+        (exact), or codes times their scales, one fp32 product each (the products
+        `expert_gemm` and the recipes' dequantize form)."""
+        c, b0, k = -(-m // PACK_COLS), j // PACK_COLS, self.k
+        if self.scales is None:
+            dst[: c * PACK_COLS].view(c, PACK_COLS, k).copy_(
+                self.codes[e, b0 : b0 + c].transpose(1, 2)
+            )
+            return
+        lib = library()
+        assert lib is not None and dst.stride(1) == 1  # codes pack with the library only
+        codes, scales = self.codes[e, b0], self.scales[e, b0]
+        lib.moe_ep_widen_k16(
+            codes.data_ptr(), self.codes.stride(1), scales.data_ptr(), self.scales.stride(1),
+            self.block, m, k, dst.data_ptr(), dst.stride(0), max(1, torch.get_num_threads()),
+        )  # fmt: skip
 
 
-def pack_k16(w: torch.Tensor) -> PackedBf16:
+def _to_blocks(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`w [E, N, M]` -> `[E, ceil(N/16), M, 16]` of `dtype`, zeros past N, one expert at a
+    time (the temporaries are one expert's)."""
+    e, n, m = (int(d) for d in w.shape)
+    whole = n // PACK_COLS
+    out = torch.zeros(e, -(-n // PACK_COLS), m, PACK_COLS, dtype=dtype)
+    for i in range(e):
+        src = w[i] if w.dtype == dtype else w[i].to(dtype)
+        out[i, :whole].copy_(src[: whole * PACK_COLS].view(whole, PACK_COLS, m).transpose(1, 2))
+        if n % PACK_COLS:
+            out[i, whole, :, : n % PACK_COLS].copy_(src[whole * PACK_COLS :].t())
+    return out
+
+
+def pack_k16(w: torch.Tensor) -> PackedK16:
     """A bf16 copy of the weights `w [E, N, K]` (bf16, or fp32 whose values are exact in
-    bf16: a quantized format's dequantized weights) in `PackedBf16`'s layout, one expert at
-    a time (the temporaries are one expert's). ValueError where an fp32 value is not
-    exact in bf16 (nothing is rounded silently)."""
+    bf16: a quantized format's dequantized weights) in `PackedK16`'s layout. ValueError where
+    an fp32 value is not exact in bf16 (nothing is rounded silently)."""
     if w.dim() != 3 or w.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"pack_k16 packs bf16 / fp32 [E, N, K] weights, got {w.dtype} {w.shape}")
-    e, n, k = (int(d) for d in w.shape)
-    whole = n // PACK_COLS
-    codes = torch.zeros(e, -(-n // PACK_COLS), k, PACK_COLS, dtype=torch.bfloat16)
-    for i in range(e):
-        src = w[i].to(torch.bfloat16)
-        if w.dtype != torch.bfloat16:
-            inexact = (src.float() != w[i]) & ~w[i].isnan()
+    if w.dtype != torch.bfloat16:
+        for i in range(int(w.shape[0])):
+            inexact = (w[i].to(torch.bfloat16).float() != w[i]) & ~w[i].isnan()
             if bool(inexact.any()):
                 at = [int(v) for v in inexact.nonzero()[0]]
                 raise ValueError(
                     f"pack_k16: weight [{i}, {at[0]}, {at[1]}] = {float(w[i, at[0], at[1]])!r} "
                     "is not exact in bf16 (the packed copy would round it)"
                 )
-        codes[i, :whole].copy_(src[: whole * PACK_COLS].view(whole, PACK_COLS, k).transpose(1, 2))
-        if n % PACK_COLS:
-            codes[i, whole, :, : n % PACK_COLS].copy_(src[whole * PACK_COLS :].t())
-    return PackedBf16(codes, n)
+    return PackedK16(_to_blocks(w, torch.bfloat16), int(w.shape[1]))
 
 
-def exact_in_bf16(w: StoredWeight | PackedBf16) -> bool:
+def codes_unpackable(w: StoredWeight) -> str | None:
+    """Why `pack_k16_codes` refuses `w`, or None where it packs it."""
+    lib = library()
+    if lib is None or not hasattr(lib, "moe_ep_widen_k16"):
+        return "the fused CPU library is not loaded or predates packed codes"
+    if w.code != "e4m3" or w.scale not in ("fp32", "e8m0") or w.scales is None:
+        return f"the weights are {w.code} codes with {w.scale} scales (e4m3 with fp32 / e8m0 packs)"
+    if w.block % PACK_COLS or w.k % w.block:
+        return f"the scale block {w.block} is not a multiple of {PACK_COLS} dividing K={w.k}"
+    if bool(((w.codes & 0x7F) == 0x7F).any()):
+        return "the weights hold e4m3 NaN codes"
+    s = _fp32_scales(w)
+    if not bool((s.abs() < PACKED_SCALE_LIMIT).all()):
+        return f"a weight scale is not finite or not below {PACKED_SCALE_LIMIT:g} in magnitude"
+    return None
+
+
+def _fp32_scales(w: StoredWeight) -> torch.Tensor:
+    assert w.scales is not None
+    return w.scales if w.scale == "fp32" else e8m0_to_float32(w.scales)
+
+
+def pack_k16_codes(w: StoredWeight) -> PackedK16:
+    """The e4m3 codes of `w` and their scales (fp32, or e8m0 as fp32) in `PackedK16`'s
+    layout: 1 byte a weight plus 4 per 16 columns and scale block. ValueError where
+    `codes_unpackable` says why not."""
+    why = codes_unpackable(w)
+    if why is not None:
+        raise ValueError(f"pack_k16_codes: {why}")
+    s = _fp32_scales(w)
+    return PackedK16(_to_blocks(w.codes, torch.uint8), w.n, _to_blocks(s, torch.float32), w.block)
+
+
+def exact_in_bf16(w: StoredWeight | PackedK16) -> bool:
     """Whether every value of `w` (code times scale) is exact in bf16: bf16, or codes and
     scales the AMX order takes (e4m3 with e8m0 or none, e2m1 with e8m0 / e4m3 or none)."""
     return (w.code, w.scale) in _AMX_WEIGHTS
@@ -795,7 +886,7 @@ def expert_gemm(
     x: torch.Tensor,
     x_rows: torch.Tensor | None,
     groups: ExpertGroups,
-    w: StoredWeight | PackedBf16,
+    w: StoredWeight | PackedK16,
     out: torch.Tensor,
     scratch: torch.Tensor,
     *,
@@ -823,7 +914,7 @@ def expert_gemm(
     x and weights only, but for "amx" / "amx_scalar": fp32 x too (every value exact in bf16,
     else ValueError with nothing written) and codes whose values are exact in bf16 (e4m3
     with e8m0 scales, e2m1 with e8m0 / e4m3 scales; fp32-scaled fp8 refused). `w` a
-    `PackedBf16` (bf16 or fp32 x): the k order at every row count, `vector` True (the AVX2
+    `PackedK16` (bf16 or fp32 x): the k order at every row count, `vector` True (the AVX2
     body where the CPU has AVX2, else the twin), "avx2kseq" or "kseq_scalar" (others
     refused).
 
@@ -841,10 +932,10 @@ def expert_gemm(
     lib = library()
     if lib is None or (x_scales is not None and not hasattr(lib, "moe_ep_expert_gemm_v3")):
         return False
-    packed = isinstance(w, PackedBf16)
+    packed = isinstance(w, PackedK16)
     if packed and (vector not in (True, "avx2kseq", "kseq_scalar") or x_scales is not None):
         raise ValueError(
-            f"expert_gemm reads PackedBf16 weights with the k-order bodies only (vector True, "
+            f"expert_gemm reads PackedK16 weights with the k-order bodies only (vector True, "
             f"'avx2kseq' or 'kseq_scalar', no x_scales), got vector={vector!r}"
         )
     k, n = w.k, w.n
@@ -898,7 +989,8 @@ def expert_gemm(
         groups.out_row0.data_ptr(), None if path is None else path.data_ptr(),
         None if alpha is None else alpha.data_ptr(),
         w.codes.data_ptr(), w.codes.stride(0) * w.codes.element_size(),
-        w.codes.stride(1) * w.codes.element_size(), _PACKED_KIND if packed else _CODE_KIND[w.code],
+        w.codes.stride(1) * w.codes.element_size(),
+        (_PACKED_KIND if packed else _CODE_KIND)[w.code],
         None if s is None else s.data_ptr(),
         0 if s is None else s.stride(0) * s.element_size(),
         0 if s is None else s.stride(1) * s.element_size(),

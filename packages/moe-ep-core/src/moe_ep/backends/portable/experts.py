@@ -186,16 +186,18 @@ def prepack_unavailable(weights: PreparedWeights, device: torch.device) -> str |
     layout = prepack_layout(device)
     if layout is None:
         return prepack_host_unavailable(device)
-    if layout == "k16":  # a bf16 copy of the weights the expert GEMM reads
+    if layout == "k16":  # a copy of the weights the expert GEMM reads: bf16, or e4m3 codes
         why = expert_gemm_unavailable(weights, device)
         if why is not None:
             return why
         for name, s in (("FC1", weights.stored13), ("FC2", weights.stored2)):
             if s is not None and not cpu_fused.exact_in_bf16(s):
-                return (
-                    f"the {name} weights are {s.code} codes with {s.scale} scales, whose values "
-                    "are not exact in bf16 (the packed copy is bf16)"
-                )
+                why = cpu_fused.codes_unpackable(s)
+                if why is not None:
+                    return (
+                        f"the {name} weights' values are not exact in bf16 (the packed values' "
+                        f"width) and their codes do not pack: {why}"
+                    )
         return None
     dtypes = (weights.fc1_dtype, weights.compute_dtype)
     if dtypes != (torch.bfloat16, torch.bfloat16):
@@ -235,8 +237,8 @@ def prepack(weights: PreparedWeights) -> PreparedWeights:
             w2t=None,
             stored13=None,
             stored2=None,
-            kpack13=cpu_fused.pack_k16(w13t.transpose(1, 2)),
-            kpack2=cpu_fused.pack_k16(w2t.transpose(1, 2)),
+            kpack13=_pack_k16(w13t, weights.stored13),
+            kpack2=_pack_k16(w2t, weights.stored2),
         )
 
     def packed(wt: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -244,6 +246,14 @@ def prepack(weights: PreparedWeights) -> PreparedWeights:
         return tuple(torch.ops.mkldnn._reorder_linear_weight(w.t(), ROW_BLOCK) for w in wt)
 
     return dataclasses.replace(weights, packed13=packed(w13t), packed2=packed(w2t))
+
+
+def _pack_k16(wt: torch.Tensor, stored: cpu_fused.StoredWeight | None) -> cpu_fused.PackedK16:
+    """The k order's copy of one weight (`wt [E, K, N]`, its codes `stored`): bf16 values
+    where they are exact in bf16, else the codes (`prepack_unavailable` checked they pack)."""
+    if stored is not None and not cpu_fused.exact_in_bf16(stored):
+        return cpu_fused.pack_k16_codes(stored)
+    return cpu_fused.pack_k16(wt.transpose(1, 2))
 
 
 def _mm_packed(a: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
@@ -279,7 +289,7 @@ def _block_mm(
 
 def _mm_k16(
     a: torch.Tensor,
-    kpack: cpu_fused.PackedBf16,
+    kpack: cpu_fused.PackedK16,
     e: int,
     out: torch.Tensor,
     ws: Workspace,
@@ -289,13 +299,7 @@ def _mm_k16(
     (`cpu_fused.pack_k16`'s layout), as `_mm_widened`: its column blocks widened from the
     packed 16-column blocks, so the same fp32 GEMMs on the same values (the same bits as
     the unpacked weights' `mm` blocks, tested)."""
-    blocks, cols, k = kpack.codes[e], cpu_fused.PACK_COLS, int(a.shape[1])
-
-    def fill(j: int, m: int, w32: torch.Tensor) -> None:
-        c = -(-m // cols)  # whole blocks: w32 has room for the last one's missing columns
-        w32[: c * cols].view(c, cols, k).copy_(blocks[j // cols : j // cols + c].transpose(1, 2))
-
-    _mm_column_blocks(a, kpack.n, fill, out, ws, name)
+    _mm_column_blocks(a, kpack.n, functools.partial(kpack.widen, e), out, ws, name)
 
 
 def _mm_widened(
@@ -475,8 +479,8 @@ def _run_expert_gemm(
     output's (`cpu_fused.quant_e4m3`, the recipe's requantization) instead of `requantize`."""
     s13, s2 = weights.stored13, weights.stored2
     # the prepacked copies (k order) where the default bodies run (they replace s13 / s2)
-    p13: cpu_fused.StoredWeight | cpu_fused.PackedBf16 | None = s13
-    p2: cpu_fused.StoredWeight | cpu_fused.PackedBf16 | None = s2
+    p13: cpu_fused.StoredWeight | cpu_fused.PackedK16 | None = s13
+    p2: cpu_fused.StoredWeight | cpu_fused.PackedK16 | None = s2
     if vector is True and weights.kpack13 is not None and weights.kpack2 is not None:
         p13, p2 = weights.kpack13, weights.kpack2
     assert p13 is not None and p2 is not None  # packed weights: vector is True

@@ -39,7 +39,7 @@ import torch
 
 from moe_ep import quant
 from moe_ep.backends.portable import cpu_fused
-from moe_ep.backends.portable.cpu_fused import FakeQuant, PackedBf16, Scale, StoredWeight
+from moe_ep.backends.portable.cpu_fused import FakeQuant, PackedK16, Scale, StoredWeight
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.types import MoEWeightPack
 
@@ -90,8 +90,8 @@ class PreparedWeights:
     stored2: StoredWeight | None = None
     packed13: tuple[torch.Tensor, ...] | None = None
     packed2: tuple[torch.Tensor, ...] | None = None
-    kpack13: PackedBf16 | None = None
-    kpack2: PackedBf16 | None = None
+    kpack13: PackedK16 | None = None
+    kpack2: PackedK16 | None = None
     operands_exact_in_bf16: bool = False
     dense_dtypes: tuple[torch.dtype, torch.dtype] | None = None
 
@@ -132,7 +132,7 @@ class PreparedWeights:
         return int(self.w2t.shape[1]) if self.w2t is not None else self._kpack2.k
 
     @property
-    def _kpack2(self) -> PackedBf16:
+    def _kpack2(self) -> PackedK16:
         """FC2's packed copy, where it replaces w2t (`__post_init__` checks one is set)."""
         assert self.kpack2 is not None
         return self.kpack2
