@@ -103,9 +103,10 @@ def test_info_says_what_cpu_prepacked_weights_does_here(monkeypatch: pytest.Monk
     monkeypatch.setattr(experts, "prepack_layout", lambda device: "k16")
     row = environment_report()["CPU expert GEMM"]
     assert row.startswith(
-        "avx2, avx512, avx2kseq; cpu_prepacked_weights=True packs the expert weights in bf16"
+        "avx2, avx512, avx2kseq; cpu_prepacked_weights=True packs the expert weights for the "
+        "expert GEMM's k order"
     )
-    assert "for the expert GEMM's k order" in row
+    assert "fp8's as their e4m3 codes and scales" in row
     monkeypatch.setattr(experts, "prepack_layout", lambda device: "onednn")
     assert "in oneDNN's blocked layout" in environment_report()["CPU expert GEMM"]
     monkeypatch.setattr(experts, "prepack_layout", lambda device: None)

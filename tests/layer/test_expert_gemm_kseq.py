@@ -1,6 +1,6 @@
 """The expert GEMM's k-order bodies: AVX2 with activation rows in the lanes, its scalar twin,
-and both on bf16 weights packed in blocks of 16 columns (`cpu_fused.pack_k16`: the AVX2 body
-with the columns in the lanes).
+and both on weights packed in blocks of 16 columns (`cpu_fused.pack_k16`, bf16 values, and
+`pack_k16_codes`, e4m3 codes with fp32 scales: the AVX2 body with the columns in the lanes).
 
 The reference is the order's definition computed by torch: each output the fp32 sum of its
 products in increasing k, left to right from +0. A bf16 x bf16 product is exact in fp32 (8 + 8
@@ -274,8 +274,15 @@ def test_packed_weights_are_refused_outside_the_k_order() -> None:
         ValueError, match=r"pack_k16 packs bf16 / fp32 \[E, N, K\] weights, got torch.uint8"
     ):
         cpu_fused.pack_k16(torch.zeros(1, 4, 16, dtype=torch.uint8))
-    with pytest.raises(ValueError, match=r"contiguous bf16 \[E, 1, K, 16\] for n=4"):
+    with pytest.raises(ValueError, match=r"contiguous bf16 / uint8 \[E, 1, K, 16\] for n=4"):
         PackedK16(torch.zeros(1, 1, 16, 8, dtype=torch.bfloat16), 4)
+    codes = torch.zeros(1, 1, 32, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"takes scales with uint8 e4m3 codes and with them only"):
+        PackedK16(codes, 4)
+    with pytest.raises(
+        ValueError, match=r"scales must be contiguous fp32 \[1, 1, 1, 16\] \(block 32"
+    ):
+        PackedK16(codes, 4, torch.ones(1, 1, 2, 16), 32)
 
 
 def reference_kseq_fp32_x(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -319,3 +326,143 @@ def test_the_python_threshold_is_the_libraries() -> None:
     src = cpu_fused.SOURCE.read_text()
     m = re.search(r"#define EG_KSEQ_ROWS (\d+)", src)
     assert m is not None and int(m.group(1)) == cpu_fused.KSEQ_ROWS
+
+
+def _e4m3_weights(
+    experts: int, n: int, k: int, block: int, seed: int, scale: str = "fp32"
+) -> tuple[StoredWeight, torch.Tensor]:
+    """NaN-free e4m3 codes of every other kind (subnormal, zero, both signs, 448) and their
+    per-row block scales, and their dequantized values (the recipes' product: code * scale
+    in fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (experts, n, k), generator=g, dtype=torch.int32).to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # the NaN codes -> 448
+    if scale == "fp32":
+        scales = torch.rand(experts, n, k // block, generator=g) * 0.02 + 1e-3
+        full = scales
+    else:  # e8m0 bytes 2^-20 .. 2^-1
+        scales = torch.randint(107, 127, (experts, n, k // block), generator=g).to(torch.uint8)
+        full = torch.pow(2.0, scales.float() - 127)
+    deq = codes.view(torch.float8_e4m3fn).float() * full.repeat_interleave(block, dim=2)
+    return StoredWeight(codes, "e4m3", scales, scale, block), deq  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "block", "scale"),
+    [(37, 256, 128, "fp32"), (16, 128, 32, "e8m0"), (5, 64, 16, "fp32"), (50, 384, 128, "fp32")],
+)
+def test_packed_codes_take_the_k_order_on_their_dequantized_values(
+    n: int, k: int, block: int, scale: str
+) -> None:
+    """e4m3 codes packed with their scales (fp8's fp32 block scales, mxfp8's e8m0 ones),
+    decoded in registers: every body gives the k order's fma chain on the recipes'
+    dequantized values (code * scale, one fp32 product), bit for bit, on ragged groups
+    (empty, 1-300 rows: every row tile and the K-blocked multi-tile items), fp32 and bf16
+    out, 1 and 2 threads; a partial last block of 16 columns at N = 37, 5 and 50."""
+    w, deq = _e4m3_weights(len(RAGGED), n, k, block, seed=n, scale=scale)
+    packed = cpu_fused.pack_k16_codes(w)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(sum(RAGGED), k, generator=g).bfloat16().float()  # products exact in fp64
+    groups = _groups(RAGGED)
+    want = torch.cat(
+        [reference_kseq_fp32_x(x[groups.q_start[e] : groups.q_start[e + 1]], deq[e]) for e in
+         range(len(RAGGED))]
+    )  # fmt: skip
+    assert int((want != 0).sum()) > want.numel() // 2
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for vector in _bodies(packed=True):
+                for dtype in (torch.float32, torch.bfloat16):
+                    out = torch.full((groups.rows, n), float("nan"), dtype=dtype)
+                    scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, k))
+                    rows = torch.arange(groups.rows)
+                    assert cpu_fused.expert_gemm(
+                        x, rows, groups, packed, out, scratch, vector=vector
+                    )
+                    differ = int((out != want.to(dtype)).sum())
+                    assert differ == 0, f"{vector}, {threads} threads, {dtype}: {differ} differ"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_codes_comparison_sees_planted_faults() -> None:
+    """The data tell the packed codes' exact products from the faults a decode could make: a
+    scale block shifted by one, the scale applied after the sum of a block (other roundings),
+    and the subnormal codes decoded as zeros."""
+    counts = [3, 8]
+    w, deq = _e4m3_weights(len(counts), 16, 256, 128, seed=2)
+    x = torch.randn(sum(counts), 256, generator=torch.Generator().manual_seed(4))
+    x = x.bfloat16().float()
+    groups = _groups(counts)
+
+    def run(weights: torch.Tensor) -> torch.Tensor:
+        return torch.cat(
+            [reference_kseq_fp32_x(x[groups.q_start[e] : groups.q_start[e + 1]], weights[e])
+             for e in range(len(counts))]
+        )  # fmt: skip
+
+    out = torch.empty(groups.rows, 16)
+    scratch = torch.empty(cpu_fused.expert_gemm_scratch(groups.rows, 256))
+    cpu_fused.expert_gemm(x, None, groups, cpu_fused.pack_k16_codes(w), out, scratch)
+    assert torch.equal(out, run(deq))
+    assert w.scales is not None
+    codes = w.codes.view(torch.float8_e4m3fn).float()
+    shifted = codes * w.scales.roll(1, dims=2).repeat_interleave(128, dim=2)
+    subnormal = (w.codes & 0x78) == 0
+    assert int(subnormal.sum()) > 0
+    for fault in (shifted, deq.masked_fill(subnormal, 0.0)):
+        assert not torch.equal(out, run(fault))
+    per_block = torch.zeros_like(out)  # sum of code * x per block, then times the scale
+    for e in range(len(counts)):
+        xs = x[groups.q_start[e] : groups.q_start[e + 1]]
+        for kb in range(2):
+            part = reference_kseq_fp32_x(
+                xs[:, kb * 128 : (kb + 1) * 128], codes[e][:, kb * 128 : (kb + 1) * 128]
+            )
+            per_block[groups.q_start[e] : groups.q_start[e + 1]] += part * w.scales[e, :, kb]
+    assert not torch.equal(out, per_block)
+
+
+def test_the_packed_codes_layout_and_their_widening() -> None:
+    """Codes at `[e, b, :, j]` for column 16b + j and scales at `[e, b, kb, j]` (e8m0 as
+    their fp32 values), the last block's missing columns zero; `widen` gives the dequantized
+    values of any column range, bit for bit."""
+    w, deq = _e4m3_weights(2, 37, 64, 32, seed=6, scale="e8m0")
+    p = cpu_fused.pack_k16_codes(w)
+    assert p.code == "e4m3" and p.scale == "fp32" and (p.n, p.k, p.block) == (37, 64, 32)
+    assert p.scales is not None and w.scales is not None
+    for e in range(2):
+        for col in range(48):
+            got, s = p.codes[e, col // 16, :, col % 16], p.scales[e, col // 16, :, col % 16]
+            if col < 37:
+                assert torch.equal(got, w.codes[e, col])
+                assert torch.equal(s, torch.pow(2.0, w.scales[e, col].float() - 127))
+            else:
+                assert not bool(got.any()) and not bool(s.any())
+    assert p.nbytes(2) == 2 * (3 * 64 * 16 + 3 * 2 * 16 * 4)
+    for e, j, m in ((0, 0, 37), (1, 16, 21), (1, 32, 5), (0, 0, 16)):
+        dst = torch.full((48, 64), float("nan"))
+        p.widen(e, j, m, dst)
+        assert torch.equal(dst[:m], deq[e, j : j + m]), (e, j, m)
+
+
+def test_codes_that_do_not_pack_are_refused_with_the_reason() -> None:
+    w, _ = _e4m3_weights(1, 16, 128, 128, seed=1)
+    assert w.scales is not None
+    nan = StoredWeight(w.codes.clone(), "e4m3", w.scales, "fp32", 128)
+    nan.codes[0, 3, 5] = 0xFF
+    big = StoredWeight(w.codes, "e4m3", w.scales * 0 + 256.0, "fp32", 128)
+    inf = StoredWeight(w.codes, "e4m3", w.scales.clone().fill_(float("inf")), "fp32", 128)
+    e2m1 = StoredWeight(w.codes[..., :64], "e2m1", w.scales, "fp32", 128)
+    for bad, why in (
+        (nan, "hold e4m3 NaN codes"),
+        (big, "scale is not finite or not below 256"),
+        (inf, "scale is not finite or not below 256"),
+        (e2m1, "e2m1 codes with fp32 scales"),
+    ):
+        assert cpu_fused.codes_unpackable(bad) is not None
+        with pytest.raises(ValueError, match=f"pack_k16_codes: .*{why}"):
+            cpu_fused.pack_k16_codes(bad)
+    assert cpu_fused.codes_unpackable(w) is None

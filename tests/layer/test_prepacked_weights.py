@@ -6,6 +6,7 @@ never accepted and ignored."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -231,6 +232,7 @@ def test_prepacking_is_refused_where_it_cannot_apply(monkeypatch: pytest.MonkeyP
 
 
 QUANTIZED = {
+    "any_fp8_fp8_bf16_torch": "fp8",
     "any_mxfp8_mxfp8_bf16_torch": "mxfp8",
     "any_nvfp4_nvfp4_bf16_torch": "nvfp4",
     "any_fp8_fp4_bf16_torch": "fp8_fp4",
@@ -238,17 +240,19 @@ QUANTIZED = {
     "any_fp8_nvfp4_bf16_torch": "fp8_nvfp4",
     "any_mxfp8_mxfp4_bf16_torch": "mxfp8_mxfp4",
 }
-"""The quantized formats whose dequantized weights are exact in bf16 (by `cpu_fused.
-exact_in_bf16` of their stored codes and scales); fp8's fp32 block scales are not."""
+"""The quantized formats: their dequantized weights are exact in bf16 (by `cpu_fused.
+exact_in_bf16` of their stored codes and scales) but for fp8's (fp32 block scales), whose
+codes pack instead."""
 
 
 @needs_kpack
 @pytest.mark.parametrize("name", sorted(QUANTIZED))
-def test_quantized_formats_exact_in_bf16_run_on_the_packed_copy(
+def test_quantized_formats_run_on_the_packed_copy(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Their dequantized weights packed in bf16 (the same values): a decode shape reads the
-    packed copy for both GEMMs (fp32 activations) and stays within the format's oracle."""
+    """Their dequantized weights packed in bf16 (the same values), fp8's codes and scales: a
+    decode shape reads the packed copy for both GEMMs (fp32 activations) and stays within
+    the format's oracle; the packed copy's values are the unpacked layer's."""
     real, seen = cpu_fused.expert_gemm, []
 
     def recorded(*args: Any, **kwargs: Any) -> bool:
@@ -266,8 +270,14 @@ def test_quantized_formats_exact_in_bf16_run_on_the_packed_copy(
     assert report.ok, report
     _, (plain, _) = _forward(False, **shape)  # type: ignore[arg-type]
     assert plain.kpack13 is None and plain.w13t.dtype == torch.float32
-    assert torch.equal(prepared.kpack13.codes[3, 1, :, 5].float(), plain.w13t[3, :, 21])
-    assert torch.equal(prepared.kpack2.codes[2, 3, :, 0].float(), plain.w2t[2, :, 48])
+    assert prepared.kpack13.code == ("e4m3" if name == "any_fp8_fp8_bf16_torch" else "bf16")
+    for packed, dense, e, j in (
+        (prepared.kpack13, plain.w13t, 3, 16),
+        (prepared.kpack2, plain.w2t, 2, 48),
+    ):
+        values = torch.full((16, packed.k), float("nan"))
+        packed.widen(e, j, 16, values)
+        assert torch.equal(values, dense[e, :, j : j + 16].t()), (e, j)
 
 
 def _held_bytes(prepared: Any, given: tuple[torch.Tensor, ...]) -> int:
@@ -290,7 +300,7 @@ def _held_bytes(prepared: Any, given: tuple[torch.Tensor, ...]) -> int:
         ("any_nvfp4_nvfp4_bf16_torch", {}, True),
         ("any_bf16_bf16_bf16_torch", {"fc1_output_high_precision": True}, True),
         ("any_bf16_bf16_bf16_torch", {}, False),  # a second copy of the caller's weights
-        ("any_fp8_fp8_bf16_torch", {}, False),  # not exact in bf16: not refused by default
+        ("any_fp8_fp8_bf16_torch", {}, True),  # its codes
         ("any_mxfp8_mxfp8_bf16_torch", {"expert_gemm_rows": 0}, False),  # nothing would read it
     ],
 )
@@ -314,14 +324,15 @@ def test_the_default_packs_where_that_takes_less_memory(
         assert (p.w13t is None) == (packs and pack is None)
         held[pack] = _held_bytes(p, (w13, w2))
     if packs:  # bf16 with FC1 in fp32: 2 x 3 against 4 x 2 bytes per FC2 weight
-        assert held[None] <= 0.75 * held[False], held
+        assert held[None] <= (0.25 if "fp8_fp8" in kernel else 0.75) * held[False], held
     else:
         assert held[None] == held[False]
 
 
 @needs_kpack
 @pytest.mark.parametrize(
-    ("fmt", "h", "inter"), [("bf16", 264, 76), ("bf16", 2048, 768), ("mxfp8", 256, 160)]
+    ("fmt", "h", "inter"),
+    [("bf16", 264, 76), ("bf16", 2048, 768), ("mxfp8", 256, 160), ("fp8", 256, 384)],
 )
 def test_mm_blocks_on_the_packed_copy_give_the_unpacked_bits(fmt: str, h: int, inter: int) -> None:
     """Every expert through the `mm` blocks (`gemm_rows=0`; ragged: empty, 1, 2, 17, 300
@@ -329,13 +340,8 @@ def test_mm_blocks_on_the_packed_copy_give_the_unpacked_bits(fmt: str, h: int, i
     not a multiple of 16), the same bits as from the unpacked weights."""
     e = 5
     w13, w2 = _weights(e, h, inter, 7)
-    recipe: Any = (
-        Bf16Recipe()
-        if fmt == "bf16"
-        else get_kernel("any_mxfp8_mxfp8_bf16_torch").make_recipe(
-            get_kernel("any_mxfp8_mxfp8_bf16_torch").config_cls()
-        )
-    )
+    cls: Any = get_kernel(f"any_{fmt}_{fmt}_bf16_torch")
+    recipe: Any = Bf16Recipe() if fmt == "bf16" else cls.make_recipe(cls.config_cls())
     plain = recipe.prepare(MoEWeightPack(w13, w2))
     packed = experts.prepack(plain)
     assert packed.w13t is None and packed.kpack13 is not None
@@ -369,14 +375,30 @@ def test_bf16_with_fc1_kept_in_fp32_runs_on_the_packed_copy() -> None:
 
 
 @needs_kpack
-def test_fp8_weights_are_refused_for_the_k_order_packing() -> None:
-    with pytest.raises(
-        MoeEpUsageError,
-        match=r"cpu_prepacked_weights=True cannot apply here: the FC1 weights are e4m3 codes "
-        r"with fp32 scales, whose values are not exact in bf16 \(the packed copy is bf16\); "
-        r"leave it None or False",
-    ):
-        _kernel("any_fp8_fp8_bf16_torch", _CPU)
+def test_fp8_codes_that_do_not_pack_are_refused_with_the_reason() -> None:
+    """Weights so large that a block scale reaches 256 (the packed decode's limit): True is
+    refused saying so, None keeps the unpacked weights."""
+    cls: Any = get_kernel("any_fp8_fp8_bf16_torch")
+    w13, w2 = _weights(2, 128, 128, 0)
+    w13[1, 3, 5] = 200000.0
+    for pack in (True, None):
+        make = functools.partial(
+            cls,
+            config=cls.config_cls(cpu_prepacked_weights=pack),
+            fleet=FleetParams(2, 8, 128),
+            runtime=SimpleNamespace(world_size=1, rank=0, device=_CPU),
+            weights=MoEWeightPack(w13, w2),
+        )
+        if pack:
+            with pytest.raises(
+                MoeEpUsageError,
+                match=r"cpu_prepacked_weights=True cannot apply here: the FC1 weights' values are "
+                r"not exact in bf16 \(the packed values' width\) and their codes do not pack: a "
+                r"weight scale is not finite or not below 256 in magnitude; leave it None or False",
+            ):
+                make()
+        else:
+            assert make().prepared.kpack13 is None
 
 
 @needs_kpack

@@ -58,8 +58,8 @@ PEAK_PER_WEIGHT_BYTES = 8
 """Host bytes the bench may hold per expert weight at its peak (estimate): the bf16 pack (2),
 a quantized kernel's fp32 dequantized copy (4), its codes and the peer's copy (about 2).
 Where a quantized kernel packs for the k order (`cpu_prepacked_weights`' default on AVX2
-CPUs) the packed copy (2) replaces its fp32 copy and codes once made: about 9 for a moment
-at construction, within the margin of `deepseek_like`'s half of the memory."""
+CPUs) the packed copy (2; fp8's codes 1) replaces its fp32 copy and codes once made: about
+9 for a moment at construction, within the margin of `deepseek_like`'s half of the memory."""
 
 
 def deepseek_like(available_bytes: int | None) -> list[BenchShape]:

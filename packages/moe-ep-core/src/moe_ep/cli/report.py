@@ -75,10 +75,10 @@ def _cpu_expert_gemm() -> str:
     layout = experts.prepack_layout(cpu)
     if layout == "k16":
         packed = (
-            "packs the expert weights in bf16 (bf16, and the quantized formats whose values "
-            "are exact in bf16) for the expert GEMM's k order in place of the layer's own "
-            "(faster decode; the default for those quantized formats: 0.4x their memory; "
-            "docs/layer.md)"
+            "packs the expert weights for the expert GEMM's k order in place of the layer's "
+            "own: in bf16 (bf16, and the quantized formats whose values are exact in bf16), "
+            "fp8's as their e4m3 codes and scales (faster decode; the default for the "
+            "quantized formats: 0.2-0.44x their memory; docs/layer.md)"
         )
     elif layout == "onednn":
         packed = "keeps a second copy of the bf16 expert weights in oneDNN's blocked layout"
