@@ -9,11 +9,13 @@ FC1 shape at H = K, I = N / 2), --rows bf16 rows each, on the body the layer tak
 order for the formats exact in bf16 where the CPU has AMX; there fp8's block-scaled order on
 the rows' codes, which the recipe's dispatch quantization gives, and on a --baseline-kernel
 library without that order the fp32 order on the dequantized rows, as the layer would run
-it), on the weights as each recipe stores
-them after quantizing the same Gaussian weights (bf16, fp8 128x128 fp32 scales, mxfp8,
-nvfp4, fp8_fp4's mxfp4: real codes, so about as many subnormal ones as a trained layer's).
-Measured in one round robin (medians): the read bandwidth (streaming `sum`), each format's
-limit (its stored bytes: codes and scales / that bandwidth), an fp32 `mm` of equal FLOPs
+it), on the weights as the layer keeps them after quantizing the same Gaussian weights
+(each recipe's stored form: bf16, fp8 128x128 fp32 scales, mxfp8, nvfp4, fp8_fp4's mxfp4:
+real codes, so about as many subnormal ones as a trained layer's; or, where the layer packs
+them for the k order by default, `experts.packs_by_default` on AVX2 CPUs, that packed copy:
+the k-order body). Measured in one round robin (medians): the read bandwidth (streaming
+`sum`), each format's limit (its stored bytes: codes and scales / that bandwidth, also
+where the packed copy runs), an fp32 `mm` of equal FLOPs
 (the machine's arithmetic, its weight shared), and, with --baseline-kernel, the library
 built from another `cpu_fused.c` (an older commit's) on the same call.
 Target (issue 16, quantized formats at decode): kernel / its own limit <= 2x, judged at
@@ -59,6 +61,8 @@ NOW, BASELINE, DENSE = "now", "baseline", "dense"
 
 class Result(NamedTuple):
     fmt: str
+    reads: str
+    """the weights the kernel reads: stored, or packed bf16 / e4m3 (the layer's packed copy)"""
     rows: int
     nbytes: int
     limit_s: float
@@ -81,7 +85,10 @@ def rows_text(rows: int) -> str:
 
 
 class Stored(NamedTuple):
-    weight: cpu_fused.StoredWeight
+    weight: cpu_fused.StoredWeight | cpu_fused.PackedK16
+    """the weight the layer's expert GEMM reads: the stored form, or its packed copy"""
+    stored: cpu_fused.StoredWeight
+    """the recipe's stored form (the limit's bytes)"""
     body: cpu_fused.Body | bool
     """the body the layer runs these experts on (`experts.amx_for_quantized`)"""
     recipe: recipes.Recipe
@@ -89,8 +96,8 @@ class Stored(NamedTuple):
 
 
 def stored_weights(n_experts: int, n: int, k: int) -> dict[str, Stored]:
-    """Each format's FC1 weight as its recipe stores it, from the same Gaussian weights, with
-    the body the layer takes for it."""
+    """Each format's FC1 weight as the layer keeps it (stored, or packed where the layer
+    packs by default), from the same Gaussian weights, with the body the layer takes."""
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(n_experts, n, k, generator=g) / k**0.5).bfloat16()
     w2 = (torch.randn(n_experts, k, n // 2, generator=g) / (n // 2) ** 0.5).bfloat16()
@@ -101,7 +108,11 @@ def stored_weights(n_experts: int, n: int, k: int) -> dict[str, Stored]:
         if prepared.stored13 is None:
             raise RuntimeError(f"{fmt}: the recipe keeps no stored-width weight on CPU")
         body: cpu_fused.Body | bool = "amx" if experts.amx_for_quantized(prepared, cpu) else True
-        out[fmt] = Stored(prepared.stored13, body, recipe())
+        run: cpu_fused.StoredWeight | cpu_fused.PackedK16 | None = prepared.stored13
+        if experts.packs_by_default(prepared, cpu, experts.expert_gemm_rows(prepared, cpu)):
+            run = experts.prepack(prepared).kpack13
+        assert run is not None
+        out[fmt] = Stored(run, prepared.stored13, body, recipe())
     return out
 
 
@@ -109,7 +120,7 @@ def _gemm(
     x: torch.Tensor,
     codes: cpu_fused.E4m3Rows | None,
     groups: cpu_fused.ExpertGroups,
-    w: cpu_fused.StoredWeight,
+    w: cpu_fused.StoredWeight | cpu_fused.PackedK16,
     out: torch.Tensor,
     scratch: torch.Tensor,
     vector: cpu_fused.Body | bool,
@@ -137,7 +148,7 @@ def measure(args: argparse.Namespace, steps: Steps, bw: float) -> list[Result]:
         scratch = torch.empty(cpu_fused.expert_gemm_scratch(args.experts * rows, args.k))
         xf, wf = x.float(), torch.randn(args.k, args.n)
         dense_out = torch.empty_like(out)
-        for fmt, (w, body, recipe) in weights.items():
+        for fmt, (w, stored, body, recipe) in weights.items():
             steps.step(f"{fmt}, {rows_text(rows)}")
             rows_x, codes = x, None
             if recipe.keeps_codes(x.device):
@@ -151,15 +162,17 @@ def measure(args: argparse.Namespace, steps: Steps, bw: float) -> list[Result]:
             if base is not None:
                 fns[BASELINE] = baseline_kernel.with_library(base, call)
             t = round_robin(fns, args.reps)
-            nbytes = w.nbytes(args.experts)
+            nbytes = stored.nbytes(args.experts)
+            reads = f"packed {w.code}" if isinstance(w, cpu_fused.PackedK16) else "stored"
             results.append(
-                Result(fmt, rows, nbytes, nbytes / bw, t[DENSE], t[NOW], t.get(BASELINE))
+                Result(fmt, reads, rows, nbytes, nbytes / bw, t[DENSE], t[NOW], t.get(BASELINE))
             )
     return results
 
 
 def print_table(results: list[Result], args: argparse.Namespace, machine: str, bw: float) -> None:
-    cols = ["format", "rows/expert", "stored MiB", "limit ms", "dense fp32 ms", "kernel ms"]
+    cols = ["format", "reads", "rows/expert", "stored MiB", "limit ms", "dense fp32 ms"]
+    cols += ["kernel ms"]
     cols += ["baseline ms", "baseline/kernel"] if args.baseline_kernel else []
     cols += ["kernel/limit", "kernel/dense", "status"]
     table = titled_table(
@@ -167,11 +180,12 @@ def print_table(results: list[Result], args: argparse.Namespace, machine: str, b
         f"E={args.experts} N={args.n} K={args.k}, read bandwidth {bw / 1e9:.1f} GB/s",
         machine,
         cols,
-        caption=f"limit = stored bytes (codes and scales) / read bandwidth; target: "
+        caption=f"limit = stored bytes (codes and scales) / read bandwidth; reads: the weights "
+        "the layer's expert GEMM reads (its packed copy where it packs by default); target: "
         f"quantized kernel/limit {TARGET.label()} at <= {DECODE_ROWS} rows per expert",
     )
     for r in results:
-        cells = [r.fmt, str(r.rows), f"{r.nbytes / 2**20:.0f}", f"{r.limit_s * 1e3:.2f}"]
+        cells = [r.fmt, r.reads, str(r.rows), f"{r.nbytes / 2**20:.0f}", f"{r.limit_s * 1e3:.2f}"]
         cells += [f"{r.dense.median * 1e3:.2f}", f"{r.now.median * 1e3:.2f} ({r.now.spread()})"]
         if args.baseline_kernel:
             b = r.baseline

@@ -52,7 +52,7 @@ round robin: before / after a kernel change measured side by side under the same
 `cpu_prepacked_weights=True` in the same round robin ("layer prepacked", reported; the
 judged ratios stay the default layer's), the quantized formats' layers with
 `cpu_prepacked_weights=False` where their default packs ("layer unpacked": on CPUs
-without oneDNN bf16 GEMMs, those whose dequantized weights are exact in bf16), and the
+without oneDNN bf16 GEMMs, every quantized format, fp8 as its codes), and the
 crossover on the prepacked weights (bf16's `mm` blocks where torch has
 oneDNN's bf16 GEMMs, else the expert GEMM's k order, bf16 and mxfp8); refused where
 neither applies.

@@ -99,20 +99,21 @@ class PortableConfig(KernelConfig):
     `fc1_output_high_precision`); never by default.
 
     Where torch has no oneDNN bf16 GEMMs but the fused library's default bf16 body is the
-    AVX2 k order (AVX2 CPUs without AVX-512F): the expert weights' values in bf16 packed
-    for the CPU expert GEMM's k order instead (`cpu_fused.pack_k16`), for bf16 (with
+    AVX2 k order (AVX2 CPUs without AVX-512F): the expert weights packed for the CPU expert
+    GEMM's k order instead: their values in bf16 (`cpu_fused.pack_k16`) for bf16 (with
     `fc1_output_high_precision` too) and for the quantized formats whose dequantized weights
-    are exact in bf16 (all but fp8, whose fp32 block scales are not: refused); the packed
-    copy replaces the layer's own `[N, K]` weights and codes (the `mm` blocks widen from
-    it), so the layer holds no reference to bf16 weights it was given (memory is saved once
-    the caller drops them too) and needs 2 bytes per weight where the quantized formats kept
-    4.5-5 (fp32 dequantized values and codes): there it is the default (None) for the
-    formats that kept fp32
-    weights (the quantized ones, bf16 with `fc1_output_high_precision`). Every expert at or
-    under the crossover (`expert_gemm_rows`; the quantized formats then take bf16's, 256)
-    sums in the k order (other bits than without it for the experts that change order,
+    are exact in bf16; fp8's (fp32 block scales: not exact in bf16) as their e4m3 codes and
+    scales (`cpu_fused.pack_k16_codes`, decoded in registers; refused for weights with a
+    scale of 256 or more, or NaN codes). The packed copy replaces the layer's own `[N, K]`
+    weights and codes (the `mm` blocks widen from it), so the layer holds no reference to
+    bf16 weights it was given (memory is saved once the caller drops them too) and needs 2
+    bytes per weight (fp8: 1 and its scales) where the quantized formats kept 4.5-5 (fp32
+    dequantized values and codes): there it is the default (None) for the formats that kept
+    fp32 weights (the quantized ones, bf16 with `fc1_output_high_precision`). Every expert
+    at or under the crossover (`expert_gemm_rows`; the quantized formats then take bf16's,
+    256) sums in the k order (other bits than without it for the experts that change order,
     within the oracle's bound), measured 1.2-1.8x faster per bf16 expert GEMM and 1.5-1.7x
-    per bf16 decode forward, about 2x per quantized one, on Zen 3; refused there with
+    per bf16 decode forward, 1.6-2.2x per quantized one, on Zen 3; refused there with
     `expert_gemm_rows=0` (None then does not pack). In-place changes to the weight tensors
     after construction are not seen by a packed copy (build the layer again, or
     `apply_placement`). Needs the CPU and one of the two: True is refused at construction
