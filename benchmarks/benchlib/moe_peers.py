@@ -5,6 +5,7 @@ on the same weights and routing, and the crossover of the CPU expert GEMM of few
 from __future__ import annotations
 
 import ctypes
+import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,8 +192,12 @@ def time_quantized(
         stored = layer._kernel.recipe.prepare(one)  # type: ignore[attr-defined]
         per_expert = stored.stored13.nbytes() + stored.stored2.nbytes()
         fns: dict[str, Callable[[], object]] = {fmt: lambda layer=layer: layer(tensors)}  # type: ignore[operator]
-        if baseline is not None:
-            fns[BASELINE] = with_library(baseline, fns[fmt])
+        base_layer = None
+        if baseline is not None:  # built on that library: its packing choices (fp8's codes
+            # pack only where the library reads them), then timed on it
+            build = functools.partial(make_layer, p, shape, kernel_name)
+            base_layer = with_library(baseline, build)()
+            fns[BASELINE] = with_library(baseline, lambda b=base_layer: b(tensors))  # type: ignore[operator]
         unpack = prepacked and prepared.kpack13 is not None  # the default packed it
         other = make_layer(p, shape, kernel_name, False) if unpack else None
         if other is not None:
@@ -204,9 +209,9 @@ def time_quantized(
                 times.get(BASELINE), times.get(UNPACKED),
             )
         )  # fmt: skip
-        layer.destroy()  # type: ignore[attr-defined]
-        if other is not None:
-            other.destroy()  # type: ignore[attr-defined]
+        for made in (layer, other, base_layer):
+            if made is not None:
+                made.destroy()  # type: ignore[attr-defined]
     return out
 
 
