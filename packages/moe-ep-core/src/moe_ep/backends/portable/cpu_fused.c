@@ -1556,7 +1556,10 @@ static void eg_item_kseq(const eg_args *a, int64_t g, int64_t block, int64_t til
  * times the weights' in increasing k, one fma each, from +0), so the bits are those of the
  * k-order body on the unpacked weights (bf16 x); fp32 x (the quantized formats'
  * activations, on weights whose values are exact in bf16 or codes) takes the same chain,
- * one rounding per fma. Work items: (group, EG_ROWS rows, one block of 16 columns).
+ * one rounding per fma. Work items: (group, EG_ROWS rows, one block of 16 columns); a group
+ * of one row takes two blocks per item, in one tile of four accumulator chains (one block's
+ * two wait on the fma latency: measured on Zen 3, bf16, 32-64 experts N = K = 2048, 1.33x
+ * faster; codes 1.1x; the same bits).
  * Measured on Zen 3 (AVX2, the weights from DRAM, 64 experts N = K = 2048): 1.6-1.8x faster
  * than the 16-lane body at 4-12 rows per expert (docs/layer.md). */
 #define EG_PCOLS 16   /* output columns of one packed block (and of a work item) */
@@ -1606,82 +1609,101 @@ static inline __attribute__((always_inline)) void eg_k16_weights(int32_t kind, c
     }
 }
 
-/* acc[r][eg_lane(j)] (r < R rows of x, ldx apart, fp32 in lane order; column j of the
- * block p, weight kind KIND; codes: scale rows sc, one per sblock elements) carried on over
- * elements [e0, e1) of the k order, e0 a multiple of 16. */
-#define EG_K16_TILE(R, KIND, NAME)                                                             \
-    static void NAME##_##R(const float *x, int64_t ldx, const uint8_t *p, const float *sc,     \
-                           int64_t sblock, int64_t e0, int64_t e1, float *acc, int64_t ahead,  \
-                           float *keep) {                                                      \
+/* acc[n * R + r][eg_lane(j)] (r < R rows of x, ldx apart, fp32 in lane order; column j of
+ * the NB blocks p + n * ldp, weight kind KIND; codes: scale rows sc + n * ldsc, one per
+ * sblock elements) carried on over elements [e0, e1) of the k order, e0 a multiple of 16.
+ * NB = 2 (one row: two blocks' four accumulator chains hide the fma latency that one
+ * block's two would wait on) keeps every output's chain as NB = 1 has it. */
+#define EG_K16_TILE(R, NB, KIND, NAME)                                                         \
+    static void NAME(const float *x, int64_t ldx, const uint8_t *p, int64_t ldp,              \
+                     const float *sc, int64_t ldsc, int64_t sblock, int64_t e0, int64_t e1,    \
+                     float *acc, int64_t ahead, float *keep) {                                 \
         const int64_t pe0 = KIND == EG_K16_KEPT ? e0 : 0; /* p's first element */              \
-        __m256 ae[R], ao[R], ce = _mm256_setzero_ps(), co = ce, we, wo;                        \
+        __m256 ae[NB * R], ao[NB * R], ce[NB], co[NB], we[NB], wo[NB];                         \
         const int64_t esize = KIND == EG_W_BF16_K16 ? 2 * EG_PCOLS                             \
                               : KIND == EG_K16_KEPT ? 4 * EG_PCOLS : EG_PCOLS;                  \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NB * R; r++) {                             \
             ae[r] = _mm256_loadu_ps(acc + r * EG_PCOLS);                                       \
             ao[r] = _mm256_loadu_ps(acc + r * EG_PCOLS + 8);                                   \
         }                                                                                      \
-        int64_t e = e0, snext = e0; /* codes: the next element whose scales load */           \
+        int64_t e = e0, snext = e0, sb = e0 / sblock - 1; /* codes: scale block sb in use */  \
         const int scaled = KIND == EG_W_E4M3_K16 || KIND == EG_K16_KEEP;                        \
-        const float *scp = scaled ? sc + (e0 / sblock - 1) * EG_PCOLS : sc;                    \
         (void)keep;                                                                            \
+        (void)ldp;                                                                             \
+        (void)ldsc;                                                                            \
+        for (int n = 0; n < NB; n++) ce[n] = co[n] = _mm256_setzero_ps();                      \
         for (; e < e1; e++) { /* whole chunks 16 at a time, x's lane order unrolled */         \
             if (scaled && e == snext) {                                                        \
-                scp += EG_PCOLS;                                                               \
-                eg_k16_scales(scp, &ce, &co);                                                  \
+                sb++;                                                                          \
+                for (int n = 0; n < NB; n++)                                                   \
+                    eg_k16_scales(sc + n * ldsc + sb * EG_PCOLS, &ce[n], &co[n]);              \
                 snext = e == e0 ? (e0 / sblock + 1) * sblock : snext + sblock;                 \
             }                                                                                  \
             if ((e & 15) == 0 && e + 16 <= e1) {                                               \
                 _Pragma("GCC unroll 16") for (int j = 0; j < 16; j++) {                        \
-                    if (ahead && (j & 1) == 0)                                                 \
-                        _mm_prefetch((const char *)(p + (e + j) * esize) + ahead, _MM_HINT_T0); \
-                    eg_k16_weights(KIND, p, e + j - pe0, ce, co, &we, &wo);                    \
+                    for (int n = 0; n < NB; n++) {                                             \
+                        if (ahead && (j & 1) == 0)                                             \
+                            _mm_prefetch((const char *)(p + n * ldp + (e + j) * esize) + ahead, \
+                                         _MM_HINT_T0);                                         \
+                        eg_k16_weights(KIND, p + n * ldp, e + j - pe0, ce[n], co[n], &we[n],   \
+                                       &wo[n]);                                                \
+                    }                                                                          \
                     if (KIND == EG_K16_KEEP) {                                                 \
-                        _mm256_storeu_ps(keep + (e + j - e0) * EG_PCOLS, we);                  \
-                        _mm256_storeu_ps(keep + (e + j - e0) * EG_PCOLS + 8, wo);              \
+                        _mm256_storeu_ps(keep + (e + j - e0) * EG_PCOLS, we[0]);               \
+                        _mm256_storeu_ps(keep + (e + j - e0) * EG_PCOLS + 8, wo[0]);           \
                     }                                                                          \
                     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                      \
                         const __m256 b = _mm256_broadcast_ss(x + r * ldx + e + eg_lane(j));    \
-                        ae[r] = _mm256_fmadd_ps(b, we, ae[r]);                                 \
-                        ao[r] = _mm256_fmadd_ps(b, wo, ao[r]);                                 \
+                        for (int n = 0; n < NB; n++) {                                         \
+                            ae[n * R + r] = _mm256_fmadd_ps(b, we[n], ae[n * R + r]);          \
+                            ao[n * R + r] = _mm256_fmadd_ps(b, wo[n], ao[n * R + r]);          \
+                        }                                                                      \
                     }                                                                          \
                 }                                                                              \
                 e += 15;                                                                       \
                 continue;                                                                      \
             }                                                                                  \
-            eg_k16_weights(KIND, p, e - pe0, ce, co, &we, &wo);                                \
+            for (int n = 0; n < NB; n++)                                                       \
+                eg_k16_weights(KIND, p + n * ldp, e - pe0, ce[n], co[n], &we[n], &wo[n]);      \
             if (KIND == EG_K16_KEEP) {                                                         \
-                _mm256_storeu_ps(keep + (e - e0) * EG_PCOLS, we);                              \
-                _mm256_storeu_ps(keep + (e - e0) * EG_PCOLS + 8, wo);                          \
+                _mm256_storeu_ps(keep + (e - e0) * EG_PCOLS, we[0]);                           \
+                _mm256_storeu_ps(keep + (e - e0) * EG_PCOLS + 8, wo[0]);                       \
             }                                                                                  \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
                 const __m256 b = _mm256_broadcast_ss(x + r * ldx + (e & ~15) + eg_lane(e & 15)); \
-                ae[r] = _mm256_fmadd_ps(b, we, ae[r]);                                         \
-                ao[r] = _mm256_fmadd_ps(b, wo, ao[r]);                                         \
+                for (int n = 0; n < NB; n++) {                                                 \
+                    ae[n * R + r] = _mm256_fmadd_ps(b, we[n], ae[n * R + r]);                  \
+                    ao[n * R + r] = _mm256_fmadd_ps(b, wo[n], ao[n * R + r]);                  \
+                }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < NB * R; r++) {                             \
             _mm256_storeu_ps(acc + r * EG_PCOLS, ae[r]);                                       \
             _mm256_storeu_ps(acc + r * EG_PCOLS + 8, ao[r]);                                   \
         }                                                                                      \
     }
 #define EG_K16_TILES(KIND, NAME)                                                               \
-    EG_K16_TILE(1, KIND, NAME) EG_K16_TILE(2, KIND, NAME) EG_K16_TILE(3, KIND, NAME)           \
-    EG_K16_TILE(4, KIND, NAME) EG_K16_TILE(5, KIND, NAME) EG_K16_TILE(6, KIND, NAME)
+    EG_K16_TILE(1, 1, KIND, NAME##_1) EG_K16_TILE(2, 1, KIND, NAME##_2)                        \
+    EG_K16_TILE(3, 1, KIND, NAME##_3) EG_K16_TILE(4, 1, KIND, NAME##_4)                        \
+    EG_K16_TILE(5, 1, KIND, NAME##_5) EG_K16_TILE(6, 1, KIND, NAME##_6)
 EG_K16_TILES(EG_W_BF16_K16, eg_k16_tile)
 EG_K16_TILES(EG_W_E4M3_K16, eg_k16q_tile)
 EG_K16_TILES(EG_K16_KEEP, eg_k16qk_tile)
 EG_K16_TILES(EG_K16_KEPT, eg_k16f_tile)
+EG_K16_TILE(1, 2, EG_W_BF16_K16, eg_k16_tile_pair)
+EG_K16_TILE(1, 2, EG_W_E4M3_K16, eg_k16q_tile_pair)
 #undef EG_K16_TILES
 #undef EG_K16_TILE
-typedef void (*eg_k16_tile_fn)(const float *, int64_t, const uint8_t *, const float *, int64_t,
-                               int64_t, int64_t, float *, int64_t, float *);
+typedef void (*eg_k16_tile_fn)(const float *, int64_t, const uint8_t *, int64_t, const float *,
+                               int64_t, int64_t, int64_t, int64_t, float *, int64_t, float *);
 #define EG_K16_ROW(name) {NULL, name##_1, name##_2, name##_3, name##_4, name##_5, name##_6}
 /* by weight kind: bf16, codes, codes kept, the kept values */
 static const eg_k16_tile_fn eg_k16_tiles[4][EG_PMR + 1] = {
     EG_K16_ROW(eg_k16_tile), EG_K16_ROW(eg_k16q_tile), EG_K16_ROW(eg_k16qk_tile),
     EG_K16_ROW(eg_k16f_tile)};
 #undef EG_K16_ROW
+/* one row times two blocks, by weight kind: bf16, codes */
+static const eg_k16_tile_fn eg_k16_pairs[2] = {eg_k16_tile_pair, eg_k16q_tile_pair};
 #endif
 
 /* One output of the k order from an fp32 scratch row in lane order and packed e4m3 codes
@@ -1696,49 +1718,73 @@ static float eg_k16q_scalar(const float *xs_row, const uint8_t *c, const float *
 }
 
 /* One packed work item: rows [block * EG_ROWS, +EG_ROWS) of group g times the 16 columns of
- * packed block b. */
+ * packed block b, or, for a group of one row (eg_k16_pairs_of), packed blocks b and b + 1
+ * (the second where there is one). */
 static void eg_item_k16(const eg_args *a, int64_t g, int64_t block, int64_t b) {
     const int64_t i0 = block * EG_ROWS, n_rows = a->q_start[g + 1] - a->q_start[g];
     const int64_t rows = n_rows - i0 < EG_ROWS ? n_rows - i0 : EG_ROWS, k = a->k;
-    const int64_t j0 = b * EG_PCOLS, nc = a->n - j0 < EG_PCOLS ? a->n - j0 : EG_PCOLS;
+    const int64_t nblocks = (a->n + EG_PCOLS - 1) / EG_PCOLS;
+    const int64_t nb = n_rows == 1 && b + 1 < nblocks ? 2 : 1; /* blocks of this item */
     const uint8_t *p = a->w + a->g_expert[g] * a->w_expert_bytes + b * a->w_row_bytes;
     const int codes = a->w_kind == EG_W_E4M3_K16;
     const float *sc = codes ? (const float *)(a->s + a->g_expert[g] * a->s_expert_bytes +
                                               b * a->s_row_bytes)
                             : NULL;
+    const int64_t ldsc = a->s_row_bytes / (int64_t)sizeof(float);
     const float *x = a->xs + (a->q_start[g] + i0) * a->ldxs;
-    float acc[EG_ROWS][EG_PCOLS]; /* column j of row m at acc[m][eg_lane(j)] */
+    float acc[EG_ROWS][EG_PCOLS]; /* column j of row m at acc[m][eg_lane(j)]; a pair: block
+                                   * b + n in acc[n] */
 #ifdef MOE_EP_AVX2
     if (a->vector != EG_BODY_KSEQ_SCALAR) {
-        memset(acc, 0, sizeof(float) * (size_t)(rows * EG_PCOLS));
-        /* balanced tiles: sizes differ by at most one (a 1-row tile waits on its fma's) */
+        memset(acc, 0, sizeof(float) * (size_t)((rows > nb ? rows : nb) * EG_PCOLS));
         /* codes in several tiles: the first decodes each K block once, keeping the values
          * in L1 (kept) for the others */
         const int64_t tiles = (rows + EG_PMR - 1) / EG_PMR;
         const int64_t step = tiles == 1 ? k : codes ? EG_QKC : EG_PKC;
         float kept[EG_QKC * EG_PCOLS] __attribute__((aligned(64)));
-        for (int64_t kc = 0; kc < k; kc += step) {
-            const int64_t k1 = kc + step < k ? kc + step : k;
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t r0 = rows * t / tiles, r1 = rows * (t + 1) / tiles;
-                const int kind = !codes ? 0 : tiles == 1 ? 1 : t == 0 ? 2 : 3;
-                eg_k16_tiles[kind][r1 - r0](x + r0 * a->ldxs, a->ldxs,
-                                            kind == 3 ? (const uint8_t *)kept : p, sc,
-                                            a->s_block, kc, k1, acc[r0], t == 0 ? EG_PPF : 0,
-                                            kept);
+        if (nb == 2)
+            eg_k16_pairs[codes](x, a->ldxs, p, a->w_row_bytes, sc, ldsc, a->s_block, 0, k,
+                                acc[0], EG_PPF, NULL);
+        else
+            for (int64_t kc = 0; kc < k; kc += step) {
+                const int64_t k1 = kc + step < k ? kc + step : k;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t r0 = rows * t / tiles, r1 = rows * (t + 1) / tiles;
+                    const int kind = !codes ? 0 : tiles == 1 ? 1 : t == 0 ? 2 : 3;
+                    eg_k16_tiles[kind][r1 - r0](x + r0 * a->ldxs, a->ldxs,
+                                                kind == 3 ? (const uint8_t *)kept : p, 0, sc,
+                                                0, a->s_block, kc, k1, acc[r0],
+                                                t == 0 ? EG_PPF : 0, kept);
+                }
             }
-        }
     } else
 #endif
+        for (int64_t n = 0; n < nb; n++) {
+            const int64_t nc = a->n - (b + n) * EG_PCOLS < EG_PCOLS ? a->n - (b + n) * EG_PCOLS
+                                                                   : EG_PCOLS;
+            const uint8_t *pn = p + n * a->w_row_bytes;
+            for (int64_t m = 0; m < rows; m++)
+                for (int64_t j = 0; j < nc; j++)
+                    acc[m + n][eg_lane(j)] =
+                        codes ? eg_k16q_scalar(x + m * a->ldxs, pn + j, sc + n * ldsc + j,
+                                               a->s_block, k)
+                              : eg_kseq_scalar(x + m * a->ldxs, (const uint16_t *)pn + j,
+                                               EG_PCOLS, k);
+        }
+    const float alpha = a->alpha ? a->alpha[g] : 1.0f;
+    for (int64_t n = 0; n < nb; n++) {
+        const int64_t j0 = (b + n) * EG_PCOLS, nc = a->n - j0 < EG_PCOLS ? a->n - j0 : EG_PCOLS;
         for (int64_t m = 0; m < rows; m++)
             for (int64_t j = 0; j < nc; j++)
-                acc[m][eg_lane(j)] =
-                    codes ? eg_k16q_scalar(x + m * a->ldxs, p + j, sc + j, a->s_block, k)
-                          : eg_kseq_scalar(x + m * a->ldxs, (const uint16_t *)p + j, EG_PCOLS, k);
-    const float alpha = a->alpha ? a->alpha[g] : 1.0f;
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t j = 0; j < nc; j++)
-            eg_put(a, (a->out_row0[g] + i0 + m) * a->ld_out + j0 + j, acc[m][eg_lane(j)], alpha);
+                eg_put(a, (a->out_row0[g] + i0 + m) * a->ld_out + j0 + j, acc[m + n][eg_lane(j)],
+                       alpha);
+    }
+}
+
+/* The packed items of a group of `rows` rows: one per EG_ROWS rows and block, but one per
+ * two blocks for a single row (eg_item_k16). */
+static inline int64_t eg_k16_items(int64_t rows, int64_t nblocks) {
+    return rows == 1 ? (nblocks + 1) / 2 : (rows + EG_ROWS - 1) / EG_ROWS * nblocks;
 }
 
 /* Rows [0, cols) of dst (fp32, ld_dst apart, k elements each) = the packed e4m3 columns
@@ -3211,8 +3257,9 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
         const int kseq = eg_group_kseq(&a, path);
         const int64_t blocks = kseq && transposed ? (rows + EG_KR - 1) / EG_KR : 0;
         item_start[g + 1] = item_start[g] + (amx_body ? (rows + EG_AMX_ROWS - 1) / EG_AMX_ROWS * amx_tiles
-                                             : (rows + EG_ROWS - 1) / EG_ROWS *
-                                                   (packed16 ? ptiles : kseq ? ktiles : tiles));
+                                             : packed16 ? eg_k16_items(rows, ptiles)
+                                                        : (rows + EG_ROWS - 1) / EG_ROWS *
+                                                              (kseq ? ktiles : tiles));
         blk_start[g + 1] = blk_start[g] + blocks;
         xt_start[g + 1] = xt_start[g] + blocks * EG_KR * k;
         xv_start[g + 1] = xv_start[g] + (packed ? (rows + 15) / 16 : 0);
@@ -3305,7 +3352,8 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
 #endif
                     eg_item_amx_scalar(&a, lo, i / amx_tiles, i % amx_tiles);
             } else if (packed16)
-                eg_item_k16(&a, lo, i / ptiles, i % ptiles);
+                eg_item_k16(&a, lo, q_start[lo + 1] - q_start[lo] == 1 ? 0 : i / ptiles,
+                            q_start[lo + 1] - q_start[lo] == 1 ? 2 * i : i % ptiles);
             else if (eg_group_kseq(&a, eg_path_rows(&a, lo)))
                 eg_item_kseq(&a, lo, i / ktiles, i % ktiles);
             else
