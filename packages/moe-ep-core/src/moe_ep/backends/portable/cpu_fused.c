@@ -1626,8 +1626,8 @@ static inline __attribute__((always_inline)) void eg_k16_weights(int32_t kind, c
             ae[r] = _mm256_loadu_ps(acc + r * EG_PCOLS);                                       \
             ao[r] = _mm256_loadu_ps(acc + r * EG_PCOLS + 8);                                   \
         }                                                                                      \
-        int64_t e = e0, snext = e0, sb = e0 / sblock - 1; /* codes: scale block sb in use */  \
         const int scaled = KIND == EG_W_E4M3_K16 || KIND == EG_K16_KEEP;                        \
+        int64_t e = e0, snext = e0, sb = scaled ? e0 / sblock - 1 : 0; /* codes: in use */    \
         (void)keep;                                                                            \
         (void)ldp;                                                                             \
         (void)ldsc;                                                                            \
