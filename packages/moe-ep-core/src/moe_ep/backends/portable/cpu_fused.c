@@ -1718,7 +1718,7 @@ static float eg_k16q_scalar(const float *xs_row, const uint8_t *c, const float *
 }
 
 /* One packed work item: rows [block * EG_ROWS, +EG_ROWS) of group g times the 16 columns of
- * packed block b, or, for a group of one row (eg_k16_pairs_of), packed blocks b and b + 1
+ * packed block b, or, for a group of one row (eg_k16_items), packed blocks b and b + 1
  * (the second where there is one). */
 static void eg_item_k16(const eg_args *a, int64_t g, int64_t block, int64_t b) {
     const int64_t i0 = block * EG_ROWS, n_rows = a->q_start[g + 1] - a->q_start[g];
@@ -3351,13 +3351,14 @@ int32_t moe_ep_expert_gemm_v3(const void *x, int64_t ld_x, int32_t x_kind, const
                 } else
 #endif
                     eg_item_amx_scalar(&a, lo, i / amx_tiles, i % amx_tiles);
-            } else if (packed16)
-                eg_item_k16(&a, lo, q_start[lo + 1] - q_start[lo] == 1 ? 0 : i / ptiles,
-                            q_start[lo + 1] - q_start[lo] == 1 ? 2 * i : i % ptiles);
-            else if (eg_group_kseq(&a, eg_path_rows(&a, lo)))
+            } else if (packed16) {
+                const int one = q_start[lo + 1] - q_start[lo] == 1; /* a pair of blocks */
+                eg_item_k16(&a, lo, one ? 0 : i / ptiles, one ? 2 * i : i % ptiles);
+            } else if (eg_group_kseq(&a, eg_path_rows(&a, lo))) {
                 eg_item_kseq(&a, lo, i / ktiles, i % ktiles);
-            else
+            } else {
                 eg_item(&a, lo, i / tiles, i % tiles);
+            }
         }
 #ifdef MOE_EP_AMX_GEMM
         if (packed) eg_amx_release();
