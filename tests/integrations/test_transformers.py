@@ -27,6 +27,7 @@ import hf_models
 import torch
 
 from moe_ep import BootstrapConfig
+from moe_ep.backends.portable.experts import prepack_layout
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.integrations.transformers import shard_experts
 from moe_ep.spawn import spawn_local
@@ -96,6 +97,31 @@ def test_the_experts_leave_the_model() -> None:
         assert [model.get_submodule(n) for n in sharded.names] == list(sharded.modules)
         assert not any("experts" in n for n, _ in model.named_parameters())
         assert repr(sharded.modules[0]).startswith("MoeEpExperts(experts 0..7 of 8")
+
+
+@pytest.mark.skipif(
+    prepack_layout(torch.device("cpu")) != "k16",
+    reason="no k-order packing of bf16 weights on this CPU (it keeps the default there)",
+)
+def test_on_an_avx2_cpu_the_adapter_packs_its_own_copy_of_the_experts() -> None:
+    """The adapter's copy of the rank's experts is the layer's alone: packed for the k order
+    (the faster decode) at no memory cost, the layer keeping no pack beside it; a config
+    object passed by the caller is taken as it is."""
+    from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
+
+    model = hf_models.model("qwen3_moe")
+    with shard_experts(model, BootstrapConfig(1, 0), max_tokens_per_rank=16) as sharded:
+        for m in sharded.modules:
+            assert m.layer.config.cpu_prepacked_weights is True
+            assert m.layer._weights is None and m.layer._kernel.prepared.kpack13 is not None
+    model = hf_models.model("qwen3_moe")
+    config = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig()
+    with shard_experts(
+        model, BootstrapConfig(1, 0), max_tokens_per_rank=16, backend=config
+    ) as sharded:
+        for m in sharded.modules:
+            assert m.layer.config.cpu_prepacked_weights is None
+            assert m.layer._weights is not None
 
 
 @pytest.mark.parametrize(

@@ -78,13 +78,22 @@ def _second_kill(
     out["new_rank2"], out["new_world2"] = layer.rank, layer.world_size
 
 
+def _backend(packed: bool) -> Any:
+    if not packed:
+        return "any_bf16_bf16_bf16_torch"
+    from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
+
+    return Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=True)
+
+
 def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
     """Forward 1 (healthy), then the plan's fault in forward 2, then (survivors) evict
     and forward the same tokens again. `plan`: mode, kill (ranks that SIGKILL themselves
     before forward 2), stop (it SIGSTOPs itself, rank 0 resumes it after the eviction), die_in_evict
     (a survivor that dies inside the eviction's first barrier), external (the store is the
     test process's: `external_store=True`), kill2 (old ranks that SIGKILL themselves after
-    the first eviction's forwards: the others evict again, "after3")."""
+    the first eviction's forwards: the others evict again, "after3"), packed (bf16 weights
+    packed for the k order: the layer holds no pack, "held" says so, and rebuilds it)."""
     from moe_ep import BootstrapConfig, FleetParams, MoEEpLayer, MoEEpTensors, MoEWeightPack
     from moe_ep.layer import eviction
     from moe_ep.placement_weights import slice_weights
@@ -100,11 +109,11 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
         ),
         FleetParams(E, T, H, placement=placement),
         slice_weights(MoEWeightPack(p["w13"], p["w2"]), layout, rank),
-        "any_bf16_bf16_bf16_torch",
+        _backend(bool(plan.get("packed"))),
         eviction=plan.get("mode_of", {}).get(rank, mode),
         auto_evict=bool(plan.get("auto")),
     )
-    out: dict[str, Any] = {"rank": rank}
+    out: dict[str, Any] = {"rank": rank, "held": layer._weights is not None}
     tensors = MoEEpTensors(p["x"], p["ids"], p["w"])
     out["before"] = to_wire(layer(tensors))
     # the same tokens with the weights of the experts on the doomed ranks zeroed: what mask
@@ -173,6 +182,7 @@ def evict_worker(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, 
                     return out
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     out["after"] = to_wire(layer(tensors))
+    out["held_after"] = layer._weights is not None
     out["t_serving"] = time.monotonic()
     out["new_rank"], out["new_world"] = layer.rank, layer.world_size
     if rank == 0:

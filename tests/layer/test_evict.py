@@ -10,6 +10,7 @@ import torch
 from evict_cases import evict_worker
 from layer_cases import from_wire
 
+from moe_ep.backends.portable.experts import prepack_layout
 from moe_ep.runtime.store_server import serve_store
 from moe_ep.spawn import launch_local
 
@@ -35,13 +36,22 @@ def _survivors(results: dict[int, dict[str, Any]], plan: dict[str, Any]) -> list
     return [results[r] for r in sorted(results) if r not in gone]
 
 
-@pytest.mark.parametrize("victim", [1, 3])
-def test_replicate_keeps_the_bits_after_losing_a_rank(victim: int) -> None:
-    plan = {"mode": "replicate", "kill": [victim]}
+_KPACK = prepack_layout(torch.device("cpu")) == "k16"
+needs_kpack = pytest.mark.skipif(not _KPACK, reason="no k-order packing of bf16 weights here")
+
+
+@pytest.mark.parametrize(
+    ("victim", "packed"), [(1, False), (3, False), pytest.param(1, True, marks=needs_kpack)]
+)
+def test_replicate_keeps_the_bits_after_losing_a_rank(victim: int, packed: bool) -> None:
+    """Also with bf16 weights packed for the k order (the layer holds no pack: the
+    eviction rebuilds the kernel on the pack the packed copy gives back)."""
+    plan = {"mode": "replicate", "kill": [victim], "packed": packed}
     results = _run(4, plan)
     alive = _survivors(results, plan)
     assert len(alive) == 3
     for i, res in enumerate(alive):
+        assert res["held"] == res["held_after"] == (not packed)
         assert res["verdict"]["failed_ranks"] == [victim], res["verdict"]
         assert res["survivors"] == [[r for r in range(4) if r != victim]]
         assert (res["new_rank"], res["new_world"]) == (i, 3)
@@ -83,13 +93,16 @@ def test_replicate_refuses_when_both_copies_are_lost() -> None:
         assert err["error"].startswith("MoeEpUsageError") and "experts [6, 7]" in err["error"]
 
 
-def test_a_failure_during_the_eviction_ends_in_one_verdict() -> None:
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=needs_kpack)])
+def test_a_failure_during_the_eviction_ends_in_one_verdict(packed: bool) -> None:
     # rank 3 dies in forward 2; rank 2 dies inside the eviction: ranks 0 and 1 agree on
-    # [2, 3] (old numbering) and evict again with it
-    plan = {"mode": "mask", "kill": [3], "die": [2], "die_in_evict": [2]}
+    # [2, 3] (old numbering) and evict again with it (packed: on the pack the first
+    # attempt took back from the packed copy before its kernel was destroyed)
+    plan = {"mode": "mask", "kill": [3], "die": [2], "die_in_evict": [2], "packed": packed}
     alive = _survivors(_run(4, plan), plan)
     assert len(alive) == 2
     for res in alive:
+        assert res["held"] == res["held_after"] == (not packed)
         assert res["verdict"]["failed_ranks"] == [3]
         (err,) = res["evict_errors"]
         assert err["failed_ranks"] == [2, 3], err

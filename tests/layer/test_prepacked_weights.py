@@ -420,3 +420,65 @@ def test_prepacking_field_refuses_non_bools(bad: object) -> None:
 def test_prepacking_is_refused_with_capture_safe() -> None:
     with pytest.raises(MoeEpUsageError, match=r"cpu_prepacked_weights=True is not read by the"):
         Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=True, capture_safe=True)
+
+
+@pytest.mark.parametrize("n", [5, 16, 37])
+def test_unpacked_gives_the_packed_bf16_weights_back(n: int) -> None:
+    w = torch.randn(3, n, 40).bfloat16()
+    kp = cpu_fused.pack_k16(w)
+    back = kp.unpacked()
+    assert back.shape == w.shape and back.is_contiguous()
+    assert torch.equal(back.view(torch.int16), w.view(torch.int16))
+    assert torch.equal(cpu_fused.pack_k16(back).codes, kp.codes)
+
+
+@needs_kpack
+def test_unpacked_refuses_codes() -> None:
+    codes = torch.randint(0, 0x7E, (2, 32, 64), dtype=torch.uint8)
+    stored = cpu_fused.StoredWeight(codes, "e4m3", torch.ones(2, 32, 2), "fp32", 32)
+    with pytest.raises(ValueError, match="e4m3 codes, not bf16 values"):
+        cpu_fused.pack_k16_codes(stored).unpacked()
+
+
+def _caller_pack_freed(pack: bool | None, **fields: Any) -> tuple[bool, Any]:
+    """(whether the caller's w13 is freed once the caller drops it, the layer)."""
+    import gc
+    import weakref
+
+    w13, w2 = _weights(4, 128, 64, seed=3)
+    alive = weakref.ref(w13)
+    config = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=pack, **fields)
+    layer = MoEEpLayer(
+        BootstrapConfig(1, 0), FleetParams(4, 16, 128), MoEWeightPack(w13, w2), config
+    )
+    del w13, w2
+    gc.collect()
+    return alive() is None, layer
+
+
+@needs_kpack
+@pytest.mark.parametrize("fields", [{}, {"fc1_output_high_precision": True}])
+def test_a_k_order_packed_bf16_layer_holds_no_reference_to_the_callers_weights(
+    fields: dict[str, Any],
+) -> None:
+    """The packed copy replaces the weights, so the layer drops the caller's pack (freed
+    once the caller drops it) and rebuilds it bit for bit when it needs it."""
+    w13, w2 = _weights(4, 128, 64, seed=3)
+    freed, layer = _caller_pack_freed(True, **fields)
+    try:
+        assert freed and layer._weights is None
+        back = layer._weight_pack()
+        assert torch.equal(back.w13.view(torch.int16), w13.view(torch.int16))
+        assert torch.equal(back.w2.view(torch.int16), w2.view(torch.int16))
+    finally:
+        layer.destroy()
+
+
+def test_an_unpacked_bf16_layer_keeps_the_callers_weights() -> None:
+    """The default reads the caller's tensors (views, no copy): the layer keeps the pack."""
+    freed, layer = _caller_pack_freed(False)
+    try:
+        assert not freed and layer._weights is not None
+        assert not layer._kernel.rebuilds_weights
+    finally:
+        layer.destroy()

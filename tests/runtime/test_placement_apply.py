@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from moe_ep.backends.portable import experts
 from moe_ep.spawn import spawn_local
 
 pytestmark = pytest.mark.multirank
@@ -49,17 +50,24 @@ def _apply_worker(rank: int, world_size: int, mode: str) -> dict[str, Any]:
     sl = slice(rank * per, (rank + 1) * per)
     full = MoEWeightPack(p["w13"], p["w2"])
     contiguous = Placement.contiguous(E, world_size)
+    packed = mode == "ok packed"  # the layer drops the caller's pack (k-order packing)
+    mode = "ok" if packed else mode
+    backend: Any = "any_bf16_bf16_bf16_torch"
+    if packed:
+        from moe_ep.backends.portable.configs import Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig
+
+        backend = Any_Bf16_Bf16_Bf16_Torch_MegaMoeConfig(cpu_prepacked_weights=True)
     layer = MoEEpLayer(
         BootstrapConfig(
             world_size, rank, timeout_s=TIMEOUT_S if mode not in ("absent", "dies") else 3.0
         ),
         FleetParams(E, per, H),
         slice_weights(full, contiguous, rank),
-        "any_bf16_bf16_bf16_torch",
+        backend,
         count_load=True,
     )
     tensors = MoEEpTensors(p["x"][sl], p["ids"][sl], p["w"][sl])
-    out: dict[str, Any] = {"before": _wire(layer(tensors))}
+    out: dict[str, Any] = {"before": _wire(layer(tensors)), "holds": []}
     # the host's view: the fleet's load is the sum of every rank's counts
     load = torch.bincount(p["ids"].reshape(-1), minlength=E).tolist()
     balanced = balance_placement(load, world_size, world_size)
@@ -79,9 +87,11 @@ def _apply_worker(rank: int, world_size: int, mode: str) -> dict[str, Any]:
             for name, placement in steps.items():
                 layer.apply_placement(placement)
                 out[name] = _wire(layer(tensors))
+                out["holds"].append(layer._weights is not None)
+                pack = layer._weight_pack()
                 out[f"{name} pack ok"] = torch.equal(
-                    layer._weights.w13, slice_weights(full, placement, rank).w13
-                ) and torch.equal(layer._weights.w2, slice_weights(full, placement, rank).w2)
+                    pack.w13, slice_weights(full, placement, rank).w13
+                ) and torch.equal(pack.w2, slice_weights(full, placement, rank).w2)
                 out[f"{name} placement"] = layer.placement == placement
             out["load"] = layer.expert_load.tolist()
             out["staged_refused"] = None
@@ -145,11 +155,30 @@ def _apply_worker(rank: int, world_size: int, mode: str) -> dict[str, Any]:
                 raise
 
 
-@pytest.mark.parametrize("world_size", (2, 4))
-def test_apply_placement_moves_weights_and_keeps_the_bits(world_size: int) -> None:
+_KPACK = experts.prepack_layout(torch.device("cpu")) == "k16"
+
+
+@pytest.mark.parametrize(
+    ("world_size", "packed"),
+    [
+        (2, False),
+        (4, False),
+        pytest.param(
+            2,
+            True,
+            marks=pytest.mark.skipif(
+                not _KPACK, reason="no k-order packing of bf16 weights on this CPU"
+            ),
+        ),
+    ],
+)
+def test_apply_placement_moves_weights_and_keeps_the_bits(world_size: int, packed: bool) -> None:
+    """Also on bf16 weights packed for the k order, where the layer holds no pack of its
+    own and rebuilds it from the packed copy for each move."""
     from moe_ep.oracle import compare_to_oracle, oracle_forward
 
-    results = spawn_local(_apply_worker, world_size, "ok", timeout_s=300)
+    results = spawn_local(_apply_worker, world_size, "ok packed" if packed else "ok", timeout_s=300)
+    assert all(r["holds"] == [not packed] * 3 for r in results)
     p = _problem()
     oracle = oracle_forward(p["x"], p["ids"], p["w"], p["w13"], p["w2"], fmt="bf16")
     before = torch.tensor([v for r in results for v in r["before"]]).to(torch.int16)

@@ -191,6 +191,19 @@ class MegaKernel(ABC):
         Only for kernels with `supports_unfinalized`."""
         raise NotImplementedError(f"{self.kernel_name} has no unfinalized forward")
 
+    @property
+    def rebuilds_weights(self) -> bool:
+        """Whether this kernel keeps no reference to the tensors of the pack it was built
+        from and can give that pack back bit for bit (`rebuilt_weights`). Where it can,
+        `MoEEpLayer` drops its own reference to the caller's pack (the caller's tensors are
+        freed once the caller drops them) and asks for it again when it needs it
+        (`apply_placement`, `evict`). Default False: the layer keeps the pack."""
+        return False
+
+    def rebuilt_weights(self) -> MoEWeightPack:
+        """The pack this kernel was built from, as a new copy (see `rebuilds_weights`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not rebuild its weight pack")
+
     def warmup(self) -> None:  # noqa: B027 - optional hook, collective when overridden
         """Collective: compile / allocate / touch everything a first forward would."""
 

@@ -14,15 +14,20 @@ experts `[r*E/W, (r+1)*E/W)`. Experts moe-ep cannot express are refused (docs/ru
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from moe_ep.backends.portable.configs import PortableConfig
+from moe_ep.backends.portable.experts import prepack_layout
 from moe_ep.config import BootstrapConfig
 from moe_ep.contract import KernelConfig
+from moe_ep.device import resolve_device_detailed
 from moe_ep.errors import MoeEpUsageError
 from moe_ep.layer import MoEEpLayer
+from moe_ep.layer.layer import resolve_backend
 from moe_ep.types import FleetParams, MoEEpTensors, MoEWeightPack
 
 __all__ = ["MoeEpExperts", "ShardedExperts", "experts_modules", "shard_experts"]
@@ -134,6 +139,26 @@ def _check_experts(name: str, module: torch.nn.Module) -> tuple[int, int]:
     return e, h
 
 
+def _owned_weights_config(
+    backend: str | KernelConfig, bootstrap: BootstrapConfig
+) -> str | KernelConfig:
+    """`backend`, but where it names the portable bf16 kernel and this rank runs on a CPU
+    whose packed copy replaces the layer's weights (`experts.prepack_layout` "k16"), its
+    default config with `cpu_prepacked_weights=True`: the layer holds the only reference to
+    the adapter's copy of the rank's experts, so packing them costs no memory (the
+    quantized kernels' default packs already where it can)."""
+    if not isinstance(backend, str) or resolve_device_detailed(bootstrap).ordinal is not None:
+        return backend
+    kernel_cls, config = resolve_backend(backend)
+    if (
+        not isinstance(config, PortableConfig)
+        or getattr(kernel_cls, "oracle_format", None) != "bf16"
+        or prepack_layout(torch.device("cpu")) != "k16"
+    ):
+        return backend
+    return dataclasses.replace(config, cpu_prepacked_weights=True)
+
+
 def shard_experts(
     model: torch.nn.Module,
     bootstrap: BootstrapConfig,
@@ -160,6 +185,7 @@ def shard_experts(
             f"{type(model).__name__} has no transformers experts module (one decorated with "
             "use_experts_implementation, e.g. Qwen3MoeExperts)"
         )
+    chosen = _owned_weights_config(backend, bootstrap)
     plans = []
     for name, module in found:
         e, h = _check_experts(name, module)
@@ -174,7 +200,7 @@ def shard_experts(
                 _weight(name, module, "down_proj").detach()[lo : lo + e_local].clone(),
             )
             replacement = MoeEpExperts(
-                MoEEpLayer(bootstrap, fleet, weights, backend),
+                MoEEpLayer(bootstrap, fleet, weights, chosen),
                 fleet.num_experts,
                 range(lo, lo + e_local),
             )

@@ -236,7 +236,9 @@ class MoEEpLayer:
         self.kernel_name = kernel_cls.kernel_name
         self.config = config
         self._kernel_cls = kernel_cls
-        self._weights = weights
+        self._weights: MoEWeightPack | None = weights
+        """The caller's pack, kept for `apply_placement` / `evict` unless the kernel
+        rebuilds it (`MegaKernel.rebuilds_weights`: then None, `_weight_pack`)."""
         self._destroyed = False
         self._load: torch.Tensor | None = None
         self.eviction = eviction
@@ -262,6 +264,7 @@ class MoEEpLayer:
                 self._kernel: MegaKernel = kernel_cls(
                     config=config, fleet=fleet_params, runtime=self._runtime, weights=weights
                 )
+            self._keep_weights(weights)
             if count_load:
                 self._load = torch.zeros(
                     fleet_params.num_experts, dtype=torch.int64, device=self._runtime.device
@@ -579,11 +582,22 @@ class MoEEpLayer:
             what="moe-ep apply_placement (digest check)",
         )
         with self._collective("moe-ep apply_placement (weights)"), self._on_stream():
-            weights = move_weights(rt, self._weights, old, placement, sources)
+            weights = move_weights(rt, self._weight_pack(), old, placement, sources)
             kernel = self._kernel_cls(config=self.config, fleet=fleet, runtime=rt, weights=weights)
             self._kernel.destroy()
-            self._kernel, self._weights, self.fleet = kernel, weights, fleet
+            self._kernel, self.fleet = kernel, fleet
+            self._keep_weights(weights)
             rt.barrier()
+
+    def _keep_weights(self, weights: MoEWeightPack) -> None:
+        """Hold `weights` (the pack the kernel was just built on) unless the kernel can
+        give it back (`MegaKernel.rebuilds_weights`): then hold nothing, so the caller's
+        tensors are freed once the caller drops them."""
+        self._weights = None if self._kernel.rebuilds_weights else weights
+
+    def _weight_pack(self) -> MoEWeightPack:
+        """The pack the kernel was built on: the one held, else the kernel's rebuilt copy."""
+        return self._weights if self._weights is not None else self._kernel.rebuilt_weights()
 
     # -- eviction -----------------------------------------------------------------------
     def evict(self, failed_ranks: Sequence[int]) -> list[int]:
@@ -611,6 +625,7 @@ class MoEEpLayer:
         assert self.eviction is not None
         placement = survivor_placement(self.placement, failed, self.eviction)
         fleet = dataclasses.replace(self.fleet, placement=placement)
+        weights = self._weights = self._weight_pack()  # held until a kernel is rebuilt on it
         with contextlib.suppress(MoeEpPeerError):  # broken: its collective frees raise at once
             self._kernel.destroy()
         survivors = rebuild_group(state, failed)
@@ -630,9 +645,10 @@ class MoEEpLayer:
             raise
         with self._collective("moe-ep evict (rebuild)"), self._on_stream():
             self._kernel = self._kernel_cls(
-                config=self.config, fleet=fleet, runtime=rt, weights=self._weights
+                config=self.config, fleet=fleet, runtime=rt, weights=weights
             )
             self.fleet = fleet
+            self._keep_weights(weights)
             if placement.masked:
                 self._masked = torch.tensor(placement.masked, dtype=torch.int64, device=rt.device)
                 warnings.warn(

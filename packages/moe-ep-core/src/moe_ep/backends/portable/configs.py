@@ -106,7 +106,9 @@ class PortableConfig(KernelConfig):
     scales (`cpu_fused.pack_k16_codes`, decoded in registers; refused for weights with a
     scale of 256 or more, or NaN codes). The packed copy replaces the layer's own `[N, K]`
     weights and codes (the `mm` blocks widen from it), so the layer holds no reference to
-    bf16 weights it was given (memory is saved once the caller drops them too) and needs 2
+    bf16 weights it was given (memory is saved once the caller drops them too; it rebuilds
+    them from the packed copy for `apply_placement` / `evict`; quantized layers keep the
+    pack they were given) and needs 2
     bytes per weight (fp8: 1 and its scales) where the quantized formats kept 4.5-5 (fp32
     dequantized values and codes): there it is the default (None) for the formats that kept
     fp32 weights (the quantized ones, bf16 with `fc1_output_high_precision`). Every expert

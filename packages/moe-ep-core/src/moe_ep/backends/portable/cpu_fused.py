@@ -622,6 +622,15 @@ class PackedK16:
             per += self.scales[0].numel() * 4
         return experts * per
 
+    def unpacked(self) -> torch.Tensor:
+        """The bf16 values as `[E, N, K]` (a copy, the weights `pack_k16` packed, bit for
+        bit); ValueError for codes."""
+        if self.scales is not None:
+            raise ValueError("PackedK16.unpacked: the weights are e4m3 codes, not bf16 values")
+        e, blocks, k, _ = (int(d) for d in self.codes.shape)
+        whole = self.codes.transpose(2, 3).reshape(e, blocks * PACK_COLS, k)
+        return whole[:, : self.n].contiguous()
+
     def widen(self, e: int, j: int, m: int, dst: torch.Tensor) -> None:
         """`dst[:m] = W[j : j + m]` in fp32 (`dst` K-contiguous rows, room for whole blocks):
         expert e's columns j to j + m (j a multiple of 16) as their values: bf16 widened

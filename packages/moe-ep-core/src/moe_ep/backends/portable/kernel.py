@@ -271,6 +271,26 @@ class PortableTorchKernel(MegaKernel):
         with self._threads():
             return self.modular.compute_unfinalized(staged, self.prepared)
 
+    @property
+    def rebuilds_weights(self) -> bool:
+        """bf16 weights packed for the k order (`cpu_prepacked_weights`): the packed copy
+        replaced them, and holds their values exactly."""
+        w = self.prepared
+        return (
+            isinstance(self.recipe, Bf16Recipe)
+            and w.kpack13 is not None
+            and w.kpack2 is not None
+            and w.w13t is None
+            and w.w2t is None
+        )
+
+    def rebuilt_weights(self) -> MoEWeightPack:
+        """The bf16 pack the packed copy holds (see `MegaKernel.rebuilds_weights`)."""
+        w = self.prepared
+        if not self.rebuilds_weights or w.kpack13 is None or w.kpack2 is None:
+            return super().rebuilt_weights()
+        return MoEWeightPack(w.kpack13.unpacked(), w.kpack2.unpacked())
+
     def destroy(self) -> None:
         """Drop the receive buffers (idempotent)."""
         self.modular.clear()
