@@ -173,7 +173,10 @@ def shard_experts(
     divisible by the world size). Then, module by module in `named_modules` order, this
     rank's experts are copied out, a `MoEEpLayer(bootstrap, FleetParams(E,
     max_tokens_per_rank, H), ..., backend)` is built on them and the module is swapped for
-    a `MoeEpExperts`; the full expert weights are dropped with the old module.
+    a `MoeEpExperts`; the full expert weights are dropped with the old module. A portable
+    bf16 backend named by a string packs the copy for the CPU expert GEMM's k order where
+    that replaces the weights (`cpu_prepacked_weights=True`: faster decode, no memory cost,
+    since the layer holds the only copy); a config object is taken as it is.
 
     Every rank must call it on the same architecture, then run the model the same number of
     times (each MoE layer is a collective; the tokens may differ per rank). A forward over
